@@ -1,0 +1,26 @@
+//! # kvgate-core: the pure heart of kvgate
+//!
+//! Owns the routing logic and nothing else: how prompts become block keys
+//! ([`hashing`]), which worker holds which blocks ([`index`]), how much work each
+//! worker has that this router booked ([`ledger`]), and how a worker is chosen
+//! ([`policy`]). It must not do I/O, spawn threads, read clocks behind the caller's
+//! back in ways tests cannot control, or depend on an async runtime: every input
+//! arrives as an argument so the crate can be tested and benchmarked exactly.
+//!
+//! The gateway wraps these types in locks and feeds them; event ingestion translates
+//! engine events into [`index::PrefixIndex`] calls.
+
+pub mod hashing;
+pub mod ids;
+pub mod index;
+pub mod ledger;
+pub mod policy;
+
+pub use hashing::{BlockHasher, BlockKey};
+pub use ids::{Tier, WorkerId, WorkerRef};
+pub use index::{IndexConfig, IndexStats, Overlap, OverlapScores, PrefixIndex, StoredBlocks};
+pub use ledger::{BookingGuard, BookingSpec, Ledger, LedgerStats, WorkerLoad};
+pub use policy::{
+    build_policy, Decision, FleetView, PolicyConfig, PolicyKind, RouteRequest, RoutingPolicy,
+    SelectError, WorkerScore,
+};
