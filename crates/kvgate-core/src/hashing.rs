@@ -144,7 +144,10 @@ mod tests {
         let h = BlockHasher::new(2).unwrap();
         let a = h.block_keys(&[1, 2, 3, 4]);
         let b = h.block_keys(&[9, 9, 3, 4]);
-        assert_ne!(a[1], b[1], "same block after different prefixes must differ");
+        assert_ne!(
+            a[1], b[1],
+            "same block after different prefixes must differ"
+        );
     }
 
     #[test]

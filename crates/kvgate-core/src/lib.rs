@@ -18,9 +18,13 @@ pub mod policy;
 
 pub use hashing::{BlockHasher, BlockKey};
 pub use ids::{Tier, WorkerId, WorkerRef};
-pub use index::{IndexConfig, IndexStats, Overlap, OverlapScores, PrefixIndex, StoredBlocks};
+pub use index::{
+    IndexConfig, IndexStats, Overlap, OverlapScores, PrefixIndex, RemoveOutcome, StoreError,
+    StoreOutcome, StoredBlocks,
+};
+
 pub use ledger::{BookingGuard, BookingSpec, Ledger, LedgerStats, WorkerLoad};
 pub use policy::{
-    build_policy, Decision, FleetView, PolicyConfig, PolicyKind, RouteRequest, RoutingPolicy,
-    SelectError, WorkerScore,
+    build_policy, Decision, FleetView, KvAwareConfig, PolicyConfig, PolicyKind,
+    PrefixAffinityConfig, RouteRequest, RoutingPolicy, SelectError, SessionConfig, WorkerScore,
 };

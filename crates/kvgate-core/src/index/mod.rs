@@ -1,0 +1,673 @@
+//! The prefix index: which worker rank holds which block keys, at which tier.
+//!
+//! Owns the per-model map from block key to holders, each worker rank's map from the
+//! engine's opaque block hash to our key (so `BlockRemoved` can be applied), and the
+//! eviction queue that bounds memory. It must not parse wire formats, talk to engines or
+//! know about load: event ingestion translates events into these calls, and policies
+//! only read [`PrefixIndex::overlaps`].
+//!
+//! # Layout
+//! A flat hash map `BlockKey → BlockEntry`. Because a key is chained with its parent, a
+//! flat map answers prefix questions as well as a radix tree while keeping inserts and
+//! removals O(1) and independent of the order engines evict blocks in (a parent removed
+//! before its child simply ends the matched run earlier). Each entry carries bitsets of
+//! the slots (worker ranks) that hold it, so a lookup intersects holder sets with a
+//! few word operations per block.
+//!
+//! # Memory bound and eviction rule
+//! The index holds at most [`IndexConfig::max_blocks`] holder entries (one per block,
+//! worker rank and tier). Engines normally keep it far below that by reporting their
+//! own evictions; the cap is the backstop for lost removals. When an insert exceeds the
+//! cap, entries are evicted in the order they were last stored (oldest first), with a
+//! second chance (CLOCK) for blocks that a lookup matched since they were last looked
+//! at: those are moved to the back of the queue once. The eviction queue itself is
+//! compacted whenever stale items outnumber live ones, so no structure only grows.
+
+mod query;
+pub(crate) mod slot_set;
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use rustc_hash::FxHashMap;
+use serde::Serialize;
+use smallvec::SmallVec;
+
+pub use query::{Overlap, OverlapScores};
+use slot_set::SlotSet;
+
+use crate::hashing::{BlockHasher, BlockKey};
+use crate::ids::{Tier, WorkerId, WorkerRef};
+
+/// Limits of one model's index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IndexConfig {
+    /// Maximum number of (block, worker rank, tier) entries kept. About 100 bytes each.
+    pub max_blocks: usize,
+}
+
+impl Default for IndexConfig {
+    fn default() -> Self {
+        Self {
+            max_blocks: 4_000_000,
+        }
+    }
+}
+
+/// A run of blocks an engine reports as stored, as `BlockStored` delivers them.
+#[derive(Clone, Copy, Debug)]
+pub struct StoredBlocks<'a> {
+    /// The engine's opaque hash of each block, in order.
+    pub engine_hashes: &'a [u64],
+    /// The engine hash of the block before the first one, if it is not a root block.
+    pub parent_engine_hash: Option<u64>,
+    /// All tokens of the blocks, concatenated (`engine_hashes.len() * block_size`).
+    pub token_ids: &'a [u32],
+    /// Block size the engine used.
+    pub block_size: u32,
+    pub tier: Tier,
+    /// LoRA adapter the blocks were computed with (salts the keys).
+    pub lora_name: Option<&'a str>,
+}
+
+/// What an accepted store did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StoreOutcome {
+    /// Blocks newly held by this worker rank at this tier.
+    pub inserted: usize,
+    /// Blocks it already held there (refreshed).
+    pub duplicates: usize,
+    /// Entries evicted to stay under the cap.
+    pub evicted: usize,
+}
+
+/// Why a store was not applied. Each is also counted in [`IndexStats`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StoreError {
+    /// The engine's block size differs from the model's configured one: every key would
+    /// be wrong, so nothing is indexed. Must be surfaced loudly by the caller.
+    BlockSizeMismatch { expected: u32, got: u32 },
+    /// `token_ids` is not `blocks × block_size` long.
+    TokenCountMismatch {
+        blocks: usize,
+        tokens: usize,
+        block_size: u32,
+    },
+    /// The parent block is not known for this worker rank (its store was missed), so
+    /// the chained keys cannot be computed.
+    UnknownParent { parent_engine_hash: u64 },
+}
+
+impl std::fmt::Display for StoreError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StoreError::BlockSizeMismatch { expected, got } => write!(
+                f,
+                "engine block size {got} differs from the configured block size {expected}"
+            ),
+            StoreError::TokenCountMismatch {
+                blocks,
+                tokens,
+                block_size,
+            } => write!(
+                f,
+                "{tokens} token ids for {blocks} blocks of {block_size} tokens"
+            ),
+            StoreError::UnknownParent { parent_engine_hash } => {
+                write!(f, "unknown parent block hash {parent_engine_hash}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for StoreError {}
+
+/// What a removal did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RemoveOutcome {
+    pub removed: usize,
+    /// Hashes this worker rank was not known to hold (ignored).
+    pub unknown: usize,
+}
+
+/// Cumulative counters of one index.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct IndexStats {
+    pub stored_blocks: u64,
+    pub duplicate_stores: u64,
+    pub removed_blocks: u64,
+    pub unknown_removals: u64,
+    pub unknown_parents: u64,
+    pub evicted_blocks: u64,
+    pub block_size_mismatches: u64,
+    pub token_count_mismatches: u64,
+    pub clears: u64,
+    pub workers_removed: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Holder {
+    engine_hash: u64,
+    stamp: u32,
+    slot: u16,
+    tier: Tier,
+}
+
+#[derive(Debug, Default)]
+struct BlockEntry {
+    /// Slots holding the block at any tier.
+    any: SlotSet,
+    /// Slots holding it on the device tier.
+    device: SlotSet,
+    holders: SmallVec<[Holder; 2]>,
+    /// Set by lookups that matched this block; gives it a second chance at eviction.
+    hot: AtomicBool,
+}
+
+impl BlockEntry {
+    fn refresh_membership(&mut self, slot: u16) {
+        let mut any = false;
+        let mut device = false;
+        for h in self.holders.iter().filter(|h| h.slot == slot) {
+            any = true;
+            device |= h.tier == Tier::Device;
+        }
+        if any {
+            self.any.insert(slot);
+        } else {
+            self.any.remove(slot);
+        }
+        if device {
+            self.device.insert(slot);
+        } else {
+            self.device.remove(slot);
+        }
+    }
+}
+
+#[derive(Debug)]
+struct SlotState {
+    at: WorkerRef,
+    engine_to_key: FxHashMap<u64, BlockKey>,
+    entries: usize,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct QueueItem {
+    key: BlockKey,
+    stamp: u32,
+    slot: u16,
+    tier: Tier,
+}
+
+/// Maximum number of worker ranks one index tracks at once.
+pub const MAX_SLOTS: usize = u16::MAX as usize;
+
+/// One model's prefix index. Not internally synchronized: wrap it in a lock to share.
+#[derive(Debug)]
+pub struct PrefixIndex {
+    hasher: BlockHasher,
+    config: IndexConfig,
+    blocks: FxHashMap<BlockKey, BlockEntry>,
+    slots: Vec<Option<SlotState>>,
+    slot_of: FxHashMap<WorkerRef, u16>,
+    free_slots: Vec<u16>,
+    queue: VecDeque<QueueItem>,
+    next_stamp: u32,
+    live: usize,
+    stats: IndexStats,
+}
+
+impl PrefixIndex {
+    pub fn new(hasher: BlockHasher, config: IndexConfig) -> Self {
+        Self {
+            hasher,
+            config,
+            blocks: FxHashMap::default(),
+            slots: Vec::new(),
+            slot_of: FxHashMap::default(),
+            free_slots: Vec::new(),
+            queue: VecDeque::new(),
+            next_stamp: 0,
+            live: 0,
+            stats: IndexStats::default(),
+        }
+    }
+
+    /// The hasher requests must be keyed with to be comparable with this index.
+    pub fn hasher(&self) -> &BlockHasher {
+        &self.hasher
+    }
+
+    pub fn block_size(&self) -> u32 {
+        self.hasher.block_size()
+    }
+
+    pub fn config(&self) -> IndexConfig {
+        self.config
+    }
+
+    /// Number of (block, worker rank, tier) entries held.
+    pub fn len(&self) -> usize {
+        self.live
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.live == 0
+    }
+
+    /// Number of distinct block keys held by anyone.
+    pub fn distinct_blocks(&self) -> usize {
+        self.blocks.len()
+    }
+
+    pub fn stats(&self) -> &IndexStats {
+        &self.stats
+    }
+
+    /// Worker ranks with state in the index.
+    pub fn worker_refs(&self) -> Vec<WorkerRef> {
+        let mut refs: Vec<WorkerRef> = self.slot_of.keys().copied().collect();
+        refs.sort();
+        refs
+    }
+
+    /// Entries held by one worker rank.
+    pub fn worker_len(&self, at: WorkerRef) -> usize {
+        self.slot_state(at).map_or(0, |s| s.entries)
+    }
+
+    /// Every (key, tier) one worker rank holds, sorted; for accuracy checks and debugging.
+    pub fn worker_blocks(&self, at: WorkerRef) -> Vec<(BlockKey, Tier)> {
+        let Some(&slot) = self.slot_of.get(&at) else {
+            return Vec::new();
+        };
+        let Some(state) = self.slot(slot) else {
+            return Vec::new();
+        };
+        let mut out: Vec<(BlockKey, Tier)> = Vec::new();
+        for key in state.engine_to_key.values() {
+            if let Some(entry) = self.blocks.get(key) {
+                out.extend(
+                    entry
+                        .holders
+                        .iter()
+                        .filter(|h| h.slot == slot)
+                        .map(|h| (*key, h.tier)),
+                );
+            }
+        }
+        out.sort();
+        out.dedup();
+        out
+    }
+
+    /// Our key for an engine block hash held by a worker rank.
+    pub fn key_of(&self, at: WorkerRef, engine_hash: u64) -> Option<BlockKey> {
+        self.slot_state(at)
+            .and_then(|s| s.engine_to_key.get(&engine_hash).copied())
+    }
+
+    /// Applies a `BlockStored` run for one worker rank.
+    pub fn apply_stored(
+        &mut self,
+        at: WorkerRef,
+        blocks: &StoredBlocks<'_>,
+    ) -> Result<StoreOutcome, StoreError> {
+        let block_size = self.hasher.block_size();
+        if blocks.block_size != block_size {
+            self.stats.block_size_mismatches += 1;
+            return Err(StoreError::BlockSizeMismatch {
+                expected: block_size,
+                got: blocks.block_size,
+            });
+        }
+        let n = blocks.engine_hashes.len();
+        if blocks.token_ids.len() != n * block_size as usize {
+            self.stats.token_count_mismatches += 1;
+            return Err(StoreError::TokenCountMismatch {
+                blocks: n,
+                tokens: blocks.token_ids.len(),
+                block_size,
+            });
+        }
+        let Some(slot) = self.slot_for(at) else {
+            // More worker ranks than the index can number: refuse rather than corrupt.
+            self.stats.unknown_parents += 1;
+            return Err(StoreError::UnknownParent {
+                parent_engine_hash: blocks.parent_engine_hash.unwrap_or(0),
+            });
+        };
+        let mut parent = match blocks.parent_engine_hash {
+            None => None,
+            Some(p) => match self.slot(slot).and_then(|s| s.engine_to_key.get(&p)) {
+                Some(key) => Some(*key),
+                None => {
+                    self.stats.unknown_parents += 1;
+                    return Err(StoreError::UnknownParent {
+                        parent_engine_hash: p,
+                    });
+                }
+            },
+        };
+        let hasher = self.hasher.for_lora(blocks.lora_name);
+        let mut outcome = StoreOutcome::default();
+        for (engine_hash, tokens) in blocks
+            .engine_hashes
+            .iter()
+            .zip(blocks.token_ids.chunks_exact(block_size as usize))
+        {
+            let key = hasher.chain(parent, tokens);
+            if self.insert_holder(slot, key, *engine_hash, blocks.tier) {
+                outcome.inserted += 1;
+            } else {
+                outcome.duplicates += 1;
+            }
+            parent = Some(key);
+        }
+        self.stats.stored_blocks += outcome.inserted as u64;
+        self.stats.duplicate_stores += outcome.duplicates as u64;
+        outcome.evicted = self.enforce_cap();
+        Ok(outcome)
+    }
+
+    /// Applies a `BlockRemoved` for one worker rank. `tier: None` removes the blocks
+    /// from every tier. Unknown hashes are ignored and counted.
+    pub fn apply_removed(
+        &mut self,
+        at: WorkerRef,
+        engine_hashes: &[u64],
+        tier: Option<Tier>,
+    ) -> RemoveOutcome {
+        let mut outcome = RemoveOutcome::default();
+        let Some(&slot) = self.slot_of.get(&at) else {
+            outcome.unknown = engine_hashes.len();
+            self.stats.unknown_removals += outcome.unknown as u64;
+            return outcome;
+        };
+        for &engine_hash in engine_hashes {
+            let key = self
+                .slot(slot)
+                .and_then(|s| s.engine_to_key.get(&engine_hash).copied());
+            let removed = match key {
+                Some(key) => self.remove_holders(slot, key, |h| {
+                    h.engine_hash == engine_hash && tier.is_none_or(|t| h.tier == t)
+                }),
+                None => 0,
+            };
+            if removed == 0 {
+                outcome.unknown += 1;
+            }
+            outcome.removed += removed;
+        }
+        self.stats.removed_blocks += outcome.removed as u64;
+        self.stats.unknown_removals += outcome.unknown as u64;
+        outcome
+    }
+
+    /// Forgets everything one worker rank holds (`AllBlocksCleared`, an engine restart,
+    /// or an unrecoverable sequence gap). Idempotent; returns the entries removed.
+    pub fn clear(&mut self, at: WorkerRef) -> usize {
+        self.stats.clears += 1;
+        match self.slot_of.get(&at) {
+            Some(&slot) => self.clear_slot(slot),
+            None => 0,
+        }
+    }
+
+    /// Purges every rank of a worker that died or was removed. Returns entries removed.
+    pub fn remove_worker(&mut self, worker: WorkerId) -> usize {
+        let refs: Vec<(WorkerRef, u16)> = self
+            .slot_of
+            .iter()
+            .filter(|(at, _)| at.worker == worker)
+            .map(|(at, slot)| (*at, *slot))
+            .collect();
+        let mut removed = 0;
+        for (at, slot) in refs {
+            removed += self.clear_slot(slot);
+            self.slot_of.remove(&at);
+            if let Some(s) = self.slots.get_mut(slot as usize) {
+                *s = None;
+            }
+            self.free_slots.push(slot);
+        }
+        self.stats.workers_removed += 1;
+        removed
+    }
+
+    fn slot(&self, slot: u16) -> Option<&SlotState> {
+        self.slots.get(slot as usize).and_then(Option::as_ref)
+    }
+
+    fn slot_mut(&mut self, slot: u16) -> Option<&mut SlotState> {
+        self.slots.get_mut(slot as usize).and_then(Option::as_mut)
+    }
+
+    fn slot_state(&self, at: WorkerRef) -> Option<&SlotState> {
+        self.slot_of.get(&at).and_then(|&slot| self.slot(slot))
+    }
+
+    fn slot_for(&mut self, at: WorkerRef) -> Option<u16> {
+        if let Some(&slot) = self.slot_of.get(&at) {
+            return Some(slot);
+        }
+        let slot = match self.free_slots.pop() {
+            Some(slot) => slot,
+            None if self.slots.len() < MAX_SLOTS => {
+                self.slots.push(None);
+                (self.slots.len() - 1) as u16
+            }
+            None => return None,
+        };
+        self.slots[slot as usize] = Some(SlotState {
+            at,
+            engine_to_key: FxHashMap::default(),
+            entries: 0,
+        });
+        self.slot_of.insert(at, slot);
+        Some(slot)
+    }
+
+    fn stamp(&mut self) -> u32 {
+        self.next_stamp = self.next_stamp.wrapping_add(1);
+        self.next_stamp
+    }
+
+    /// Records that `slot` holds `key` at `tier` under `engine_hash`. Returns whether the
+    /// holder is new (false: a duplicate store, refreshed).
+    fn insert_holder(&mut self, slot: u16, key: BlockKey, engine_hash: u64, tier: Tier) -> bool {
+        // The engine hash may have meant another key before (a reset we did not see).
+        let previous = self
+            .slot(slot)
+            .and_then(|s| s.engine_to_key.get(&engine_hash).copied());
+        if let Some(old_key) = previous.filter(|k| *k != key) {
+            let removed = self.remove_holders(slot, old_key, |h| h.engine_hash == engine_hash);
+            self.stats.removed_blocks += removed as u64;
+        }
+        let stamp = self.stamp();
+        let entry = self.blocks.entry(key).or_default();
+        let mut stale_engine_hash = None;
+        let is_new = match entry
+            .holders
+            .iter_mut()
+            .find(|h| h.slot == slot && h.tier == tier)
+        {
+            Some(h) => {
+                if h.engine_hash != engine_hash {
+                    stale_engine_hash = Some(h.engine_hash);
+                    h.engine_hash = engine_hash;
+                }
+                h.stamp = stamp;
+                false
+            }
+            None => {
+                entry.holders.push(Holder {
+                    engine_hash,
+                    stamp,
+                    slot,
+                    tier,
+                });
+                entry.any.insert(slot);
+                if tier == Tier::Device {
+                    entry.device.insert(slot);
+                }
+                true
+            }
+        };
+        let still_mapped_by_stale = stale_engine_hash.is_some_and(|old| {
+            entry
+                .holders
+                .iter()
+                .any(|h| h.slot == slot && h.engine_hash == old)
+        });
+        if is_new {
+            self.live += 1;
+        }
+        self.queue.push_back(QueueItem {
+            key,
+            stamp,
+            slot,
+            tier,
+        });
+        if let Some(state) = self.slot_mut(slot) {
+            if is_new {
+                state.entries += 1;
+            }
+            if let Some(old) = stale_engine_hash.filter(|_| !still_mapped_by_stale) {
+                if state.engine_to_key.get(&old) == Some(&key) {
+                    state.engine_to_key.remove(&old);
+                }
+            }
+            state.engine_to_key.insert(engine_hash, key);
+        }
+        is_new
+    }
+
+    /// Removes the holders of `key` that belong to `slot` and match `pred`; keeps the
+    /// slot's engine-hash map consistent and drops the entry when nobody holds it.
+    fn remove_holders(
+        &mut self,
+        slot: u16,
+        key: BlockKey,
+        pred: impl Fn(&Holder) -> bool,
+    ) -> usize {
+        let Some(entry) = self.blocks.get_mut(&key) else {
+            return 0;
+        };
+        let mut gone: SmallVec<[u64; 2]> = SmallVec::new();
+        entry.holders.retain(|h| {
+            let drop = h.slot == slot && pred(h);
+            if drop {
+                gone.push(h.engine_hash);
+            }
+            !drop
+        });
+        if gone.is_empty() {
+            return 0;
+        }
+        entry.refresh_membership(slot);
+        let still_mapped: SmallVec<[bool; 2]> = gone
+            .iter()
+            .map(|eh| {
+                entry
+                    .holders
+                    .iter()
+                    .any(|h| h.slot == slot && h.engine_hash == *eh)
+            })
+            .collect();
+        if entry.holders.is_empty() {
+            self.blocks.remove(&key);
+        }
+        let removed = gone.len();
+        self.live -= removed;
+        if let Some(state) = self.slot_mut(slot) {
+            state.entries -= removed;
+            for (eh, mapped) in gone.iter().zip(still_mapped) {
+                if !mapped && state.engine_to_key.get(eh) == Some(&key) {
+                    state.engine_to_key.remove(eh);
+                }
+            }
+        }
+        removed
+    }
+
+    fn clear_slot(&mut self, slot: u16) -> usize {
+        let keys: Vec<BlockKey> = match self.slot_mut(slot) {
+            Some(state) => state.engine_to_key.drain().map(|(_, k)| k).collect(),
+            None => return 0,
+        };
+        let mut removed = 0;
+        for key in keys {
+            removed += self.remove_holders(slot, key, |_| true);
+        }
+        removed
+    }
+
+    /// Evicts entries until the cap holds. Returns how many were evicted.
+    fn enforce_cap(&mut self) -> usize {
+        let mut evicted = 0;
+        while self.live > self.config.max_blocks {
+            let Some(item) = self.queue.pop_front() else {
+                break;
+            };
+            let Some(entry) = self.blocks.get(&item.key) else {
+                continue;
+            };
+            let current = entry
+                .holders
+                .iter()
+                .any(|h| h.slot == item.slot && h.tier == item.tier && h.stamp == item.stamp);
+            if !current {
+                continue;
+            }
+            if entry.hot.swap(false, Ordering::Relaxed) {
+                let stamp = self.stamp();
+                if let Some(entry) = self.blocks.get_mut(&item.key) {
+                    for h in entry.holders.iter_mut() {
+                        if h.slot == item.slot && h.tier == item.tier {
+                            h.stamp = stamp;
+                        }
+                    }
+                }
+                self.queue.push_back(QueueItem { stamp, ..item });
+                continue;
+            }
+            evicted += self.remove_holders(item.slot, item.key, |h| h.tier == item.tier);
+        }
+        self.stats.evicted_blocks += evicted as u64;
+        self.compact_queue();
+        evicted
+    }
+
+    /// Drops stale queue items once they outnumber live entries.
+    fn compact_queue(&mut self) {
+        if self.queue.len() <= 2 * self.live + 1024 {
+            return;
+        }
+        let blocks = &self.blocks;
+        self.queue.retain(|item| {
+            blocks.get(&item.key).is_some_and(|e| {
+                e.holders
+                    .iter()
+                    .any(|h| h.slot == item.slot && h.tier == item.tier && h.stamp == item.stamp)
+            })
+        });
+    }
+
+    /// Length of the eviction queue (live plus stale items); exposed for memory checks.
+    pub fn queue_len(&self) -> usize {
+        self.queue.len()
+    }
+
+    fn entry(&self, key: &BlockKey) -> Option<&BlockEntry> {
+        self.blocks.get(key)
+    }
+
+    fn slot_ref(&self, slot: u16) -> Option<WorkerRef> {
+        self.slot(slot).map(|s| s.at)
+    }
+}
+
+#[cfg(test)]
+mod tests;

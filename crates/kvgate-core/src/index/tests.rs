@@ -1,0 +1,490 @@
+//! Index tests: targeted interleavings seen in practice, the memory cap, and a
+//! property test against a simple reference model.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use proptest::prelude::*;
+
+use super::*;
+
+const BS: u32 = 2;
+
+fn hasher() -> BlockHasher {
+    BlockHasher::new(BS).unwrap()
+}
+
+fn at(w: u32, r: u32) -> WorkerRef {
+    WorkerRef::new(WorkerId(w), r)
+}
+
+fn index(max_blocks: usize) -> PrefixIndex {
+    PrefixIndex::new(hasher(), IndexConfig { max_blocks })
+}
+
+fn store(
+    idx: &mut PrefixIndex,
+    a: WorkerRef,
+    hashes: &[u64],
+    parent: Option<u64>,
+    tokens: &[u32],
+    tier: Tier,
+) -> Result<StoreOutcome, StoreError> {
+    idx.apply_stored(
+        a,
+        &StoredBlocks {
+            engine_hashes: hashes,
+            parent_engine_hash: parent,
+            token_ids: tokens,
+            block_size: BS,
+            tier,
+            lora_name: None,
+        },
+    )
+}
+
+fn run_of(idx: &PrefixIndex, tokens: &[u32], w: u32) -> [u32; 3] {
+    let keys = idx.hasher().block_keys(tokens);
+    idx.overlaps(&keys)
+        .best_for(WorkerId(w))
+        .map_or([0; 3], |o| o.blocks)
+}
+
+#[test]
+fn stored_run_with_parent_matches_whole_prefix() {
+    let mut idx = index(1000);
+    store(
+        &mut idx,
+        at(0, 0),
+        &[10, 11],
+        None,
+        &[1, 2, 3, 4],
+        Tier::Device,
+    )
+    .unwrap();
+    store(&mut idx, at(0, 0), &[12], Some(11), &[5, 6], Tier::Device).unwrap();
+    assert_eq!(run_of(&idx, &[1, 2, 3, 4, 5, 6, 7], 0), [3, 0, 0]);
+    assert_eq!(run_of(&idx, &[1, 2, 9, 9, 5, 6], 0), [1, 0, 0]);
+    assert_eq!(run_of(&idx, &[9, 9], 0), [0, 0, 0]);
+}
+
+#[test]
+fn duplicate_store_is_idempotent() {
+    let mut idx = index(1000);
+    store(
+        &mut idx,
+        at(0, 0),
+        &[10, 11],
+        None,
+        &[1, 2, 3, 4],
+        Tier::Device,
+    )
+    .unwrap();
+    let out = store(
+        &mut idx,
+        at(0, 0),
+        &[10, 11],
+        None,
+        &[1, 2, 3, 4],
+        Tier::Device,
+    )
+    .unwrap();
+    assert_eq!(out.duplicates, 2);
+    assert_eq!(idx.len(), 2);
+    idx.apply_removed(at(0, 0), &[10, 11], Some(Tier::Device));
+    assert!(idx.is_empty());
+    assert_eq!(idx.distinct_blocks(), 0);
+}
+
+#[test]
+fn parent_removed_before_child_ends_the_run_at_the_gap() {
+    let mut idx = index(1000);
+    store(
+        &mut idx,
+        at(0, 0),
+        &[10, 11, 12],
+        None,
+        &[1, 2, 3, 4, 5, 6],
+        Tier::Device,
+    )
+    .unwrap();
+    idx.apply_removed(at(0, 0), &[11], Some(Tier::Device));
+    assert_eq!(run_of(&idx, &[1, 2, 3, 4, 5, 6], 0), [1, 0, 0]);
+    // The child is still known, so removing it later works and leaves nothing behind.
+    let out = idx.apply_removed(at(0, 0), &[12, 10], None);
+    assert_eq!(
+        out,
+        RemoveOutcome {
+            removed: 2,
+            unknown: 0
+        }
+    );
+    assert!(idx.is_empty());
+}
+
+#[test]
+fn unknown_hashes_and_parents_are_counted_not_fatal() {
+    let mut idx = index(1000);
+    let out = idx.apply_removed(at(3, 0), &[1, 2], None);
+    assert_eq!(out.unknown, 2);
+    store(&mut idx, at(0, 0), &[10], None, &[1, 2], Tier::Device).unwrap();
+    assert_eq!(idx.apply_removed(at(0, 0), &[99], None).unknown, 1);
+    let err = store(&mut idx, at(0, 0), &[12], Some(77), &[5, 6], Tier::Device).unwrap_err();
+    assert_eq!(
+        err,
+        StoreError::UnknownParent {
+            parent_engine_hash: 77
+        }
+    );
+    assert_eq!(idx.stats().unknown_removals, 3);
+    assert_eq!(idx.stats().unknown_parents, 1);
+}
+
+#[test]
+fn clear_twice_is_harmless_and_other_workers_keep_their_blocks() {
+    let mut idx = index(1000);
+    store(
+        &mut idx,
+        at(0, 0),
+        &[10, 11],
+        None,
+        &[1, 2, 3, 4],
+        Tier::Device,
+    )
+    .unwrap();
+    store(
+        &mut idx,
+        at(1, 0),
+        &[20, 21],
+        None,
+        &[1, 2, 3, 4],
+        Tier::Device,
+    )
+    .unwrap();
+    assert_eq!(idx.clear(at(0, 0)), 2);
+    assert_eq!(idx.clear(at(0, 0)), 0);
+    assert_eq!(run_of(&idx, &[1, 2, 3, 4], 0), [0; 3]);
+    assert_eq!(run_of(&idx, &[1, 2, 3, 4], 1), [2, 0, 0]);
+    // After a clear the same engine hashes can be stored again.
+    store(&mut idx, at(0, 0), &[10], None, &[1, 2], Tier::Device).unwrap();
+    assert_eq!(run_of(&idx, &[1, 2, 3, 4], 0), [1, 0, 0]);
+}
+
+#[test]
+fn remove_worker_purges_every_rank_and_recycles_the_slot() {
+    let mut idx = index(1000);
+    store(&mut idx, at(0, 0), &[10], None, &[1, 2], Tier::Device).unwrap();
+    store(&mut idx, at(0, 1), &[10], None, &[1, 2], Tier::Device).unwrap();
+    store(&mut idx, at(1, 0), &[20], None, &[1, 2], Tier::Device).unwrap();
+    assert_eq!(idx.remove_worker(WorkerId(0)), 2);
+    assert_eq!(idx.worker_refs(), vec![at(1, 0)]);
+    store(&mut idx, at(2, 0), &[30], None, &[1, 2], Tier::Device).unwrap();
+    let scores = idx.overlaps(&idx.hasher().block_keys(&[1, 2]));
+    let holders: BTreeSet<WorkerRef> = scores.per_ref.iter().map(|o| o.at).collect();
+    assert_eq!(holders, [at(1, 0), at(2, 0)].into_iter().collect());
+}
+
+#[test]
+fn block_size_and_token_count_mismatches_are_errors() {
+    let mut idx = index(1000);
+    let err = idx
+        .apply_stored(
+            at(0, 0),
+            &StoredBlocks {
+                engine_hashes: &[1],
+                parent_engine_hash: None,
+                token_ids: &[1, 2, 3, 4],
+                block_size: 4,
+                tier: Tier::Device,
+                lora_name: None,
+            },
+        )
+        .unwrap_err();
+    assert_eq!(
+        err,
+        StoreError::BlockSizeMismatch {
+            expected: 2,
+            got: 4
+        }
+    );
+    let err = store(&mut idx, at(0, 0), &[1, 2], None, &[1, 2, 3], Tier::Device).unwrap_err();
+    assert!(matches!(err, StoreError::TokenCountMismatch { .. }));
+    assert_eq!(idx.stats().block_size_mismatches, 1);
+    assert!(idx.is_empty());
+}
+
+#[test]
+fn tiers_are_reported_separately_and_device_wins() {
+    let mut idx = index(1000);
+    store(
+        &mut idx,
+        at(0, 0),
+        &[10, 11],
+        None,
+        &[1, 2, 3, 4],
+        Tier::Host,
+    )
+    .unwrap();
+    store(&mut idx, at(0, 0), &[10], None, &[1, 2], Tier::Device).unwrap();
+    assert_eq!(run_of(&idx, &[1, 2, 3, 4], 0), [1, 1, 0]);
+    idx.apply_removed(at(0, 0), &[11], Some(Tier::Host));
+    assert_eq!(run_of(&idx, &[1, 2, 3, 4], 0), [1, 0, 0]);
+    idx.apply_removed(at(0, 0), &[10], Some(Tier::Device));
+    assert_eq!(run_of(&idx, &[1, 2, 3, 4], 0), [0, 1, 0]);
+}
+
+#[test]
+fn lora_blocks_do_not_match_base_model_prompts() {
+    let mut idx = index(1000);
+    idx.apply_stored(
+        at(0, 0),
+        &StoredBlocks {
+            engine_hashes: &[10],
+            parent_engine_hash: None,
+            token_ids: &[1, 2],
+            block_size: BS,
+            tier: Tier::Device,
+            lora_name: Some("adapter"),
+        },
+    )
+    .unwrap();
+    assert_eq!(run_of(&idx, &[1, 2], 0), [0; 3]);
+    let lora_keys = idx.hasher().for_lora(Some("adapter")).block_keys(&[1, 2]);
+    assert_eq!(idx.overlaps(&lora_keys).longest, 1);
+}
+
+#[test]
+fn cap_bounds_entries_and_queue_and_evicts_oldest_stored_first() {
+    let mut idx = index(100);
+    for i in 0..1000u32 {
+        store(&mut idx, at(0, 0), &[i as u64], None, &[i, i], Tier::Device).unwrap();
+        assert!(idx.len() <= 100);
+        assert!(idx.queue_len() <= 2 * idx.len() + 1024 + 1);
+    }
+    assert_eq!(idx.stats().evicted_blocks, 900);
+    assert_eq!(run_of(&idx, &[999, 999], 0), [1, 0, 0]);
+    assert_eq!(run_of(&idx, &[0, 0], 0), [0; 3]);
+    // Engine removals of evicted blocks are unknown, not errors.
+    assert_eq!(idx.apply_removed(at(0, 0), &[0], None).unknown, 1);
+}
+
+#[test]
+fn matched_blocks_get_a_second_chance() {
+    let mut idx = index(3);
+    for i in 0..3u32 {
+        store(&mut idx, at(0, 0), &[i as u64], None, &[i, i], Tier::Device).unwrap();
+    }
+    // Block 0 is hot: a lookup matched it.
+    assert_eq!(run_of(&idx, &[0, 0], 0), [1, 0, 0]);
+    store(&mut idx, at(0, 0), &[3], None, &[3, 3], Tier::Device).unwrap();
+    assert_eq!(run_of(&idx, &[0, 0], 0), [1, 0, 0], "hot block survived");
+    assert_eq!(
+        run_of(&idx, &[1, 1], 0),
+        [0; 3],
+        "cold oldest block evicted"
+    );
+}
+
+#[test]
+fn repeated_churn_does_not_grow_the_queue() {
+    let mut idx = index(1_000_000);
+    for round in 0..50u64 {
+        for i in 0..100u32 {
+            store(
+                &mut idx,
+                at(0, 0),
+                &[i as u64 + round * 1000],
+                None,
+                &[i, i],
+                Tier::Device,
+            )
+            .unwrap();
+        }
+        idx.clear(at(0, 0));
+    }
+    assert!(idx.is_empty());
+    assert!(idx.queue_len() <= 1024 + 100, "queue {}", idx.queue_len());
+}
+
+// ---------------------------------------------------------------------------
+// Property test against a reference model.
+
+/// Reference: per worker rank, the set of holders `(key, tier) → engine hash`.
+#[derive(Default)]
+struct Model {
+    holders: BTreeMap<WorkerRef, BTreeMap<(BlockKey, Tier), u64>>,
+}
+
+impl Model {
+    fn key_of(&self, a: WorkerRef, eh: u64) -> Option<BlockKey> {
+        self.holders
+            .get(&a)?
+            .iter()
+            .find(|(_, h)| **h == eh)
+            .map(|((k, _), _)| *k)
+    }
+
+    fn store(
+        &mut self,
+        a: WorkerRef,
+        hashes: &[u64],
+        parent: Option<u64>,
+        tokens: &[u32],
+        tier: Tier,
+    ) {
+        let h = hasher();
+        let mut parent_key = match parent {
+            None => None,
+            Some(p) => match self.key_of(a, p) {
+                Some(k) => Some(k),
+                None => return,
+            },
+        };
+        let held = self.holders.entry(a).or_default();
+        for (eh, block) in hashes.iter().zip(tokens.chunks_exact(BS as usize)) {
+            let key = h.chain(parent_key, block);
+            held.retain(|(k, _), e| !(*e == *eh && *k != key));
+            held.insert((key, tier), *eh);
+            parent_key = Some(key);
+        }
+    }
+
+    fn remove(&mut self, a: WorkerRef, hashes: &[u64], tier: Option<Tier>) {
+        if let Some(held) = self.holders.get_mut(&a) {
+            for eh in hashes {
+                held.retain(|(_, t), e| !(*e == *eh && tier.is_none_or(|x| x == *t)));
+            }
+        }
+    }
+
+    fn blocks(&self, a: WorkerRef) -> Vec<(BlockKey, Tier)> {
+        self.holders
+            .get(&a)
+            .map(|h| h.keys().copied().collect())
+            .unwrap_or_default()
+    }
+
+    fn overlap(&self, a: WorkerRef, keys: &[BlockKey]) -> [u32; 3] {
+        let mut out = [0u32; 3];
+        let Some(held) = self.holders.get(&a) else {
+            return out;
+        };
+        for key in keys {
+            let best = Tier::ALL.iter().find(|t| held.contains_key(&(*key, **t)));
+            match best {
+                Some(t) => out[t.index()] += 1,
+                None => break,
+            }
+        }
+        out
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Store {
+        w: u32,
+        r: u32,
+        seq: usize,
+        start: usize,
+        len: usize,
+        tier: Tier,
+        bogus_parent: bool,
+    },
+    Remove {
+        w: u32,
+        r: u32,
+        seq: usize,
+        block: usize,
+        tier: Option<Tier>,
+        bogus: bool,
+    },
+    Clear {
+        w: u32,
+        r: u32,
+    },
+    RemoveWorker {
+        w: u32,
+    },
+}
+
+fn tier_strategy() -> impl Strategy<Value = Tier> {
+    prop_oneof![4 => Just(Tier::Device), 1 => Just(Tier::Host), 1 => Just(Tier::Disk)]
+}
+
+fn op_strategy() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (0..3u32, 0..2u32, 0..4usize, 0..6usize, 1..4usize, tier_strategy(), prop::bool::weighted(0.05))
+            .prop_map(|(w, r, seq, start, len, tier, bogus_parent)| Op::Store { w, r, seq, start, len, tier, bogus_parent }),
+        3 => (0..3u32, 0..2u32, 0..4usize, 0..8usize, prop::option::of(tier_strategy()), prop::bool::weighted(0.1))
+            .prop_map(|(w, r, seq, block, tier, bogus)| Op::Remove { w, r, seq, block, tier, bogus }),
+        1 => (0..3u32, 0..2u32).prop_map(|(w, r)| Op::Clear { w, r }),
+        1 => (0..3u32).prop_map(|w| Op::RemoveWorker { w }),
+    ]
+}
+
+/// Token content of the test sequences: sequences 0 and 1 share their first 3 blocks.
+fn sequence(seq: usize) -> Vec<u32> {
+    let mut t: Vec<u32> = (0..16).map(|i| (seq as u32 * 100) + i).collect();
+    if seq == 1 {
+        t[..6].copy_from_slice(&[0, 1, 2, 3, 4, 5]);
+    }
+    t
+}
+
+/// What an engine would call block `b` of `seq` on worker `w`: content-derived but
+/// worker-specific and opaque, like vLLM's seeded hashes.
+fn engine_hash(w: u32, seq: usize, b: usize) -> u64 {
+    let tokens = sequence(seq);
+    let key = hasher().block_keys(&tokens[..(b + 1) * BS as usize])[b];
+    key.0.rotate_left(7) ^ u64::from(w).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    #[test]
+    fn index_matches_reference_model(ops in prop::collection::vec(op_strategy(), 1..60)) {
+        let mut idx = index(1_000_000);
+        let mut model = Model::default();
+        for op in ops {
+            match op {
+                Op::Store { w, r, seq, start, len, tier, bogus_parent } => {
+                    let tokens = sequence(seq);
+                    let end = (start + len).min(8);
+                    if start >= end { continue; }
+                    let hashes: Vec<u64> = (start..end).map(|b| engine_hash(w, seq, b)).collect();
+                    let parent = if bogus_parent { Some(12345) } else if start > 0 { Some(engine_hash(w, seq, start - 1)) } else { None };
+                    let toks = &tokens[start * BS as usize..end * BS as usize];
+                    let _ = store(&mut idx, at(w, r), &hashes, parent, toks, tier);
+                    model.store(at(w, r), &hashes, parent, toks, tier);
+                }
+                Op::Remove { w, r, seq, block, tier, bogus } => {
+                    let eh = if bogus { 999_999 } else { engine_hash(w, seq, block) };
+                    idx.apply_removed(at(w, r), &[eh], tier);
+                    model.remove(at(w, r), &[eh], tier);
+                }
+                Op::Clear { w, r } => {
+                    idx.clear(at(w, r));
+                    model.holders.remove(&at(w, r));
+                }
+                Op::RemoveWorker { w } => {
+                    idx.remove_worker(WorkerId(w));
+                    model.holders.retain(|a, _| a.worker != WorkerId(w));
+                }
+            }
+        }
+        let mut total = 0;
+        for w in 0..3 {
+            for r in 0..2 {
+                let a = at(w, r);
+                prop_assert_eq!(idx.worker_blocks(a), model.blocks(a));
+                total += model.blocks(a).len();
+                for seq in 0..4 {
+                    let keys = hasher().block_keys(&sequence(seq));
+                    let got = idx.overlaps(&keys).per_ref.iter().find(|o| o.at == a).map_or([0; 3], |o| o.blocks);
+                    prop_assert_eq!(got, model.overlap(a, &keys), "worker {:?} seq {}", a, seq);
+                }
+            }
+        }
+        prop_assert_eq!(idx.len(), total);
+    }
+}

@@ -1,0 +1,575 @@
+//! Policy behaviour tests: each policy's contract, consistent-hash movement, kv_aware's
+//! preference for the prefix holder and its refusal to herd.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use super::*;
+use crate::hashing::BlockHasher;
+use crate::ids::{Tier, WorkerRef};
+use crate::index::{IndexConfig, PrefixIndex, StoredBlocks};
+use crate::ledger::{BookingSpec, Ledger};
+
+const BS: u32 = 16;
+
+fn workers(n: u32) -> Vec<WorkerId> {
+    (0..n).map(WorkerId).collect()
+}
+
+fn new_index() -> PrefixIndex {
+    PrefixIndex::new(BlockHasher::new(BS).unwrap(), IndexConfig::default())
+}
+
+/// Plays the engine: `worker` now caches every full block of `tokens`.
+fn engine_caches(index: &mut PrefixIndex, worker: WorkerId, tokens: &[u32]) {
+    let n = tokens.len() / BS as usize;
+    let keys = index.hasher().block_keys(tokens);
+    let hashes: Vec<u64> = keys
+        .iter()
+        .map(|k| k.0 ^ (u64::from(worker.0) << 40))
+        .collect();
+    index
+        .apply_stored(
+            WorkerRef::new(worker, 0),
+            &StoredBlocks {
+                engine_hashes: &hashes,
+                parent_engine_hash: None,
+                token_ids: &tokens[..n * BS as usize],
+                block_size: BS,
+                tier: Tier::Device,
+                lora_name: None,
+            },
+        )
+        .unwrap();
+}
+
+fn select(
+    policy: &dyn RoutingPolicy,
+    keys: Option<&[BlockKey]>,
+    prompt_tokens: u32,
+    session: Option<&str>,
+    candidates: &[WorkerId],
+    ledger: &Ledger,
+    index: Option<&PrefixIndex>,
+) -> Result<Decision, SelectError> {
+    policy.select(
+        &RouteRequest {
+            block_keys: keys,
+            prompt_tokens,
+            session_key: session,
+            now: Instant::now(),
+        },
+        &FleetView {
+            candidates,
+            ledger,
+            index,
+        },
+    )
+}
+
+#[test]
+fn policy_names_round_trip() {
+    for kind in PolicyKind::ALL {
+        assert_eq!(kind.as_str().parse::<PolicyKind>().unwrap(), kind);
+    }
+    assert_eq!(
+        "kv-aware".parse::<PolicyKind>().unwrap(),
+        PolicyKind::KvAware
+    );
+    assert!("fastest".parse::<PolicyKind>().is_err());
+}
+
+#[test]
+fn every_policy_refuses_an_empty_candidate_set() {
+    let ledger = Ledger::new(BS);
+    let index = new_index();
+    let keys = index.hasher().block_keys(&[1; 32]);
+    for kind in PolicyKind::ALL {
+        let policy = build_policy(&PolicyConfig::of(kind));
+        let err = select(
+            &*policy,
+            Some(&keys),
+            32,
+            Some("s"),
+            &[],
+            &ledger,
+            Some(&index),
+        );
+        assert_eq!(err.unwrap_err(), SelectError::NoCandidates, "{kind}");
+    }
+}
+
+#[test]
+fn every_policy_explains_every_candidate() {
+    let ledger = Ledger::new(BS);
+    let index = new_index();
+    let keys = index.hasher().block_keys(&[1; 32]);
+    let ws = workers(3);
+    for kind in PolicyKind::ALL {
+        let policy = build_policy(&PolicyConfig::of(kind));
+        let d = select(
+            &*policy,
+            Some(&keys),
+            32,
+            Some("s"),
+            &ws,
+            &ledger,
+            Some(&index),
+        )
+        .unwrap();
+        assert_eq!(d.policy, kind);
+        assert!(ws.contains(&d.worker));
+        let explained: Vec<WorkerId> = d.scores.iter().map(|s| s.worker).collect();
+        assert_eq!(explained, ws, "{kind}");
+    }
+}
+
+#[test]
+fn round_robin_cycles_through_candidates() {
+    let ledger = Ledger::new(BS);
+    let policy = RoundRobinPolicy::new();
+    let ws = workers(3);
+    let picks: Vec<u32> = (0..6)
+        .map(|_| {
+            select(&policy, None, 0, None, &ws, &ledger, None)
+                .unwrap()
+                .worker
+                .0
+        })
+        .collect();
+    assert_eq!(picks, vec![0, 1, 2, 0, 1, 2]);
+}
+
+#[test]
+fn random_uses_every_candidate() {
+    let ledger = Ledger::new(BS);
+    let policy = RandomPolicy::new(Some(7));
+    let ws = workers(4);
+    let mut seen = HashMap::new();
+    for _ in 0..400 {
+        *seen
+            .entry(
+                select(&policy, None, 0, None, &ws, &ledger, None)
+                    .unwrap()
+                    .worker,
+            )
+            .or_insert(0) += 1;
+    }
+    assert_eq!(seen.len(), 4);
+    assert!(seen.values().all(|n| *n > 50), "{seen:?}");
+}
+
+#[test]
+fn least_loaded_avoids_the_busy_worker() {
+    let ledger = Ledger::new(BS);
+    let now = Instant::now();
+    let _busy: Vec<_> = (0..10)
+        .map(|_| {
+            ledger.book(
+                WorkerId(0),
+                BookingSpec {
+                    prompt_tokens: 1000,
+                    ..Default::default()
+                },
+                now,
+            )
+        })
+        .collect();
+    let policy = LeastLoadedPolicy::new(Some(1));
+    let ws = workers(2);
+    for _ in 0..50 {
+        assert_eq!(
+            select(&policy, None, 0, None, &ws, &ledger, None)
+                .unwrap()
+                .worker,
+            WorkerId(1)
+        );
+    }
+}
+
+fn session_assignment(policy: &SessionPolicy, ws: &[WorkerId], n: usize) -> Vec<WorkerId> {
+    let ledger = Ledger::new(BS);
+    (0..n)
+        .map(|i| {
+            let key = format!("session-{i}");
+            select(policy, None, 0, Some(&key), ws, &ledger, None)
+                .unwrap()
+                .worker
+        })
+        .collect()
+}
+
+fn named(ws: &[WorkerId]) -> Vec<(WorkerId, String)> {
+    ws.iter()
+        .map(|w| (*w, format!("http://10.0.0.{}:8000", w.0)))
+        .collect()
+}
+
+fn tell(policy: &SessionPolicy, ws: &[WorkerId]) {
+    let names = named(ws);
+    let refs: Vec<(WorkerId, &str)> = names.iter().map(|(w, n)| (*w, n.as_str())).collect();
+    policy.workers_changed(&refs);
+}
+
+#[test]
+fn session_is_sticky_and_adding_a_worker_moves_about_one_nth() {
+    let policy = SessionPolicy::new(SessionConfig::default(), Some(3));
+    let eight = workers(8);
+    tell(&policy, &eight);
+    let before = session_assignment(&policy, &eight, 10_000);
+    assert_eq!(
+        before,
+        session_assignment(&policy, &eight, 10_000),
+        "sticky"
+    );
+    let nine = workers(9);
+    tell(&policy, &nine);
+    let after = session_assignment(&policy, &nine, 10_000);
+    let moved: Vec<usize> = (0..before.len())
+        .filter(|i| before[*i] != after[*i])
+        .collect();
+    let fraction = moved.len() as f64 / before.len() as f64;
+    assert!(
+        (0.07..=0.16).contains(&fraction),
+        "moved {fraction}, expected ≈ 1/9"
+    );
+    assert!(
+        moved.iter().all(|i| after[*i] == WorkerId(8)),
+        "only to the new worker"
+    );
+    // Spread across the nine workers is reasonable.
+    let mut counts = HashMap::new();
+    for w in &after {
+        *counts.entry(*w).or_insert(0usize) += 1;
+    }
+    assert!(counts.values().all(|c| *c > 10_000 / 9 / 2), "{counts:?}");
+}
+
+#[test]
+fn session_of_an_unhealthy_worker_moves_and_comes_back() {
+    let policy = SessionPolicy::new(SessionConfig::default(), Some(3));
+    let all = workers(4);
+    tell(&policy, &all);
+    let before = session_assignment(&policy, &all, 2000);
+    let healthy: Vec<WorkerId> = all.iter().copied().filter(|w| *w != WorkerId(2)).collect();
+    let during = session_assignment(&policy, &healthy, 2000);
+    for i in 0..before.len() {
+        if before[i] != WorkerId(2) {
+            assert_eq!(before[i], during[i], "sessions of healthy workers stay");
+        } else {
+            assert_ne!(during[i], WorkerId(2));
+        }
+    }
+    assert_eq!(session_assignment(&policy, &all, 2000), before);
+}
+
+#[test]
+fn session_rings_agree_across_router_replicas() {
+    let a = SessionPolicy::new(SessionConfig::default(), Some(1));
+    let b = SessionPolicy::new(SessionConfig::default(), Some(2));
+    let ws = workers(5);
+    tell(&a, &ws);
+    tell(&b, &ws);
+    assert_eq!(
+        session_assignment(&a, &ws, 1000),
+        session_assignment(&b, &ws, 1000)
+    );
+}
+
+#[test]
+fn kv_aware_needs_an_index_and_tokens() {
+    let ledger = Ledger::new(BS);
+    let index = new_index();
+    let policy = KvAwarePolicy::new(KvAwareConfig::default(), Some(1));
+    let ws = workers(2);
+    assert_eq!(
+        select(&policy, Some(&[]), 0, None, &ws, &ledger, None).unwrap_err(),
+        SelectError::NoIndex
+    );
+    assert_eq!(
+        select(&policy, None, 10, None, &ws, &ledger, Some(&index)).unwrap_err(),
+        SelectError::MissingTokens
+    );
+}
+
+#[test]
+fn kv_aware_sends_a_prompt_to_the_worker_holding_its_prefix() {
+    let ledger = Ledger::new(BS);
+    let mut index = new_index();
+    let prompt: Vec<u32> = (0..1024).collect();
+    engine_caches(&mut index, WorkerId(2), &prompt[..800]);
+    engine_caches(&mut index, WorkerId(1), &prompt[..160]);
+    let keys = index.hasher().block_keys(&prompt);
+    let policy = KvAwarePolicy::new(KvAwareConfig::default(), Some(1));
+    let ws = workers(4);
+    for _ in 0..20 {
+        let d = select(&policy, Some(&keys), 1024, None, &ws, &ledger, Some(&index)).unwrap();
+        assert_eq!(d.worker, WorkerId(2));
+        assert_eq!(d.predicted_cached_tokens, 800);
+        let line = d.scores.iter().find(|s| s.worker == WorkerId(1)).unwrap();
+        assert_eq!(line.overlap_blocks, [10, 0, 0]);
+    }
+}
+
+#[test]
+fn kv_aware_breaks_cold_ties_at_random() {
+    let ledger = Ledger::new(BS);
+    let index = new_index();
+    let policy = KvAwarePolicy::new(KvAwareConfig::default(), Some(9));
+    let ws = workers(4);
+    let mut seen = std::collections::HashSet::new();
+    for i in 0..100u32 {
+        let prompt: Vec<u32> = (0..64).map(|t| t + i * 1000).collect();
+        let keys = index.hasher().block_keys(&prompt);
+        seen.insert(
+            select(&policy, Some(&keys), 64, None, &ws, &ledger, Some(&index))
+                .unwrap()
+                .worker,
+        );
+    }
+    assert_eq!(
+        seen.len(),
+        4,
+        "a cache miss must not always land on the same worker"
+    );
+}
+
+#[test]
+fn kv_aware_gives_host_tier_partial_credit() {
+    let ledger = Ledger::new(BS);
+    let mut index = new_index();
+    let prompt: Vec<u32> = (0..640).collect();
+    // Worker 0 holds all 40 blocks in host memory, worker 1 holds 25 on device.
+    let keys = index.hasher().block_keys(&prompt);
+    let hashes: Vec<u64> = keys.iter().map(|k| k.0).collect();
+    index
+        .apply_stored(
+            WorkerRef::new(WorkerId(0), 0),
+            &StoredBlocks {
+                engine_hashes: &hashes,
+                parent_engine_hash: None,
+                token_ids: &prompt,
+                block_size: BS,
+                tier: Tier::Host,
+                lora_name: None,
+            },
+        )
+        .unwrap();
+    engine_caches(&mut index, WorkerId(1), &prompt[..400]);
+    let policy = KvAwarePolicy::new(KvAwareConfig::default(), Some(1));
+    let d = select(
+        &policy,
+        Some(&keys),
+        640,
+        None,
+        &workers(2),
+        &ledger,
+        Some(&index),
+    )
+    .unwrap();
+    // 40 host blocks at 0.5 credit = 20 < 25 device blocks.
+    assert_eq!(d.worker, WorkerId(1));
+    let full_credit = KvAwarePolicy::new(
+        KvAwareConfig {
+            host_credit: 1.0,
+            ..Default::default()
+        },
+        Some(1),
+    );
+    let d = select(
+        &full_credit,
+        Some(&keys),
+        640,
+        None,
+        &workers(2),
+        &ledger,
+        Some(&index),
+    )
+    .unwrap();
+    assert_eq!(d.worker, WorkerId(0));
+}
+
+/// 1,000 requests sharing a 2,000-token system prompt over 8 equally fast workers:
+/// the holder's growing load must push requests to the others.
+#[test]
+fn kv_aware_does_not_herd_on_a_shared_prefix() {
+    let ledger = Ledger::new(BS);
+    let mut index = new_index();
+    let policy = KvAwarePolicy::new(KvAwareConfig::default(), Some(11));
+    let ws = workers(8);
+    let system: Vec<u32> = (0..2000).map(|t| 50_000 + t).collect();
+    let mut in_flight = std::collections::VecDeque::new();
+    let mut counts: HashMap<WorkerId, usize> = HashMap::new();
+    for i in 0..1000u32 {
+        let mut prompt = system.clone();
+        prompt.extend((0..200).map(|t| i * 1000 + t));
+        let keys = index.hasher().block_keys(&prompt);
+        let d = select(
+            &policy,
+            Some(&keys),
+            prompt.len() as u32,
+            None,
+            &ws,
+            &ledger,
+            Some(&index),
+        )
+        .unwrap();
+        let guard = ledger.book(
+            d.worker,
+            BookingSpec {
+                prompt_tokens: prompt.len() as u32,
+                cached_tokens: d.predicted_cached_tokens,
+                expected_output_tokens: Some(200),
+            },
+            Instant::now(),
+        );
+        engine_caches(&mut index, d.worker, &prompt);
+        *counts.entry(d.worker).or_default() += 1;
+        in_flight.push_back(guard);
+        // Equally fast workers: prefill finishes after a few arrivals, requests after 32.
+        if in_flight.len() > 4 {
+            in_flight[in_flight.len() - 5].prefill_done();
+        }
+        if in_flight.len() > 32 {
+            in_flight.pop_front();
+        }
+    }
+    eprintln!("herding counts: {counts:?}");
+    let mean = 1000.0 / 8.0;
+    let max = *counts.values().max().unwrap() as f64;
+    assert_eq!(counts.len(), 8, "{counts:?}");
+    assert!(max <= 2.0 * mean, "max {max} vs mean {mean}: {counts:?}");
+}
+
+#[test]
+fn kv_aware_softmax_prefers_cheap_workers_but_explores() {
+    let ledger = Ledger::new(BS);
+    let mut index = new_index();
+    let prompt: Vec<u32> = (0..1600).collect();
+    engine_caches(&mut index, WorkerId(0), &prompt);
+    let keys = index.hasher().block_keys(&prompt);
+    let policy = KvAwarePolicy::new(
+        KvAwareConfig {
+            temperature: 0.5,
+            ..Default::default()
+        },
+        Some(5),
+    );
+    let mut counts = [0usize; 3];
+    for _ in 0..600 {
+        let d = select(
+            &policy,
+            Some(&keys),
+            1600,
+            None,
+            &workers(3),
+            &ledger,
+            Some(&index),
+        )
+        .unwrap();
+        counts[d.worker.0 as usize] += 1;
+    }
+    assert!(counts[0] > counts[1] && counts[0] > counts[2], "{counts:?}");
+    assert!(counts[1] > 0 && counts[2] > 0, "{counts:?}");
+}
+
+#[test]
+fn prefix_affinity_follows_its_own_decisions_until_load_is_imbalanced() {
+    let ledger = Ledger::new(BS);
+    let hasher = BlockHasher::new(BS).unwrap();
+    let policy = PrefixAffinityPolicy::new(PrefixAffinityConfig::default(), Some(2));
+    let ws = workers(4);
+    let prompt: Vec<u32> = (0..512).collect();
+    let keys = hasher.block_keys(&prompt);
+    let first = select(&policy, Some(&keys), 512, None, &ws, &ledger, None)
+        .unwrap()
+        .worker;
+    let mut longer = prompt.clone();
+    longer.extend(9000..9100);
+    let longer_keys = hasher.block_keys(&longer);
+    let mut guards = Vec::new();
+    for _ in 0..10 {
+        let d = select(&policy, Some(&longer_keys), 612, None, &ws, &ledger, None).unwrap();
+        assert_eq!(d.worker, first);
+        assert!(d.predicted_cached_tokens >= 512);
+        guards.push(ledger.book(
+            d.worker,
+            BookingSpec {
+                prompt_tokens: 612,
+                ..Default::default()
+            },
+            Instant::now(),
+        ));
+    }
+    // Load the remembered worker far beyond the others: affinity yields.
+    for _ in 0..20 {
+        guards.push(ledger.book(
+            first,
+            BookingSpec {
+                prompt_tokens: 612,
+                ..Default::default()
+            },
+            Instant::now(),
+        ));
+    }
+    let d = select(&policy, Some(&longer_keys), 612, None, &ws, &ledger, None).unwrap();
+    assert_ne!(d.worker, first);
+    assert_eq!(d.reason, "load imbalanced: least loaded");
+}
+
+#[test]
+fn prefix_affinity_memory_is_bounded_and_expires() {
+    let ledger = Ledger::new(BS);
+    let hasher = BlockHasher::new(BS).unwrap();
+    let config = PrefixAffinityConfig {
+        max_entries: 1000,
+        ttl: Duration::from_secs(10),
+        ..Default::default()
+    };
+    let policy = PrefixAffinityPolicy::new(config, Some(2));
+    let ws = workers(4);
+    let t0 = Instant::now();
+    for i in 0..500u32 {
+        let prompt: Vec<u32> = (0..160).map(|t| t + i * 1000).collect();
+        let keys = hasher.block_keys(&prompt);
+        let req = RouteRequest {
+            block_keys: Some(&keys),
+            prompt_tokens: 160,
+            session_key: None,
+            now: t0,
+        };
+        policy
+            .select(
+                &req,
+                &FleetView {
+                    candidates: &ws,
+                    ledger: &ledger,
+                    index: None,
+                },
+            )
+            .unwrap();
+        assert!(policy.remembered_entries() <= 1000);
+    }
+    let keys = hasher.block_keys(&(0..160).collect::<Vec<u32>>());
+    let later = RouteRequest {
+        block_keys: Some(&keys),
+        prompt_tokens: 160,
+        session_key: None,
+        now: t0 + Duration::from_secs(60),
+    };
+    policy
+        .select(
+            &later,
+            &FleetView {
+                candidates: &ws,
+                ledger: &ledger,
+                index: None,
+            },
+        )
+        .unwrap();
+    assert_eq!(
+        policy.remembered_entries(),
+        10,
+        "only the fresh request remains"
+    );
+}
