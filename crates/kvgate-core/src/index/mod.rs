@@ -20,8 +20,12 @@
 //! own evictions; the cap is the backstop for lost removals. When an insert exceeds the
 //! cap, entries are evicted in the order they were last stored (oldest first), with a
 //! second chance (CLOCK) for blocks that a lookup matched since they were last looked
-//! at: those are moved to the back of the queue once. The eviction queue itself is
-//! compacted whenever stale items outnumber live ones, so no structure only grows.
+//! at: those are moved to the back of the queue once. The eviction queue is only kept
+//! while the index is near its cap: it is built on demand (holders sorted by store
+//! stamp) when the cap is first exceeded, compacted whenever stale items outnumber live
+//! ones, and dropped again once the index falls below half the cap, so the common case
+//! (engines reporting their own evictions) pays nothing for it and no structure only
+//! grows.
 
 mod query;
 pub(crate) mod slot_set;
@@ -213,6 +217,8 @@ pub struct PrefixIndex {
     slot_of: FxHashMap<WorkerRef, u16>,
     free_slots: Vec<u16>,
     queue: VecDeque<QueueItem>,
+    /// Whether `queue` is maintained (only near the cap).
+    tracking: bool,
     next_stamp: u32,
     live: usize,
     stats: IndexStats,
@@ -228,6 +234,7 @@ impl PrefixIndex {
             slot_of: FxHashMap::default(),
             free_slots: Vec::new(),
             queue: VecDeque::new(),
+            tracking: false,
             next_stamp: 0,
             live: 0,
             stats: IndexStats::default(),
@@ -477,11 +484,12 @@ impl PrefixIndex {
     /// Records that `slot` holds `key` at `tier` under `engine_hash`. Returns whether the
     /// holder is new (false: a duplicate store, refreshed).
     fn insert_holder(&mut self, slot: u16, key: BlockKey, engine_hash: u64, tier: Tier) -> bool {
-        // The engine hash may have meant another key before (a reset we did not see).
+        // One map operation: record the new mapping and learn what it meant before.
         let previous = self
-            .slot(slot)
-            .and_then(|s| s.engine_to_key.get(&engine_hash).copied());
+            .slot_mut(slot)
+            .and_then(|s| s.engine_to_key.insert(engine_hash, key));
         if let Some(old_key) = previous.filter(|k| *k != key) {
+            // The engine hash meant another block before (a reset we did not see).
             let removed = self.remove_holders(slot, old_key, |h| h.engine_hash == engine_hash);
             self.stats.removed_blocks += removed as u64;
         }
@@ -515,31 +523,32 @@ impl PrefixIndex {
                 true
             }
         };
-        let still_mapped_by_stale = stale_engine_hash.is_some_and(|old| {
-            entry
+        let stale_unmapped = stale_engine_hash.filter(|old| {
+            !entry
                 .holders
                 .iter()
-                .any(|h| h.slot == slot && h.engine_hash == old)
+                .any(|h| h.slot == slot && h.engine_hash == *old)
         });
         if is_new {
             self.live += 1;
         }
-        self.queue.push_back(QueueItem {
-            key,
-            stamp,
-            slot,
-            tier,
-        });
+        if self.tracking {
+            self.queue.push_back(QueueItem {
+                key,
+                stamp,
+                slot,
+                tier,
+            });
+        }
         if let Some(state) = self.slot_mut(slot) {
             if is_new {
                 state.entries += 1;
             }
-            if let Some(old) = stale_engine_hash.filter(|_| !still_mapped_by_stale) {
+            if let Some(old) = stale_unmapped {
                 if state.engine_to_key.get(&old) == Some(&key) {
                     state.engine_to_key.remove(&old);
                 }
             }
-            state.engine_to_key.insert(engine_hash, key);
         }
         is_new
     }
@@ -606,6 +615,16 @@ impl PrefixIndex {
 
     /// Evicts entries until the cap holds. Returns how many were evicted.
     fn enforce_cap(&mut self) -> usize {
+        if self.live <= self.config.max_blocks {
+            if self.tracking && self.live < self.config.max_blocks / 2 {
+                self.tracking = false;
+                self.queue = VecDeque::new();
+            }
+            return 0;
+        }
+        if !self.tracking {
+            self.start_tracking();
+        }
         let mut evicted = 0;
         while self.live > self.config.max_blocks {
             let Some(item) = self.queue.pop_front() else {
@@ -638,6 +657,25 @@ impl PrefixIndex {
         self.stats.evicted_blocks += evicted as u64;
         self.compact_queue();
         evicted
+    }
+
+    /// Builds the eviction queue from every holder, oldest store first.
+    fn start_tracking(&mut self) {
+        let mut items: Vec<QueueItem> = Vec::with_capacity(self.live);
+        for (key, entry) in &self.blocks {
+            items.extend(entry.holders.iter().map(|h| QueueItem {
+                key: *key,
+                stamp: h.stamp,
+                slot: h.slot,
+                tier: h.tier,
+            }));
+        }
+        // Stamps wrap after 2^32 stores; order relative to the newest so a wrap only
+        // perturbs the order, never loses an item.
+        let newest = self.next_stamp;
+        items.sort_unstable_by_key(|i| std::cmp::Reverse(newest.wrapping_sub(i.stamp)));
+        self.queue = items.into();
+        self.tracking = true;
     }
 
     /// Drops stale queue items once they outnumber live entries.

@@ -285,8 +285,27 @@ fn matched_blocks_get_a_second_chance() {
 }
 
 #[test]
+fn queue_is_dropped_when_far_below_the_cap() {
+    let mut idx = index(100);
+    for i in 0..200u32 {
+        store(&mut idx, at(0, 0), &[i as u64], None, &[i, i], Tier::Device).unwrap();
+    }
+    assert!(idx.queue_len() >= 100);
+    idx.clear(at(0, 0));
+    store(&mut idx, at(0, 0), &[7], None, &[7, 7], Tier::Device).unwrap();
+    assert_eq!(idx.queue_len(), 0);
+    // And rebuilt, oldest first, when the cap is exceeded again.
+    for i in 1000..1200u32 {
+        store(&mut idx, at(0, 0), &[i as u64], None, &[i, i], Tier::Device).unwrap();
+    }
+    assert_eq!(idx.len(), 100);
+    assert_eq!(run_of(&idx, &[7, 7], 0), [0; 3], "oldest entry went first");
+    assert_eq!(run_of(&idx, &[1199, 1199], 0), [1, 0, 0]);
+}
+
+#[test]
 fn repeated_churn_does_not_grow_the_queue() {
-    let mut idx = index(1_000_000);
+    let mut idx = index(150);
     for round in 0..50u64 {
         for i in 0..100u32 {
             store(
