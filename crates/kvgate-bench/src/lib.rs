@@ -1,17 +1,20 @@
-//! Placeholder: being built (see the issue tracker).
-pub mod cli {
-    /// Arguments (placeholder).
-    #[derive(clap::Args, Debug)]
-    pub struct BenchArgs {}
-    /// Arguments (placeholder).
-    #[derive(clap::Args, Debug)]
-    pub struct DemoArgs {}
-    /// Entry point (placeholder).
-    pub async fn run_bench(_args: BenchArgs) -> anyhow::Result<()> {
-        anyhow::bail!("not built yet")
-    }
-    /// Entry point (placeholder).
-    pub async fn run_demo(_args: DemoArgs) -> anyhow::Result<()> {
-        anyhow::bail!("not built yet")
-    }
-}
+//! kvgate-bench: trace replay, synthetic workloads, router comparison and the demo.
+//!
+//! Owns the `kvgate bench`, `kvgate bench compare` and `kvgate demo` subcommands. It
+//! talks to routers and engines only over HTTP and by spawning `kvgate` child
+//! processes; it must not link routing or engine logic.
+
+pub mod cli;
+pub mod client;
+pub mod compare;
+pub mod fleet;
+pub mod plot;
+pub mod process;
+pub mod report;
+pub mod request;
+pub mod rng;
+pub mod routers;
+pub mod runner;
+pub mod sse;
+pub mod trace;
+pub mod workload;

@@ -1,0 +1,445 @@
+//! `kvgate bench compare`: the same requests through several routers, one fresh fleet
+//! per router, side by side.
+//!
+//! Owns the comparison loop (fresh engines → router → replay → report → teardown), the
+//! markdown table, the JSON summary and the SVG plot written to the output folder.
+//! Engines are restarted for every router so no router inherits a warm cache. It must
+//! not contain routing logic or per-request measurement.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use serde::{Deserialize, Serialize};
+
+use crate::client::BenchClient;
+use crate::fleet::{EngineConfig, Fleet};
+use crate::plot::{grouped_bars_svg, BarGroup};
+use crate::report::{fmt_opt, fmt_pct, Report};
+use crate::request::Request;
+use crate::routers::{self, RouterContext, RouterSpec, Started};
+use crate::runner::{self, RunConfig};
+
+/// Everything a comparison needs.
+#[derive(Debug, Clone)]
+pub struct CompareConfig {
+    /// The fleet.
+    pub engine: EngineConfig,
+    /// Routers to run, in order.
+    pub routers: Vec<RouterSpec>,
+    /// Model name sent in requests and given to kvgate.
+    pub model: String,
+    /// Output folder.
+    pub out_dir: PathBuf,
+    /// Replay settings (speedup, concurrency, progress).
+    pub run: RunConfig,
+    /// Per-request timeout.
+    pub request_timeout: Duration,
+    /// How long a router may take to become ready.
+    pub router_startup_timeout: Duration,
+    /// Extra arguments for `kvgate serve`.
+    pub kvgate_extra_args: Vec<String>,
+    /// What was replayed (for the report header), e.g. `trace conversation_trace.jsonl [0, 1000)`.
+    pub workload_description: String,
+    /// Label of the baseline row for ratio columns.
+    pub baseline: String,
+}
+
+/// One row of the comparison.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CompareRow {
+    /// Router label (`kv_aware`, `vllm-router:cache_aware`, ...).
+    pub label: String,
+    /// `ok`, `skipped` or `failed`.
+    pub status: String,
+    /// Why a row was skipped or failed.
+    pub note: Option<String>,
+    /// The run's report when it ran.
+    pub report: Option<Report>,
+}
+
+/// The comparison's JSON summary.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CompareSummary {
+    /// What was replayed.
+    pub workload: String,
+    /// Number of requests replayed per router.
+    pub requests: usize,
+    /// Engines in the fleet.
+    pub engines: usize,
+    /// Trace-time speedup.
+    pub speedup: f64,
+    /// One row per router.
+    pub rows: Vec<CompareRow>,
+}
+
+/// Run every router over `requests`. A router that is not installed, or fails to start,
+/// becomes a skipped/failed row; only errors of the bench itself abort the comparison.
+pub async fn compare(cfg: &CompareConfig, requests: &[Request]) -> anyhow::Result<CompareSummary> {
+    let logs = cfg.out_dir.join("logs");
+    let reports_dir = cfg.out_dir.join("reports");
+    std::fs::create_dir_all(&reports_dir)
+        .with_context(|| format!("cannot create {}", reports_dir.display()))?;
+    let mut rows = Vec::with_capacity(cfg.routers.len());
+    for spec in &cfg.routers {
+        let label = spec.label();
+        eprintln!("kvgate bench compare: {label} ...");
+        let row = match run_one(cfg, spec, requests, &logs).await {
+            Ok(report) => {
+                let path = reports_dir.join(format!("{}.json", label.replace(':', "-")));
+                std::fs::write(&path, serde_json::to_vec_pretty(&report)?)
+                    .with_context(|| format!("cannot write {}", path.display()))?;
+                eprint!("{}", report.render_table());
+                CompareRow {
+                    label,
+                    status: "ok".into(),
+                    note: None,
+                    report: Some(report),
+                }
+            }
+            Err(RunError::Skipped(why)) => {
+                eprintln!("  skipped: {why}");
+                CompareRow {
+                    label,
+                    status: "skipped".into(),
+                    note: Some(why),
+                    report: None,
+                }
+            }
+            Err(RunError::Failed(err)) => {
+                let msg = format!("{err:#}");
+                eprintln!("  failed: {msg}");
+                CompareRow {
+                    label,
+                    status: "failed".into(),
+                    note: Some(first_line(&msg)),
+                    report: None,
+                }
+            }
+        };
+        rows.push(row);
+    }
+    let summary = CompareSummary {
+        workload: cfg.workload_description.clone(),
+        requests: requests.len(),
+        engines: cfg.engine.engines,
+        speedup: cfg.run.speedup,
+        rows,
+    };
+    write_outputs(&cfg.out_dir, &summary, &cfg.baseline)?;
+    Ok(summary)
+}
+
+/// First line of an error plus its last non-empty line (the child's last log line).
+fn first_line(s: &str) -> String {
+    let first = s.lines().next().unwrap_or("");
+    let last = s.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("");
+    let text = if last == first {
+        first.to_string()
+    } else {
+        format!("{first} … {}", last.trim())
+    };
+    text.chars().take(300).collect()
+}
+
+enum RunError {
+    Skipped(String),
+    Failed(anyhow::Error),
+}
+
+impl From<anyhow::Error> for RunError {
+    fn from(e: anyhow::Error) -> Self {
+        RunError::Failed(e)
+    }
+}
+
+async fn run_one(
+    cfg: &CompareConfig,
+    spec: &RouterSpec,
+    requests: &[Request],
+    logs: &Path,
+) -> Result<Report, RunError> {
+    let stem = spec.label().replace(':', "-");
+    let log_dir = logs.join(&stem);
+    // A fresh fleet per router: cold caches, fresh event sequence numbers.
+    let mut fleet = Fleet::start(&cfg.engine, &log_dir)
+        .await
+        .context("starting the mock-engine fleet")?;
+    let ctx = RouterContext {
+        kvgate_bin: cfg.engine.kvgate_bin.clone(),
+        model: cfg.model.clone(),
+        block_size: cfg.engine.block_size,
+        log_dir: log_dir.clone(),
+        startup_timeout: cfg.router_startup_timeout,
+        kvgate_extra_args: cfg.kvgate_extra_args.clone(),
+    };
+    let (router, url) = match routers::start(spec, &ctx, &fleet).await {
+        Ok(Started::Running { child, url }) => (child, url),
+        Ok(Started::Skipped(why)) => {
+            fleet.shutdown().await;
+            return Err(RunError::Skipped(why));
+        }
+        Err(e) => {
+            fleet.shutdown().await;
+            return Err(RunError::Failed(
+                e.context(format!("starting {}", spec.label())),
+            ));
+        }
+    };
+    let client = BenchClient::new(&url, &cfg.model, cfg.request_timeout)?
+        .with_prompt_format(spec.prompt_format());
+    let run_cfg = RunConfig {
+        label: spec.label(),
+        ..cfg.run.clone()
+    };
+    let result = runner::run(&client, requests.to_vec(), &run_cfg).await;
+    let mut report = Report::from_run(&spec.label(), &result);
+    if report.per_worker.is_empty() {
+        if let Some(counts) = engine_request_counts(&fleet).await {
+            report.set_per_worker(counts);
+        }
+    }
+    let alive = fleet.check_alive();
+    router.shutdown().await;
+    fleet.shutdown().await;
+    alive.context("an engine died during the run")?;
+    Ok(report)
+}
+
+/// Per-engine finished-request counts from the engines' Prometheus `/metrics`
+/// (`vllm:request_success_total`), for routers that do not report the worker in a
+/// response header. `None` when any engine does not expose it.
+async fn engine_request_counts(fleet: &Fleet) -> Option<BTreeMap<String, usize>> {
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(3))
+        .build()
+        .ok()?;
+    let mut out = BTreeMap::new();
+    for a in fleet.addrs() {
+        let text = http
+            .get(format!("{}/metrics", a.url))
+            .send()
+            .await
+            .ok()?
+            .text()
+            .await
+            .ok()?;
+        let n = parse_counter_sum(&text, "vllm:request_success_total")?;
+        out.insert(a.url.clone(), n.round() as usize);
+    }
+    Some(out)
+}
+
+/// Sum of every sample of a Prometheus metric family in text exposition format.
+pub fn parse_counter_sum(text: &str, name: &str) -> Option<f64> {
+    let mut found = false;
+    let mut sum = 0.0;
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix(name) else {
+            continue;
+        };
+        if !(rest.starts_with('{') || rest.starts_with(' ')) {
+            continue;
+        }
+        let value = rest.rsplit(['}', ' ']).find(|s| !s.is_empty())?;
+        if let Ok(v) = value.parse::<f64>() {
+            sum += v;
+            found = true;
+        }
+    }
+    found.then_some(sum)
+}
+
+/// Markdown table of the rows, with TTFT ratios against `baseline`.
+pub fn render_markdown(summary: &CompareSummary, baseline: &str) -> String {
+    let base = summary
+        .rows
+        .iter()
+        .find(|r| r.label == baseline)
+        .and_then(|r| r.report.as_ref());
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "Workload: {} — {} requests, {} engines, speedup {}\n",
+        summary.workload, summary.requests, summary.engines, summary.speedup
+    );
+    let _ = writeln!(
+        s,
+        "| router | ok | errors | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | TTFT p90 vs {baseline} | ITL p50 ms | E2E p50 ms | E2E p99 ms | req/s | out tok/s | prefix hit | spread max/mean | note |"
+    );
+    let _ = writeln!(
+        s,
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+    );
+    for row in &summary.rows {
+        match &row.report {
+            Some(r) => {
+                let ratio = base
+                    .filter(|b| r.ttft_ms.p90 > 0.0 && b.ttft_ms.count > 0)
+                    .map(|b| b.ttft_ms.p90 / r.ttft_ms.p90);
+                let _ = writeln!(
+                    s,
+                    "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {} | {:.1} | {:.1} | {:.1} | {:.2} | {:.1} | {} | {} | {} |",
+                    row.label,
+                    r.ok,
+                    r.errors,
+                    r.ttft_ms.p50,
+                    r.ttft_ms.p90,
+                    r.ttft_ms.p99,
+                    ratio.map_or_else(|| "n/a".into(), |x| format!("{x:.2}x")),
+                    r.itl_ms.p50,
+                    r.e2e_ms.p50,
+                    r.e2e_ms.p99,
+                    r.requests_per_s,
+                    r.output_tokens_per_s,
+                    fmt_pct(r.prefix_hit_rate),
+                    fmt_opt(r.worker_spread, 2),
+                    row.note.as_deref().unwrap_or(""),
+                );
+            }
+            None => {
+                let _ = writeln!(
+                    s,
+                    "| {} | | | | | | | | | | | | | | {}: {} |",
+                    row.label,
+                    row.status,
+                    row.note.as_deref().unwrap_or("").replace('|', "/")
+                );
+            }
+        }
+    }
+    s
+}
+
+/// The TTFT plot of the rows that ran.
+pub fn render_svg(summary: &CompareSummary) -> String {
+    let groups: Vec<BarGroup> = summary
+        .rows
+        .iter()
+        .filter_map(|r| {
+            r.report.as_ref().map(|rep| BarGroup {
+                label: r.label.clone(),
+                values: vec![rep.ttft_ms.p50, rep.ttft_ms.p90, rep.ttft_ms.p99],
+            })
+        })
+        .collect();
+    grouped_bars_svg(
+        "TTFT by router (lower is better)",
+        &format!(
+            "{} — {} requests, {} engines",
+            summary.workload, summary.requests, summary.engines
+        ),
+        "TTFT (ms)",
+        &["p50", "p90", "p99"],
+        &groups,
+    )
+}
+
+fn write_outputs(dir: &Path, summary: &CompareSummary, baseline: &str) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let md = render_markdown(summary, baseline);
+    for (name, bytes) in [
+        ("compare.md", md.into_bytes()),
+        ("compare.json", serde_json::to_vec_pretty(summary)?),
+        ("ttft.svg", render_svg(summary).into_bytes()),
+    ] {
+        let path = dir.join(name);
+        std::fs::write(&path, bytes).with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::LatencyStats;
+
+    fn report(label: &str, p90: f64) -> Report {
+        Report {
+            label: label.into(),
+            ok: 10,
+            requests: 10,
+            ttft_ms: LatencyStats {
+                count: 10,
+                p50: p90 / 2.0,
+                p90,
+                p99: p90 * 2.0,
+                ..LatencyStats::default()
+            },
+            prefix_hit_rate: Some(0.5),
+            ..Report::default()
+        }
+    }
+
+    fn summary() -> CompareSummary {
+        CompareSummary {
+            workload: "shared-prefix".into(),
+            requests: 10,
+            engines: 4,
+            speedup: 1.0,
+            rows: vec![
+                CompareRow {
+                    label: "round_robin".into(),
+                    status: "ok".into(),
+                    note: None,
+                    report: Some(report("round_robin", 500.0)),
+                },
+                CompareRow {
+                    label: "kv_aware".into(),
+                    status: "ok".into(),
+                    note: None,
+                    report: Some(report("kv_aware", 100.0)),
+                },
+                CompareRow {
+                    label: "vllm-router:kv_aware".into(),
+                    status: "skipped".into(),
+                    note: Some("not installed".into()),
+                    report: None,
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn markdown_has_ratios_and_skipped_rows() {
+        let md = render_markdown(&summary(), "round_robin");
+        assert!(
+            md.contains("| kv_aware | 10 | 0 | 50.0 | 100.0 | 200.0 | 5.00x |"),
+            "{md}"
+        );
+        assert!(md.contains("| round_robin |") && md.contains("1.00x"));
+        assert!(md.contains("skipped: not installed"));
+        assert!(md.contains("50.0%"));
+    }
+
+    #[test]
+    fn svg_plots_only_rows_that_ran() {
+        let svg = render_svg(&summary());
+        assert_eq!(svg.matches("<title>").count(), 6);
+    }
+
+    #[test]
+    fn outputs_are_written() {
+        let dir = tempfile::tempdir().unwrap();
+        write_outputs(dir.path(), &summary(), "round_robin").unwrap();
+        for f in ["compare.md", "compare.json", "ttft.svg"] {
+            assert!(dir.path().join(f).is_file(), "{f}");
+        }
+        let back: CompareSummary =
+            serde_json::from_slice(&std::fs::read(dir.path().join("compare.json")).unwrap())
+                .unwrap();
+        assert_eq!(back, summary());
+    }
+
+    #[test]
+    fn prometheus_counter_sum() {
+        let text = "# HELP x\nvllm:request_success_total{finished_reason=\"length\"} 3\nvllm:request_success_total{finished_reason=\"stop\"} 2.0\nvllm:request_success_total_created 99\n";
+        assert_eq!(
+            parse_counter_sum(text, "vllm:request_success_total"),
+            Some(5.0)
+        );
+        assert_eq!(parse_counter_sum(text, "nope"), None);
+    }
+}

@@ -1,0 +1,116 @@
+//! A fleet of `kvgate mock-engine` child processes on free loopback ports.
+//!
+//! Owns starting, readiness and teardown of the simulated engines (each engine: HTTP
+//! port, KV-event PUB port, replay ROUTER port). Dropping a `Fleet` kills every engine.
+//! It must not start routers or send benchmark traffic.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::process::{free_ports, ManagedChild};
+
+/// The line a mock engine prints on stdout once it listens.
+pub const ENGINE_READY_LINE: &str = "mock-engine ready";
+
+/// How to start each engine.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// The `kvgate` binary.
+    pub kvgate_bin: PathBuf,
+    /// Number of engines.
+    pub engines: usize,
+    /// KV block size in tokens.
+    pub block_size: u32,
+    /// KV blocks per engine.
+    pub num_blocks: u32,
+    /// Simulated-time speedup of the engines' latency model.
+    pub speedup: f64,
+    /// Base seed (engine i gets seed + i).
+    pub seed: u64,
+    /// Extra arguments appended to every engine's command line.
+    pub extra_args: Vec<String>,
+    /// How long an engine may take to become ready.
+    pub startup_timeout: Duration,
+}
+
+/// Addresses of one running engine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineAddr {
+    /// `http://127.0.0.1:P`.
+    pub url: String,
+    /// `tcp://127.0.0.1:K`, the KV-event PUB endpoint.
+    pub kv_events: String,
+    /// `tcp://127.0.0.1:R`, the replay ROUTER endpoint.
+    pub replay: String,
+}
+
+/// Running engines; killed on drop.
+#[derive(Debug)]
+pub struct Fleet {
+    children: Vec<ManagedChild>,
+    addrs: Vec<EngineAddr>,
+}
+
+impl Fleet {
+    /// Start `cfg.engines` engines and wait until each prints its ready line.
+    /// Engine logs go to `log_dir/engine-<i>.{out,err}.log`.
+    pub async fn start(cfg: &EngineConfig, log_dir: &Path) -> anyhow::Result<Self> {
+        let ports = free_ports(cfg.engines * 3)?;
+        let mut children = Vec::with_capacity(cfg.engines);
+        let mut addrs = Vec::with_capacity(cfg.engines);
+        for i in 0..cfg.engines {
+            let (http, kv, replay) = (ports[3 * i], ports[3 * i + 1], ports[3 * i + 2]);
+            let mut args: Vec<String> = vec![
+                "mock-engine".into(),
+                "--port".into(),
+                http.to_string(),
+                "--kv-events-port".into(),
+                kv.to_string(),
+                "--replay-port".into(),
+                replay.to_string(),
+                "--block-size".into(),
+                cfg.block_size.to_string(),
+                "--num-blocks".into(),
+                cfg.num_blocks.to_string(),
+                "--speedup".into(),
+                cfg.speedup.to_string(),
+                "--seed".into(),
+                (cfg.seed + i as u64).to_string(),
+            ];
+            args.extend(cfg.extra_args.iter().cloned());
+            let child =
+                ManagedChild::spawn(&format!("engine-{i}"), &cfg.kvgate_bin, &args, log_dir)?;
+            children.push(child);
+            addrs.push(EngineAddr {
+                url: format!("http://127.0.0.1:{http}"),
+                kv_events: format!("tcp://127.0.0.1:{kv}"),
+                replay: format!("tcp://127.0.0.1:{replay}"),
+            });
+        }
+        for child in &mut children {
+            child
+                .wait_for_line(ENGINE_READY_LINE, cfg.startup_timeout)
+                .await?;
+        }
+        Ok(Self { children, addrs })
+    }
+
+    /// The engines' addresses, in start order.
+    pub fn addrs(&self) -> &[EngineAddr] {
+        &self.addrs
+    }
+
+    /// Fail with the log tail of the first engine that has died.
+    pub fn check_alive(&mut self) -> anyhow::Result<()> {
+        self.children
+            .iter_mut()
+            .try_for_each(ManagedChild::check_alive)
+    }
+
+    /// Kill every engine and reap them.
+    pub async fn shutdown(self) {
+        for child in self.children {
+            child.shutdown().await;
+        }
+    }
+}
