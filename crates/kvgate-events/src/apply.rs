@@ -1,0 +1,156 @@
+//! Applying one decoded [`EventBatch`] to the prefix index for one worker rank.
+//!
+//! Owns the filtering rules (which events the router may index) and the translation
+//! into [`PrefixIndex`] calls. It must not lock, log, count into shared metrics or touch
+//! sockets: the caller holds the write lock for the whole batch and turns the returned
+//! [`ApplyOutcome`] into metrics and log lines.
+//!
+//! Rules:
+//! * only group 0 and `full_attention` blocks are indexed, when those fields are present
+//!   (sliding-window or mamba groups do not describe a reusable prefix);
+//! * blocks carrying extra keys other than their LoRA name (multimodal content, cache
+//!   salts, prompt embeddings) are skipped: their token ids do not identify them;
+//! * `medium` maps to a tier with [`Tier::from_medium`]; removals apply to that tier;
+//! * a block-size mismatch is reported in the outcome (never silently dropped);
+//! * a LoRA block known only by `lora_id` is keyed under a synthetic `lora-id:N` name so
+//!   it can never match base-model requests.
+
+use kvgate_core::index::StoreError;
+use kvgate_core::{PrefixIndex, StoredBlocks, Tier, WorkerRef};
+
+use crate::wire::{BlockRemoved, BlockStored, EventBatch, KvEvent};
+
+/// What applying one batch did. All counts are events unless named `blocks`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ApplyOutcome {
+    /// Events that changed (or refreshed) the index.
+    pub events_applied: u64,
+    /// Blocks newly held (stores that were duplicates are not counted).
+    pub blocks_stored: u64,
+    /// Duplicate stores (block already held at that tier).
+    pub blocks_refreshed: u64,
+    /// Holder entries removed by `BlockRemoved`.
+    pub blocks_removed: u64,
+    /// Removed hashes this rank was not known to hold.
+    pub unknown_removals: u64,
+    /// `AllBlocksCleared` events (entries removed in `cleared_entries`).
+    pub clears: u64,
+    pub cleared_entries: u64,
+    /// Entries the index evicted to stay under its cap.
+    pub evicted: u64,
+    /// Events for another KV-cache group or a non-full-attention spec.
+    pub skipped_group: u64,
+    /// Stores with multimodal / salted / embedding extra keys.
+    pub skipped_extra_keys: u64,
+    /// Stores whose parent block is unknown (its store was missed or skipped).
+    pub unknown_parents: u64,
+    /// Stores whose token count is not `blocks × block_size`.
+    pub token_count_mismatches: u64,
+    /// Stores rejected because the engine's block size differs from the index's.
+    pub block_size_mismatches: u64,
+    /// The last mismatching engine block size seen in this batch.
+    pub mismatched_block_size: Option<u32>,
+    /// Unknown event types the decoder skipped.
+    pub unknown_events: u64,
+}
+
+impl ApplyOutcome {
+    /// Adds another outcome's counts to this one.
+    pub fn merge(&mut self, o: &ApplyOutcome) {
+        self.events_applied += o.events_applied;
+        self.blocks_stored += o.blocks_stored;
+        self.blocks_refreshed += o.blocks_refreshed;
+        self.blocks_removed += o.blocks_removed;
+        self.unknown_removals += o.unknown_removals;
+        self.clears += o.clears;
+        self.cleared_entries += o.cleared_entries;
+        self.evicted += o.evicted;
+        self.skipped_group += o.skipped_group;
+        self.skipped_extra_keys += o.skipped_extra_keys;
+        self.unknown_parents += o.unknown_parents;
+        self.token_count_mismatches += o.token_count_mismatches;
+        self.block_size_mismatches += o.block_size_mismatches;
+        if o.mismatched_block_size.is_some() {
+            self.mismatched_block_size = o.mismatched_block_size;
+        }
+        self.unknown_events += o.unknown_events;
+    }
+}
+
+/// Applies every event of `batch` to `index` as held by `at`, in order.
+pub fn apply_batch(index: &mut PrefixIndex, at: WorkerRef, batch: &EventBatch) -> ApplyOutcome {
+    let mut out = ApplyOutcome {
+        unknown_events: batch.unknown_events as u64,
+        ..ApplyOutcome::default()
+    };
+    for event in &batch.events {
+        match event {
+            KvEvent::BlockStored(e) => apply_stored(index, at, e, &mut out),
+            KvEvent::BlockRemoved(e) => apply_removed(index, at, e, &mut out),
+            KvEvent::AllBlocksCleared => {
+                out.clears += 1;
+                out.events_applied += 1;
+                out.cleared_entries += index.clear(at) as u64;
+            }
+        }
+    }
+    out
+}
+
+fn indexable_group(group_idx: Option<u32>, spec_kind: Option<&str>) -> bool {
+    group_idx.is_none_or(|g| g == 0) && spec_kind.is_none_or(|k| k == "full_attention")
+}
+
+fn apply_stored(index: &mut PrefixIndex, at: WorkerRef, e: &BlockStored, out: &mut ApplyOutcome) {
+    if !indexable_group(e.group_idx, e.kv_cache_spec_kind.as_deref()) {
+        out.skipped_group += 1;
+        return;
+    }
+    if e.cache_salt.is_some() || e.has_foreign_extra_keys() {
+        out.skipped_extra_keys += 1;
+        return;
+    }
+    let synthetic;
+    let lora_name = match (e.lora_name.as_deref(), e.lora_id) {
+        (Some(name), _) if !name.is_empty() => Some(name),
+        (_, Some(id)) if id > 0 => {
+            synthetic = format!("lora-id:{id}");
+            Some(synthetic.as_str())
+        }
+        _ => None,
+    };
+    let blocks = StoredBlocks {
+        engine_hashes: &e.block_hashes,
+        parent_engine_hash: e.parent_block_hash,
+        token_ids: &e.token_ids,
+        block_size: e.block_size,
+        tier: Tier::from_medium(e.medium.as_deref()),
+        lora_name,
+    };
+    match index.apply_stored(at, &blocks) {
+        Ok(o) => {
+            out.events_applied += 1;
+            out.blocks_stored += o.inserted as u64;
+            out.blocks_refreshed += o.duplicates as u64;
+            out.evicted += o.evicted as u64;
+        }
+        Err(StoreError::BlockSizeMismatch { got, .. }) => {
+            out.block_size_mismatches += 1;
+            out.mismatched_block_size = Some(got);
+        }
+        Err(StoreError::TokenCountMismatch { .. }) => out.token_count_mismatches += 1,
+        Err(StoreError::UnknownParent { .. }) => out.unknown_parents += 1,
+    }
+}
+
+fn apply_removed(index: &mut PrefixIndex, at: WorkerRef, e: &BlockRemoved, out: &mut ApplyOutcome) {
+    if !indexable_group(e.group_idx, None) {
+        out.skipped_group += 1;
+        return;
+    }
+    let tier = Tier::from_medium(e.medium.as_deref());
+    let o = index.apply_removed(at, &e.block_hashes, Some(tier));
+    out.events_applied += 1;
+    out.blocks_removed += o.removed as u64;
+    out.unknown_removals += o.unknown as u64;
+}

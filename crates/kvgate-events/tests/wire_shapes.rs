@@ -1,0 +1,312 @@
+//! Encodings other than the captures: array-encoded vLLM, SGLang, map batches, odd hash
+//! types, unknown types and fields, and the apply-time filters.
+
+mod common;
+
+use common::*;
+use kvgate_core::{BlockHasher, IndexConfig, PrefixIndex, Tier, WorkerId, WorkerRef};
+use kvgate_events::wire::{hash_bytes, ExtraKeyItem};
+use kvgate_events::{apply_batch, decode_batch, BlockStored, KvEvent};
+use rmpv::Value;
+
+const AT: WorkerRef = WorkerRef {
+    worker: WorkerId(1),
+    dp_rank: 0,
+};
+
+fn index(bs: u32) -> PrefixIndex {
+    PrefixIndex::new(BlockHasher::new(bs).unwrap(), IndexConfig::default())
+}
+
+fn stored(b: &kvgate_events::EventBatch, i: usize) -> &BlockStored {
+    match &b.events[i] {
+        KvEvent::BlockStored(s) => s,
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn older_vllm_array_events_full_field_order() {
+    let toks: Vec<u32> = (0..8).collect();
+    let ev = Value::Array(vec![
+        s("BlockStored"),
+        uints(&[u64::MAX, 1]),
+        Value::from(99u64),
+        tokens(&toks),
+        Value::from(4),
+        Value::from(3),
+        s("CPU"),
+        s("my-lora"),
+        Value::Array(vec![Value::Array(vec![s("my-lora")]), Value::Nil]),
+        Value::from(0),
+        s("full_attention"),
+        Value::Nil, // kv_cache_spec_sliding_window
+        s("future field"),
+    ]);
+    let rm = Value::Array(vec![
+        s("BlockRemoved"),
+        uints(&[1]),
+        s("CPU"),
+        Value::from(0),
+    ]);
+    let b = decode_batch(&batch(
+        vec![ev, rm, Value::Array(vec![s("AllBlocksCleared")])],
+        Some(2),
+    ))
+    .unwrap();
+    assert_eq!(b.dp_rank, Some(2));
+    let st = stored(&b, 0);
+    assert_eq!(st.block_hashes, vec![u64::MAX, 1]);
+    assert_eq!(st.parent_block_hash, Some(99));
+    assert_eq!(st.token_ids, toks);
+    assert_eq!(st.block_size, 4);
+    assert_eq!(st.lora_id, Some(3));
+    assert_eq!(st.medium.as_deref(), Some("CPU"));
+    assert_eq!(st.lora_name.as_deref(), Some("my-lora"));
+    assert_eq!(
+        st.extra_keys,
+        vec![Some(vec![ExtraKeyItem::Str("my-lora".into())]), None]
+    );
+    assert!(
+        !st.has_foreign_extra_keys(),
+        "the LoRA name alone is not foreign"
+    );
+    assert_eq!(st.group_idx, Some(0));
+    assert_eq!(st.kv_cache_spec_kind.as_deref(), Some("full_attention"));
+    match &b.events[1] {
+        KvEvent::BlockRemoved(r) => {
+            assert_eq!(r.block_hashes, vec![1]);
+            assert_eq!(r.medium.as_deref(), Some("CPU"));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(b.events[2], KvEvent::AllBlocksCleared);
+}
+
+#[test]
+fn sglang_batches_without_rank_and_short_events() {
+    // SGLang: [ts, events]; BlockStored [tag, hashes, parent, tokens, size, lora_id];
+    // BlockRemoved [tag, hashes]; signed hashes (Python ints may be negative).
+    let toks: Vec<u32> = (100..108).collect();
+    let ev = Value::Array(vec![
+        s("BlockStored"),
+        Value::Array(vec![Value::from(-5i64), Value::from(i64::MIN)]),
+        Value::Nil,
+        tokens(&toks),
+        Value::from(4),
+        Value::Nil,
+    ]);
+    let rm = Value::Array(vec![
+        s("BlockRemoved"),
+        Value::Array(vec![Value::from(-5i64)]),
+    ]);
+    let b = decode_batch(&batch(vec![ev, rm], None)).unwrap();
+    assert_eq!(b.dp_rank, None);
+    let st = stored(&b, 0);
+    assert_eq!(st.block_hashes, vec![(-5i64) as u64, i64::MIN as u64]);
+    assert_eq!(st.medium, None);
+    assert_eq!(st.group_idx, None);
+
+    let mut idx = index(4);
+    let o = apply_batch(&mut idx, AT, &b);
+    assert_eq!((o.blocks_stored, o.blocks_removed), (2, 1));
+    assert_eq!(idx.worker_len(AT), 1);
+}
+
+#[test]
+fn sglang_metadata_with_cache_salt_is_not_indexed() {
+    let ev = Value::Array(vec![
+        s("BlockStored"),
+        uints(&[1]),
+        Value::Nil,
+        tokens(&[1, 2, 3, 4]),
+        Value::from(4),
+        Value::Nil,
+        s("GPU"),
+        Value::Array(vec![s("tenant-a")]),
+    ]);
+    let b = decode_batch(&batch(vec![ev], Some(0))).unwrap();
+    assert_eq!(stored(&b, 0).cache_salt.as_deref(), Some("tenant-a"));
+    let mut idx = index(4);
+    let o = apply_batch(&mut idx, AT, &b);
+    assert_eq!((o.skipped_extra_keys, o.blocks_stored), (1, 0));
+}
+
+#[test]
+fn map_batches_and_bytes_hashes() {
+    let ev = Value::Map(vec![
+        (s("token_ids"), tokens(&[1, 2, 3, 4])),
+        (s("unknown_future_field"), Value::Array(vec![Value::Nil])),
+        (
+            s("block_hashes"),
+            Value::Array(vec![Value::Binary(vec![0xab; 32])]),
+        ),
+        (s("type"), s("BlockStored")), // tag need not come first
+        (s("block_size"), Value::from(4)),
+        (s("parent_block_hash"), Value::Nil),
+    ]);
+    let rm = Value::Map(vec![
+        (s("type"), s("BlockRemoved")),
+        (
+            s("block_hashes"),
+            Value::Array(vec![Value::Binary(vec![0xab; 32])]),
+        ),
+    ]);
+    let payload = encode(&Value::Map(vec![
+        (s("ts"), Value::F64(2.5)),
+        (s("events"), Value::Array(vec![ev, rm])),
+        (s("data_parallel_rank"), Value::from(3)),
+    ]));
+    let b = decode_batch(&payload).unwrap();
+    assert_eq!((b.ts, b.dp_rank), (2.5, Some(3)));
+    assert_eq!(stored(&b, 0).block_hashes, vec![hash_bytes(&[0xab; 32])]);
+    let mut idx = index(4);
+    let o = apply_batch(&mut idx, AT, &b);
+    assert_eq!(
+        (o.blocks_stored, o.blocks_removed, o.unknown_removals),
+        (1, 1, 0)
+    );
+}
+
+#[test]
+fn unknown_event_types_are_skipped_and_counted() {
+    let b = decode_batch(&batch(
+        vec![
+            Value::Array(vec![s("BlockTransferred"), uints(&[1]), s("DISK")]),
+            Value::Map(vec![
+                (s("type"), s("SomethingNew")),
+                (s("x"), Value::from(1)),
+            ]),
+            stored_map(&[5], None, &[1, 2, 3, 4], 4),
+        ],
+        Some(0),
+    ))
+    .unwrap();
+    assert_eq!(b.unknown_events, 2);
+    assert_eq!(b.events.len(), 1);
+    let o = apply_batch(&mut index(4), AT, &b);
+    assert_eq!((o.unknown_events, o.blocks_stored), (2, 1));
+}
+
+#[test]
+fn only_full_attention_group_zero_is_indexed() {
+    let mut sliding = stored_map(&[1], None, &[1, 2, 3, 4], 4);
+    let mut group1 = stored_map(&[2], None, &[1, 2, 3, 4], 4);
+    if let Value::Map(m) = &mut sliding {
+        m.retain(|(k, _)| k.as_str() != Some("kv_cache_spec_kind"));
+        m.push((s("kv_cache_spec_kind"), s("sliding_window")));
+    }
+    if let Value::Map(m) = &mut group1 {
+        m.retain(|(k, _)| k.as_str() != Some("group_idx"));
+        m.push((s("group_idx"), Value::from(1)));
+    }
+    let b = decode_batch(&batch(vec![sliding, group1], None)).unwrap();
+    let mut idx = index(4);
+    let o = apply_batch(&mut idx, AT, &b);
+    assert_eq!((o.skipped_group, o.blocks_stored), (2, 0));
+    assert!(idx.is_empty());
+}
+
+#[test]
+fn multimodal_extra_keys_are_skipped() {
+    let mut ev = stored_map(&[1, 2], None, &[9; 8], 4);
+    if let Value::Map(m) = &mut ev {
+        m.retain(|(k, _)| k.as_str() != Some("extra_keys"));
+        m.push((
+            s("extra_keys"),
+            Value::Array(vec![
+                Value::Array(vec![Value::Array(vec![s("img-hash"), Value::from(0)])]),
+                Value::Nil,
+            ]),
+        ));
+    }
+    let b = decode_batch(&batch(vec![ev], None)).unwrap();
+    assert!(stored(&b, 0).has_foreign_extra_keys());
+    let o = apply_batch(&mut index(4), AT, &b);
+    assert_eq!((o.skipped_extra_keys, o.blocks_stored), (1, 0));
+}
+
+#[test]
+fn tiers_and_lora_names_reach_the_index() {
+    let mut ev = stored_map(&[1], None, &[1, 2, 3, 4], 4);
+    if let Value::Map(m) = &mut ev {
+        for (k, v) in m.iter_mut() {
+            match k.as_str() {
+                Some("medium") => *v = s("CPU"),
+                Some("lora_name") => *v = s("adapter"),
+                _ => {}
+            }
+        }
+    }
+    let mut idx = index(4);
+    apply_batch(&mut idx, AT, &decode_batch(&batch(vec![ev], None)).unwrap());
+    let base = idx.hasher().block_keys(&[1, 2, 3, 4]);
+    let lora = idx
+        .hasher()
+        .for_lora(Some("adapter"))
+        .block_keys(&[1, 2, 3, 4]);
+    assert!(idx
+        .overlaps(&base)
+        .best_for(AT.worker)
+        .is_none_or(|o| o.total() == 0));
+    let o = idx.overlaps(&lora).best_for(AT.worker).unwrap();
+    assert_eq!(o.blocks[Tier::Host.index()], 1);
+}
+
+#[test]
+fn malformed_payloads_are_errors() {
+    let cases: Vec<Vec<u8>> = vec![
+        vec![],
+        vec![0xc1],
+        vec![0x92, 0xcb],                             // truncated float
+        encode(&Value::from(5)),                      // not a batch
+        encode(&Value::Array(vec![Value::F64(1.0)])), // no events
+        batch(vec![Value::Array(vec![])], None),      // empty event array
+        batch(
+            vec![Value::Map(vec![(s("block_hashes"), uints(&[1]))])],
+            None,
+        ), // no type
+        batch(
+            vec![Value::Array(vec![
+                s("BlockStored"),
+                uints(&[1]),
+                Value::Nil,
+                s("x"),
+                Value::from(4),
+            ])],
+            None,
+        ), // token_ids not an array
+        batch(
+            vec![Value::Array(vec![
+                s("BlockStored"),
+                uints(&[1]),
+                Value::Nil,
+                tokens(&[1]),
+                Value::from(-4),
+            ])],
+            None,
+        ), // negative block size
+        batch(
+            vec![Value::Array(vec![s("BlockStored"), uints(&[1])])],
+            None,
+        ), // too short
+    ];
+    for (i, c) in cases.iter().enumerate() {
+        assert!(decode_batch(c).is_err(), "case {i} decoded");
+    }
+    // Lenient optional fields: a string lora_id or a numeric medium are treated as absent.
+    let ev = Value::Array(vec![
+        s("BlockStored"),
+        uints(&[1]),
+        Value::Nil,
+        tokens(&[1, 2, 3, 4]),
+        Value::from(4),
+        s("not-an-int"),
+        Value::from(7),
+    ]);
+    let b = decode_batch(&batch(vec![ev], None)).unwrap();
+    assert_eq!(
+        (stored(&b, 0).lora_id, stored(&b, 0).medium.as_deref()),
+        (None, None)
+    );
+}
