@@ -49,7 +49,8 @@ fn populated(s: &Scenario) -> PrefixIndex {
 }
 
 fn benches(c: &mut Criterion) {
-    let s = scenario(BLOCK_SIZE, WORKERS, ENTRIES, QUERY_TOKENS);
+    // Per-engine hash seeds, as vLLM has by default.
+    let s = scenario(BLOCK_SIZE, WORKERS, ENTRIES, QUERY_TOKENS, false);
     let mut index = populated(&s);
     eprintln!(
         "index: {} entries, {} distinct blocks, {} workers; {} queries; churn batch {} blocks",

@@ -90,15 +90,19 @@ pub struct StoredEvent {
 pub struct Fleet {
     pub workers: u32,
     pub block_size: usize,
+    /// Every engine computes the same hash for the same content (vLLM with a fixed
+    /// PYTHONHASHSEED). dynamo-kv-router's radix tree requires this; kvgate does not.
+    pub consistent_engine_hashes: bool,
     held: Vec<HashSet<u64>>,
     pub entries: usize,
 }
 
 impl Fleet {
-    pub fn new(workers: u32, block_size: usize) -> Self {
+    pub fn new(workers: u32, block_size: usize, consistent_engine_hashes: bool) -> Self {
         Self {
             workers,
             block_size,
+            consistent_engine_hashes,
             held: (0..workers).map(|_| HashSet::new()).collect(),
             entries: 0,
         }
@@ -106,7 +110,8 @@ impl Fleet {
 
     /// Engine hashes of every full block of `tokens` on `worker` (opaque, seeded).
     pub fn engine_hashes(&self, worker: u32, tokens: &[u32]) -> Vec<u64> {
-        let mut parent = 0x5eed_0000_u64 + u64::from(worker);
+        let seed_worker = if self.consistent_engine_hashes { 0 } else { worker };
+        let mut parent = 0x5eed_0000_u64 + u64::from(seed_worker);
         tokens
             .chunks_exact(self.block_size)
             .map(|block| {
@@ -162,9 +167,10 @@ pub fn scenario(
     workers: u32,
     target_entries: usize,
     query_tokens: usize,
+    consistent_engine_hashes: bool,
 ) -> Scenario {
     let trace = load_conversation_trace();
-    let mut fleet = Fleet::new(workers, block_size);
+    let mut fleet = Fleet::new(workers, block_size, consistent_engine_hashes);
     let mut population = Vec::new();
     let mut next = 0;
     while fleet.entries < target_entries && next < trace.len() {

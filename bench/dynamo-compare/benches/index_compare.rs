@@ -1,0 +1,156 @@
+//! kvgate-core vs dynamo-kv-router (1.6.1, its single-threaded `RadixTree`) on the same
+//! Mooncake-derived workload, in one run:
+//! - lookup: hash an 8,192-token prompt into block hashes + find per-worker overlap,
+//!   with ~1,000,000 (block, worker) entries over 16 workers;
+//! - events: apply a batch of BlockStored (hashing their token ids, as each router's
+//!   event ingestion must) and then the matching BlockRemoved.
+//! Results and the command: docs/BENCHMARKS.md.
+
+#[path = "../../../crates/kvgate-core/benches/support/mod.rs"]
+mod support;
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use dynamo_kv_router::indexer::RadixTree;
+use dynamo_kv_router::protocols::{
+    compute_block_hash_for_seq, BlockHashOptions, ExternalSequenceBlockHash, KvCacheEvent,
+    KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, KvCacheStoredBlockData, RouterEvent,
+};
+use kvgate_core::{BlockHasher, IndexConfig, PrefixIndex, StoredBlocks, Tier, WorkerId, WorkerRef};
+use support::mooncake::{scenario, StoredEvent};
+
+const BLOCK_SIZE: usize = 16;
+const WORKERS: u32 = 16;
+const ENTRIES: usize = 1_000_000;
+const QUERY_TOKENS: usize = 8192;
+
+fn kv_apply(index: &mut PrefixIndex, ev: &StoredEvent) {
+    index
+        .apply_stored(
+            WorkerRef::new(WorkerId(ev.worker), 0),
+            &StoredBlocks {
+                engine_hashes: &ev.engine_hashes,
+                parent_engine_hash: ev.parent,
+                token_ids: &ev.tokens,
+                block_size: BLOCK_SIZE as u32,
+                tier: Tier::Device,
+                lora_name: None,
+            },
+        )
+        .expect("consistent workload");
+}
+
+fn dyn_stored(ev: &StoredEvent, id: u64) -> RouterEvent {
+    // Dynamo's ingestion hashes the event's token ids into local block hashes.
+    let local = compute_block_hash_for_seq(&ev.tokens, BLOCK_SIZE as u32, BlockHashOptions::default());
+    RouterEvent::new(
+        u64::from(ev.worker),
+        KvCacheEvent {
+            event_id: id,
+            dp_rank: 0,
+            data: KvCacheEventData::Stored(KvCacheStoreData {
+                parent_hash: ev.parent.map(ExternalSequenceBlockHash),
+                start_position: None,
+                blocks: local
+                    .into_iter()
+                    .zip(&ev.engine_hashes)
+                    .map(|(tokens_hash, h)| KvCacheStoredBlockData {
+                        block_hash: ExternalSequenceBlockHash(*h),
+                        tokens_hash,
+                        mm_extra_info: None,
+                    })
+                    .collect(),
+            }),
+        },
+    )
+}
+
+fn dyn_removed(ev: &StoredEvent, id: u64) -> RouterEvent {
+    RouterEvent::new(
+        u64::from(ev.worker),
+        KvCacheEvent {
+            event_id: id,
+            dp_rank: 0,
+            data: KvCacheEventData::Removed(KvCacheRemoveData {
+                block_hashes: ev.engine_hashes.iter().rev().map(|h| ExternalSequenceBlockHash(*h)).collect(),
+            }),
+        },
+    )
+}
+
+fn benches(c: &mut Criterion) {
+    // Fleet-wide consistent engine hashes: dynamo's radix tree requires them.
+    let s = scenario(BLOCK_SIZE, WORKERS, ENTRIES, QUERY_TOKENS, true);
+    let mut kv = PrefixIndex::new(BlockHasher::new(BLOCK_SIZE as u32).expect("bs"), IndexConfig::default());
+    let mut dy = RadixTree::new();
+    for (i, ev) in s.population.iter().enumerate() {
+        kv_apply(&mut kv, ev);
+        dy.apply_event(dyn_stored(ev, i as u64)).expect("dynamo accepts the event");
+    }
+    eprintln!(
+        "kvgate entries {} / dynamo size {}; {} queries; churn {} blocks",
+        kv.len(),
+        dy.current_size(),
+        s.queries.len(),
+        s.churn_blocks
+    );
+    let hasher = *kv.hasher();
+    // Sanity: both see the same longest overlap for every query.
+    for tokens in &s.queries {
+        let ours = kv.overlaps(&hasher.block_keys(tokens)).longest;
+        let local = compute_block_hash_for_seq(tokens, BLOCK_SIZE as u32, BlockHashOptions::default());
+        let theirs = dy.find_matches(local, false).scores.values().copied().max().unwrap_or(0);
+        assert_eq!(ours, theirs, "both indexes must agree on the overlap");
+    }
+
+    let mut g = c.benchmark_group("lookup_8k_tokens_1M_blocks_16_workers");
+    g.sample_size(30).warm_up_time(Duration::from_secs(1)).measurement_time(Duration::from_secs(4));
+    let mut q = 0;
+    g.bench_function("kvgate", |b| {
+        b.iter(|| {
+            q = (q + 1) % s.queries.len();
+            black_box(kv.overlaps(&hasher.block_keys(&s.queries[q])))
+        })
+    });
+    g.bench_function("dynamo", |b| {
+        b.iter(|| {
+            q = (q + 1) % s.queries.len();
+            let local = compute_block_hash_for_seq(&s.queries[q], BLOCK_SIZE as u32, BlockHashOptions::default());
+            black_box(dy.find_matches(local, false))
+        })
+    });
+    g.finish();
+
+    let mut g = c.benchmark_group("events_store_then_remove");
+    g.sample_size(20).warm_up_time(Duration::from_secs(1)).measurement_time(Duration::from_secs(5));
+    g.throughput(Throughput::Elements(2 * s.churn_blocks as u64));
+    g.bench_function("kvgate", |b| {
+        b.iter(|| {
+            for ev in &s.churn {
+                kv_apply(&mut kv, ev);
+            }
+            for ev in s.churn.iter().rev() {
+                kv.apply_removed(WorkerRef::new(WorkerId(ev.worker), 0), &ev.engine_hashes, Some(Tier::Device));
+            }
+        })
+    });
+    let mut id = 1u64 << 40;
+    g.bench_function("dynamo", |b| {
+        b.iter(|| {
+            for ev in &s.churn {
+                id += 1;
+                let _ = dy.apply_event(dyn_stored(ev, id));
+            }
+            for ev in s.churn.iter().rev() {
+                id += 1;
+                let _ = dy.apply_event(dyn_removed(ev, id));
+            }
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(compare, benches);
+criterion_main!(compare);
