@@ -1,0 +1,279 @@
+//! A faster encoder for the common byte-level BPE tokenizer shape (Qwen2/3, Llama 3,
+//! GPT-style): same pipeline and same ids as the `tokenizers` crate, without its
+//! `fancy-regex` pre-tokenizer.
+//!
+//! With the pure-Rust feature set, `tokenizers` runs the whole split pattern in
+//! fancy-regex's backtracking VM because of a single `\s+(?!\S)` lookahead, which
+//! makes encoding ~3 µs/token. Here the pattern runs on the `regex` crate with
+//! `\s+(?!\S)|\s+` replaced by `\s+` plus an exact fix-up (a whitespace run followed by
+//! a non-space gives its last character to the next piece), then the crate's own BPE
+//! model encodes each piece. Owns only that pipeline; it must accept a tokenizer only
+//! when every stage is one it reproduces exactly (see [`FastEncoder::new`]), and the
+//! caller falls back to `tokenizers` otherwise.
+
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use aho_corasick::{AhoCorasick, MatchKind};
+use rustc_hash::FxHashMap;
+use serde_json::Value;
+
+/// Entries kept per thread in the piece → ids cache before it is cleared.
+const PIECE_CACHE_MAX: usize = 65_536;
+/// Pieces longer than this (bytes) bypass the cache.
+const PIECE_CACHE_MAX_LEN: usize = 64;
+
+/// Byte-level piece → BPE ids.
+type PieceCache = FxHashMap<Box<str>, Box<[u32]>>;
+
+static NEXT_ENCODER_ID: AtomicU64 = AtomicU64::new(1);
+
+thread_local! {
+    /// Per-thread cache of byte-level piece → BPE ids, owned by one encoder at a time
+    /// (the id of the encoder that filled it). Avoids the BPE model's per-call `Token`
+    /// allocations for repeated words; no locking on the request path.
+    static PIECE_CACHE: RefCell<(u64, PieceCache)> =
+        RefCell::new((0, PieceCache::default()));
+}
+
+/// The lookahead tail this encoder knows how to replace.
+const WS_TAIL: &str = r"|\s+(?!\S)|\s+";
+
+pub(crate) struct FastEncoder {
+    /// Identity for the thread-local piece cache.
+    id: u64,
+    /// Added tokens (all matched on raw text), leftmost-longest like `tokenizers`.
+    added: Option<AhoCorasick>,
+    added_ids: Vec<u32>,
+    split: regex::Regex,
+    /// The pattern without the whitespace tail, anchored: tells whether an
+    /// all-whitespace match came from the head (e.g. `\s*[\r\n]+`) or from `\s+`.
+    head: regex::Regex,
+    nfc: bool,
+    byte_chars: [char; 256],
+    /// The post-processor adds nothing (none or ByteLevel), so ids are final even with
+    /// `add_special_tokens`.
+    post_processor_is_noop: bool,
+}
+
+impl FastEncoder {
+    /// Build from the raw `tokenizer.json`; `None` when any stage differs from the shape
+    /// reproduced here (the caller then uses the `tokenizers` crate).
+    pub(crate) fn new(json: &Value) -> Option<FastEncoder> {
+        let nfc = match json.get("normalizer") {
+            None | Some(Value::Null) => false,
+            Some(n) if n.get("type")? == "NFC" => true,
+            _ => return None,
+        };
+        let pattern = split_pattern(json.get("pre_tokenizer")?)?;
+        let head = pattern.strip_suffix(WS_TAIL)?;
+        let unsupported = ["(?=", "(?!", "(?<", "\\b", "\\B", "\\A", "\\z", "$"];
+        if unsupported.iter().any(|u| head.contains(u)) {
+            return None;
+        }
+        let split = regex::Regex::new(&format!(r"{head}|\s+")).ok()?;
+        let head = regex::Regex::new(&format!(r"\A(?:{head})")).ok()?;
+        let model = json.get("model")?;
+        let unset = |k: &str| model.get(k).is_none_or(|v| v.is_null() || v == "");
+        let plain_bpe = model.get("type")? == "BPE"
+            && model.get("dropout").is_none_or(Value::is_null)
+            && unset("continuing_subword_prefix")
+            && unset("end_of_word_suffix")
+            && !model
+                .get("byte_fallback")
+                .and_then(Value::as_bool)
+                .unwrap_or(false);
+        if !plain_bpe {
+            return None;
+        }
+        let post_processor_is_noop = match json.get("post_processor") {
+            None | Some(Value::Null) => true,
+            Some(p) => p.get("type").and_then(Value::as_str) == Some("ByteLevel"),
+        };
+        let mut patterns = Vec::new();
+        let mut added_ids = Vec::new();
+        for t in json.get("added_tokens")?.as_array()? {
+            let flag = |k: &str| t.get(k).and_then(Value::as_bool).unwrap_or(false);
+            if flag("normalized") || flag("lstrip") || flag("rstrip") || flag("single_word") {
+                return None;
+            }
+            patterns.push(t.get("content")?.as_str()?.to_owned());
+            added_ids.push(u32::try_from(t.get("id")?.as_u64()?).ok()?);
+        }
+        let added = if patterns.is_empty() {
+            None
+        } else {
+            Some(
+                AhoCorasick::builder()
+                    .match_kind(MatchKind::LeftmostLongest)
+                    .build(&patterns)
+                    .ok()?,
+            )
+        };
+        Some(FastEncoder {
+            id: NEXT_ENCODER_ID.fetch_add(1, Ordering::Relaxed),
+            added,
+            added_ids,
+            split,
+            head,
+            nfc,
+            byte_chars: bytes_to_unicode(),
+            post_processor_is_noop,
+        })
+    }
+
+    /// Whether this encoder gives final ids for this `add_special_tokens` value.
+    pub(crate) fn supports(&self, add_special_tokens: bool) -> bool {
+        self.post_processor_is_noop || !add_special_tokens
+    }
+
+    pub(crate) fn encode(
+        &self,
+        model: &impl tokenizers::Model,
+        text: &str,
+    ) -> tokenizers::Result<Vec<u32>> {
+        let mut ids = Vec::with_capacity(text.len() / 3);
+        let mut piece = String::new();
+        let mut start = 0;
+        if let Some(added) = &self.added {
+            for m in added.find_iter(text) {
+                self.encode_segment(model, &text[start..m.start()], &mut piece, &mut ids)?;
+                ids.push(self.added_ids[m.pattern().as_usize()]);
+                start = m.end();
+            }
+        }
+        self.encode_segment(model, &text[start..], &mut piece, &mut ids)?;
+        Ok(ids)
+    }
+
+    fn encode_segment(
+        &self,
+        model: &impl tokenizers::Model,
+        segment: &str,
+        piece: &mut String,
+        ids: &mut Vec<u32>,
+    ) -> tokenizers::Result<()> {
+        if segment.is_empty() {
+            return Ok(());
+        }
+        let normalized;
+        let segment = if self.nfc && !unicode_normalization_alignments::is_nfc(segment) {
+            use unicode_normalization_alignments::UnicodeNormalization as _;
+            normalized = segment.chars().nfc().map(|(c, _)| c).collect::<String>();
+            normalized.as_str()
+        } else {
+            segment
+        };
+        let mut pos = 0;
+        while pos < segment.len() {
+            let Some(m) = self.split.find_at(segment, pos) else {
+                // Unmatched tail (Isolated behaviour keeps it as its own piece).
+                self.encode_piece(model, &segment[pos..], piece, ids)?;
+                break;
+            };
+            if m.start() > pos {
+                self.encode_piece(model, &segment[pos..m.start()], piece, ids)?;
+            }
+            let mut end = m.end();
+            let matched = m.as_str();
+            // `\s+(?!\S)`: a whitespace run matched by the tail and followed by a
+            // non-space leaves its last char to the next piece (a one-char run is taken
+            // whole by the plain `\s+`).
+            if end < segment.len()
+                && matched.chars().nth(1).is_some()
+                && matched.chars().all(char::is_whitespace)
+                && !self.head.is_match(&segment[m.start()..])
+            {
+                if let Some((last_start, _)) = matched.char_indices().next_back() {
+                    end = m.start() + last_start;
+                }
+            }
+            self.encode_piece(model, &segment[m.start()..end], piece, ids)?;
+            pos = end;
+        }
+        Ok(())
+    }
+
+    fn encode_piece(
+        &self,
+        model: &impl tokenizers::Model,
+        text: &str,
+        piece: &mut String,
+        ids: &mut Vec<u32>,
+    ) -> tokenizers::Result<()> {
+        piece.clear();
+        piece.extend(text.bytes().map(|b| self.byte_chars[b as usize]));
+        if piece.len() > PIECE_CACHE_MAX_LEN {
+            ids.extend(model.tokenize(piece)?.into_iter().map(|t| t.id));
+            return Ok(());
+        }
+        PIECE_CACHE.with(|cell| {
+            let mut cache = cell.borrow_mut();
+            if cache.0 != self.id || cache.1.len() >= PIECE_CACHE_MAX {
+                cache.0 = self.id;
+                cache.1.clear();
+            }
+            if let Some(hit) = cache.1.get(piece.as_str()) {
+                ids.extend_from_slice(hit);
+                return Ok(());
+            }
+            let encoded: Box<[u32]> = model.tokenize(piece)?.into_iter().map(|t| t.id).collect();
+            ids.extend_from_slice(&encoded);
+            cache.1.insert(piece.as_str().into(), encoded);
+            Ok(())
+        })
+    }
+}
+
+/// The single `Split` regex of a `Sequence[Split(Isolated), ByteLevel(no regex)]`
+/// pre-tokenizer.
+fn split_pattern(pre: &Value) -> Option<String> {
+    if pre.get("type")? != "Sequence" {
+        return None;
+    }
+    let steps = pre.get("pretokenizers")?.as_array()?;
+    let [split, byte_level] = steps.as_slice() else {
+        return None;
+    };
+    let split_ok = split.get("type")? == "Split"
+        && split.get("behavior")? == "Isolated"
+        && !split
+            .get("invert")
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
+    let byte_level_ok = byte_level.get("type")? == "ByteLevel"
+        && !byte_level
+            .get("add_prefix_space")
+            .and_then(Value::as_bool)
+            .unwrap_or(true)
+        && !byte_level
+            .get("use_regex")
+            .and_then(Value::as_bool)
+            .unwrap_or(true);
+    if !(split_ok && byte_level_ok) {
+        return None;
+    }
+    split
+        .get("pattern")?
+        .get("Regex")?
+        .as_str()
+        .map(str::to_owned)
+}
+
+/// GPT-2's byte-to-unicode table used by the ByteLevel pre-tokenizer.
+fn bytes_to_unicode() -> [char; 256] {
+    let mut table = ['\0'; 256];
+    let mut next = 256u32;
+    for b in 0..=255u8 {
+        let printable = matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+        let code = if printable {
+            u32::from(b)
+        } else {
+            let c = next;
+            next += 1;
+            c
+        };
+        table[b as usize] = char::from_u32(code).unwrap_or('\u{FFFD}');
+    }
+    table
+}

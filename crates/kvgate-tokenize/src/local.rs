@@ -1,0 +1,399 @@
+//! Local tokenization: a model's HF `tokenizer.json` and chat template, in process.
+//!
+//! Owns loading a tokenizer directory (`tokenizer.json`, `tokenizer_config.json`,
+//! optional `chat_template.jinja` / `chat_template.json`), the chat path (render the
+//! template like transformers' `apply_chat_template`, including its
+//! `continue_final_message` truncation, then encode), the completion path, and the
+//! decision to move long inputs to tokio's blocking pool. Request parsing lives in
+//! `request`, the Jinja environment in `template`; this file must not do HTTP.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use serde_json::{Map, Value};
+
+use crate::fast::FastEncoder;
+use crate::request::{self, ChatOptions, Conversation, Shape};
+use crate::template::TemplateSet;
+use crate::{count_non_text_parts, RequestKind, RoutingTokens, TokenizeError};
+
+/// Requests with at least this many bytes of text are tokenized on tokio's blocking
+/// pool instead of the async worker. Measured (docs/BENCHMARKS-tokenize.md): a 1k-token
+/// chat (~4 KiB) takes ~0.2 ms, an 8k one ~1.6 ms, so 16 KiB (~4k tokens) caps inline
+/// work below ~1 ms while `spawn_blocking`'s fixed cost (~10-20 µs) stays negligible.
+pub const SPAWN_BLOCKING_MIN_BYTES: usize = 16 * 1024;
+
+/// Special-token attributes HF exposes to chat templates (`special_tokens_map`).
+const SPECIAL_TOKEN_KEYS: &[&str] = &[
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+];
+
+/// An HF tokenizer plus chat template(s), loaded once and shared (`Arc`) by requests.
+pub struct LocalTokenizer {
+    tokenizer: tokenizers::Tokenizer,
+    /// Same ids as `tokenizer`, faster, for the byte-level BPE shape (see `fast`).
+    fast: Option<FastEncoder>,
+    templates: Option<TemplateSet>,
+    /// Template context entries from `tokenizer_config.json` (bos/eos/... tokens).
+    special_tokens: Map<String, Value>,
+    dir: PathBuf,
+}
+
+impl std::fmt::Debug for LocalTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalTokenizer")
+            .field("dir", &self.dir)
+            .field("templates", &self.templates)
+            .field("fast_path", &self.fast.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Owned, validated work for one request, ready to run on any thread.
+pub(crate) enum Work {
+    Done(RoutingTokens),
+    Text {
+        prompt: String,
+        add_special_tokens: bool,
+    },
+    Chat(Box<ChatWork>),
+}
+
+pub(crate) struct ChatWork {
+    options: ChatOptions,
+    conversation: Conversation,
+}
+
+impl Work {
+    fn text_bytes(&self) -> usize {
+        match self {
+            Work::Done(_) => 0,
+            Work::Text { prompt, .. } => prompt.len(),
+            Work::Chat(chat) => chat.conversation.text_bytes,
+        }
+    }
+}
+
+impl LocalTokenizer {
+    /// Load `tokenizer.json` (required) and `tokenizer_config.json` (optional: without
+    /// it only completions can be tokenized) from a model directory. The chat template
+    /// comes from `chat_template.jinja` if present, else `tokenizer_config.json`'s
+    /// `chat_template` (a string or a list of `{name, template}`), else
+    /// `chat_template.json`.
+    pub fn from_dir(dir: &Path) -> anyhow::Result<LocalTokenizer> {
+        let tok_path = dir.join("tokenizer.json");
+        let tok_text = std::fs::read_to_string(&tok_path)
+            .with_context(|| format!("cannot read {}", tok_path.display()))?;
+        let tokenizer: tokenizers::Tokenizer = tok_text
+            .parse()
+            .map_err(|e| anyhow::anyhow!("cannot load {}: {e}", tok_path.display()))?;
+        let fast = serde_json::from_str::<Value>(&tok_text)
+            .ok()
+            .and_then(|json| FastEncoder::new(&json));
+        drop(tok_text);
+        let config_path = dir.join("tokenizer_config.json");
+        let config: Map<String, Value> = if config_path.exists() {
+            let text = std::fs::read_to_string(&config_path)
+                .with_context(|| format!("cannot read {}", config_path.display()))?;
+            serde_json::from_str(&text)
+                .with_context(|| format!("{} is not a JSON object", config_path.display()))?
+        } else {
+            Map::new()
+        };
+        let special_tokens = special_tokens_map(&config);
+        let templates = load_templates(dir, &config)?;
+        let templates = if templates.is_empty() {
+            None
+        } else {
+            Some(TemplateSet::new(templates)?)
+        };
+        Ok(LocalTokenizer {
+            tokenizer,
+            fast,
+            templates,
+            special_tokens,
+            dir: dir.to_owned(),
+        })
+    }
+
+    /// Whether a chat template was found (without one, chat requests are rejected).
+    pub fn has_chat_template(&self) -> bool {
+        self.templates.is_some()
+    }
+
+    /// Tokenize one OpenAI body on the calling thread.
+    pub fn tokenize(
+        &self,
+        kind: RequestKind,
+        body: &Value,
+    ) -> Result<RoutingTokens, TokenizeError> {
+        let work = self.prepare(kind, body)?;
+        self.run(work)
+    }
+
+    /// Render a chat body to the prompt text the engine would tokenize (for debugging
+    /// parity: `kvgate tokenize --print-prompt`).
+    pub fn render_chat(&self, body: &Value) -> Result<String, TokenizeError> {
+        let obj = body
+            .as_object()
+            .ok_or_else(|| request::invalid("request body must be a JSON object"))?;
+        let options = ChatOptions::parse(obj)?;
+        let conversation = request::conversation(obj, self.content_format(&options)?)?;
+        self.render(&options, &conversation)
+    }
+
+    /// Encode text with the tokenizer (`add_special_tokens` applies its post-processor).
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
+        match &self.fast {
+            Some(fast) if fast.supports(add_special_tokens) => fast
+                .encode(self.tokenizer.get_model(), text)
+                .map_err(|e| TokenizeError::Invalid(format!("tokenizer error: {e}"))),
+            _ => self.encode_with_tokenizers_crate(text, add_special_tokens),
+        }
+    }
+
+    /// Encode with the `tokenizers` crate's own pipeline, bypassing the fast path (the
+    /// reference the fast path is tested against).
+    #[doc(hidden)]
+    pub fn encode_with_tokenizers_crate(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        let encoding = self
+            .tokenizer
+            .encode_fast(text, add_special_tokens)
+            .map_err(|e| TokenizeError::Invalid(format!("tokenizer error: {e}")))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    pub(crate) fn prepare(&self, kind: RequestKind, body: &Value) -> Result<Work, TokenizeError> {
+        match request::classify(kind, body)? {
+            Shape::NoTokens(reason) => Ok(Work::Done(RoutingTokens::NoRoutingTokens { reason })),
+            Shape::Ids(ids) => Ok(Work::Done(RoutingTokens::Tokens {
+                ids,
+                non_text_parts: 0,
+            })),
+            Shape::Text {
+                prompt,
+                add_special_tokens,
+            } => Ok(Work::Text {
+                prompt: prompt.to_owned(),
+                add_special_tokens,
+            }),
+            Shape::Chat(obj) => {
+                let options = ChatOptions::parse(obj)?;
+                let conversation = request::conversation(obj, self.content_format(&options)?)?;
+                count_non_text_parts(conversation.non_text_parts);
+                Ok(Work::Chat(Box::new(ChatWork {
+                    options,
+                    conversation,
+                })))
+            }
+        }
+    }
+
+    pub(crate) fn run(&self, work: Work) -> Result<RoutingTokens, TokenizeError> {
+        match work {
+            Work::Done(done) => Ok(done),
+            Work::Text {
+                prompt,
+                add_special_tokens,
+            } => Ok(RoutingTokens::Tokens {
+                ids: self.encode(&prompt, add_special_tokens)?,
+                non_text_parts: 0,
+            }),
+            Work::Chat(chat) => {
+                let ChatWork {
+                    options,
+                    conversation,
+                } = *chat;
+                let prompt = self.render(&options, &conversation)?;
+                Ok(RoutingTokens::Tokens {
+                    ids: self.encode(&prompt, options.add_special_tokens)?,
+                    non_text_parts: conversation.non_text_parts,
+                })
+            }
+        }
+    }
+
+    fn template_set(&self) -> Result<&TemplateSet, TokenizeError> {
+        self.templates.as_ref().ok_or_else(|| {
+            TokenizeError::Invalid(
+                "As of transformers v4.44, default chat template is no longer allowed, so you \
+                 must provide a chat template if the tokenizer does not define one."
+                    .into(),
+            )
+        })
+    }
+
+    fn content_format(
+        &self,
+        options: &ChatOptions,
+    ) -> Result<request::ContentFormat, TokenizeError> {
+        Ok(self.template_set()?.select(options.tools.is_some())?.format)
+    }
+
+    /// transformers' `apply_chat_template(tokenize=False)`.
+    fn render(
+        &self,
+        options: &ChatOptions,
+        conversation: &Conversation,
+    ) -> Result<String, TokenizeError> {
+        let set = self.template_set()?;
+        let entry = set.select(options.tools.is_some())?;
+        // HF: template kwargs = {**special_tokens_map, **kwargs}, then the named args.
+        let mut ctx = self.special_tokens.clone();
+        for (k, v) in &options.kwargs {
+            ctx.insert(k.clone(), v.clone());
+        }
+        ctx.insert(
+            "messages".into(),
+            Value::Array(conversation.messages.clone()),
+        );
+        ctx.insert("tools".into(), options.tools.clone().unwrap_or(Value::Null));
+        ctx.insert(
+            "documents".into(),
+            options.documents.clone().unwrap_or(Value::Null),
+        );
+        ctx.insert(
+            "add_generation_prompt".into(),
+            Value::Bool(options.add_generation_prompt),
+        );
+        let rendered = set.render(entry, minijinja::Value::from_serialize(&ctx))?;
+        if options.continue_final_message {
+            continue_final_message(rendered, &conversation.messages)
+        } else {
+            Ok(rendered)
+        }
+    }
+}
+
+/// transformers' `continue_final_message`: cut the rendered chat right after the final
+/// message's text, dropping the end-of-turn the template appended.
+fn continue_final_message(rendered: String, messages: &[Value]) -> Result<String, TokenizeError> {
+    let last = messages.last().ok_or_else(|| {
+        request::invalid("continue_final_message is set but there are no messages")
+    })?;
+    let final_message: &str = match last.get("content") {
+        Some(Value::String(s)) => s,
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .rev()
+            .find_map(|p| p.get("text").and_then(Value::as_str))
+            .ok_or_else(|| {
+                request::invalid(
+                    "continue_final_message is set but we could not find any text to continue \
+                     in the final message!",
+                )
+            })?,
+        _ => "",
+    };
+    let stripped = final_message.trim();
+    let Some(loc) = rendered.rfind(stripped) else {
+        return Err(request::invalid(
+            "continue_final_message is set but the final message does not appear in the chat \
+             after applying the chat template! This can happen if the chat template deletes \
+             portions of the final message. Please verify the chat template and final message \
+             in your chat to ensure they are compatible.",
+        ));
+    };
+    let lstripped_len = final_message.trim_start().len();
+    let end = if rendered.get(loc..loc + lstripped_len) == Some(final_message) {
+        loc + lstripped_len
+    } else {
+        loc + stripped.len()
+    };
+    let mut rendered = rendered;
+    rendered.truncate(end);
+    Ok(rendered)
+}
+
+fn token_content(v: &Value) -> Option<Value> {
+    match v {
+        Value::String(s) => Some(Value::String(s.clone())),
+        Value::Object(o) => o.get("content").filter(|c| c.is_string()).cloned(),
+        _ => None,
+    }
+}
+
+fn special_tokens_map(config: &Map<String, Value>) -> Map<String, Value> {
+    let mut map = Map::new();
+    for key in SPECIAL_TOKEN_KEYS {
+        if let Some(tok) = config.get(*key).and_then(token_content) {
+            map.insert((*key).to_owned(), tok);
+        }
+    }
+    if let Some(Value::Array(extra)) = config.get("additional_special_tokens") {
+        let extra: Vec<Value> = extra.iter().filter_map(token_content).collect();
+        if !extra.is_empty() {
+            map.insert("additional_special_tokens".into(), Value::Array(extra));
+        }
+    }
+    map
+}
+
+fn load_templates(
+    dir: &Path,
+    config: &Map<String, Value>,
+) -> anyhow::Result<Vec<(String, String)>> {
+    let jinja = dir.join("chat_template.jinja");
+    if jinja.exists() {
+        let text = std::fs::read_to_string(&jinja)
+            .with_context(|| format!("cannot read {}", jinja.display()))?;
+        return Ok(vec![("default".into(), text)]);
+    }
+    match config.get("chat_template") {
+        Some(Value::String(s)) => return Ok(vec![("default".into(), s.clone())]),
+        Some(Value::Array(list)) => {
+            let mut out = Vec::with_capacity(list.len());
+            for item in list {
+                let name = item.get("name").and_then(Value::as_str);
+                let tmpl = item.get("template").and_then(Value::as_str);
+                match (name, tmpl) {
+                    (Some(n), Some(t)) => out.push((n.to_owned(), t.to_owned())),
+                    _ => anyhow::bail!(
+                        "tokenizer_config.json: chat_template list entries need 'name' and 'template'"
+                    ),
+                }
+            }
+            return Ok(out);
+        }
+        Some(Value::Null) | None => {}
+        Some(_) => anyhow::bail!("tokenizer_config.json: chat_template must be a string or a list"),
+    }
+    let json = dir.join("chat_template.json");
+    if json.exists() {
+        let text = std::fs::read_to_string(&json)
+            .with_context(|| format!("cannot read {}", json.display()))?;
+        let v: Value = serde_json::from_str(&text)
+            .with_context(|| format!("{} is not valid JSON", json.display()))?;
+        if let Some(t) = v.get("chat_template").and_then(Value::as_str) {
+            return Ok(vec![("default".into(), t.to_owned())]);
+        }
+    }
+    Ok(Vec::new())
+}
+
+/// The async path: small inputs inline, long ones on the blocking pool.
+pub(crate) async fn tokenize_async(
+    local: &Arc<LocalTokenizer>,
+    kind: RequestKind,
+    body: &Value,
+) -> Result<RoutingTokens, TokenizeError> {
+    let work = local.prepare(kind, body)?;
+    if work.text_bytes() < SPAWN_BLOCKING_MIN_BYTES {
+        return local.run(work);
+    }
+    let local = Arc::clone(local);
+    tokio::task::spawn_blocking(move || local.run(work))
+        .await
+        .map_err(|e| TokenizeError::Unavailable(format!("tokenizer task failed: {e}")))?
+}

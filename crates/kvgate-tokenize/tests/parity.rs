@@ -1,0 +1,216 @@
+//! Acceptance: the local tokenizer reproduces every vLLM 0.32 `/tokenize` answer in
+//! fixtures/tokenize-parity-qwen3.json exactly, plus behaviour around those semantics.
+
+mod common;
+
+use kvgate_tokenize::{RequestKind, RoutingTokens, TokenizeError};
+use serde_json::{json, Value};
+
+fn ids(r: Result<RoutingTokens, TokenizeError>) -> Vec<u32> {
+    match r {
+        Ok(RoutingTokens::Tokens { ids, .. }) => ids,
+        other => panic!("expected tokens, got {other:?}"),
+    }
+}
+
+#[test]
+fn every_vllm_parity_case_matches() {
+    let text =
+        std::fs::read_to_string(common::fixtures().join("tokenize-parity-qwen3.json")).unwrap();
+    let fixture: Value = serde_json::from_str(&text).unwrap();
+    let cases = fixture["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 30);
+    let tok = common::qwen3();
+    let mut mismatches = Vec::new();
+    for (i, case) in cases.iter().enumerate() {
+        let body = &case["request"];
+        let expected: Vec<u32> =
+            serde_json::from_value(case["expected"]["tokens"].clone()).unwrap();
+        assert_eq!(
+            case["expected"]["count"].as_u64(),
+            Some(expected.len() as u64)
+        );
+        let got = tok.tokenize(RequestKind::detect(body), body);
+        match got {
+            Ok(RoutingTokens::Tokens {
+                ids,
+                non_text_parts: 0,
+            }) if ids == expected => {}
+            other => {
+                let first_diff = match &other {
+                    Ok(RoutingTokens::Tokens { ids, .. }) => ids
+                        .iter()
+                        .zip(&expected)
+                        .position(|(a, b)| a != b)
+                        .unwrap_or(ids.len().min(expected.len())),
+                    _ => 0,
+                };
+                mismatches.push(format!(
+                    "case {i}: first difference at token {first_diff}; expected {} tokens, got {:?}",
+                    expected.len(),
+                    other.map(|r| match r {
+                        RoutingTokens::Tokens { ids, .. } => format!("{} tokens {:?}", ids.len(), &ids[first_diff.min(ids.len())..(first_diff + 8).min(ids.len())]),
+                        r => format!("{r:?}"),
+                    })
+                ));
+            }
+        }
+    }
+    assert!(
+        mismatches.is_empty(),
+        "{} of 30 cases differ:\n{}",
+        mismatches.len(),
+        mismatches.join("\n")
+    );
+}
+
+#[test]
+fn async_path_matches_sync_path_for_long_inputs() {
+    let tok = common::qwen3();
+    let long = "Grüße, 東京 and hello world. ".repeat(1500); // > spawn_blocking threshold
+    let body = json!({"messages": [{"role": "system", "content": long}, {"role": "user", "content": "hi"}]});
+    let sync = ids(tok.tokenize(RequestKind::Chat, &body));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .build()
+        .unwrap();
+    let tokenizer = kvgate_tokenize::Tokenizer::Local(tok);
+    let asynced = ids(rt.block_on(tokenizer.tokenize(RequestKind::Chat, &body)));
+    assert_eq!(sync, asynced);
+    assert!(sync.len() > 5000);
+}
+
+#[test]
+fn images_are_skipped_and_counted() {
+    let tok = common::qwen3();
+    let before = kvgate_tokenize::non_text_parts_skipped_total();
+    let with_image = json!({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        {"type": "text", "text": "what is this?"}
+    ]}]});
+    let text_only = json!({"messages": [{"role": "user", "content": "what is this?"}]});
+    match tok.tokenize(RequestKind::Chat, &with_image).unwrap() {
+        RoutingTokens::Tokens {
+            ids,
+            non_text_parts,
+        } => {
+            assert_eq!(non_text_parts, 1);
+            assert_eq!(ids, self::ids(tok.tokenize(RequestKind::Chat, &text_only)));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(kvgate_tokenize::non_text_parts_skipped_total() > before);
+}
+
+#[test]
+fn completions_and_fallbacks() {
+    let tok = common::qwen3();
+    assert_eq!(
+        ids(tok.tokenize(RequestKind::Completion, &json!({"prompt": [1, 2, 3]}))),
+        vec![1, 2, 3]
+    );
+    assert_eq!(
+        tok.tokenize(RequestKind::Completion, &json!({"prompt": ["a", "b"]})),
+        Ok(RoutingTokens::NoRoutingTokens {
+            reason: "multiple prompts"
+        })
+    );
+    assert!(matches!(
+        tok.tokenize(RequestKind::Chat, &json!({"model": "x"})),
+        Ok(RoutingTokens::NoRoutingTokens { .. })
+    ));
+    assert!(matches!(
+        tok.tokenize(
+            RequestKind::Chat,
+            &json!({"messages": [{"role": "user", "content": "x"}], "continue_final_message": true})
+        ),
+        Err(TokenizeError::Invalid(_))
+    ));
+    assert!(matches!(
+        tok.tokenize(RequestKind::Chat, &json!({"messages": "nope"})),
+        Err(TokenizeError::Invalid(_))
+    ));
+}
+
+#[test]
+fn tools_and_kwargs_reach_the_template() {
+    let tok = common::qwen3();
+    let body = json!({
+        "messages": [{"role": "user", "content": "weather?"}],
+        "tools": [{"type": "function", "function": {"name": "get_weather", "description": "Get weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}],
+        "chat_template_kwargs": {"enable_thinking": false}
+    });
+    let prompt = tok.render_chat(&body).unwrap();
+    assert!(prompt.contains(
+        r#"<tools>
+{"type": "function", "function": {"name": "get_weather", "description": "Get weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+</tools>"#
+    ), "{prompt}");
+    assert!(
+        prompt.ends_with("<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+        "{prompt}"
+    );
+    let call = json!({"messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
+    ]});
+    let prompt = tok.render_chat(&call).unwrap();
+    assert!(prompt.contains("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"), "{prompt}");
+    assert!(
+        prompt.contains("<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>"),
+        "{prompt}"
+    );
+}
+
+#[test]
+fn fast_path_equals_tokenizers_crate() {
+    let tok = common::qwen3();
+    assert!(
+        format!("{tok:?}").contains("fast_path: true"),
+        "Qwen3 must take the fast path"
+    );
+    let text =
+        std::fs::read_to_string(common::fixtures().join("tokenize-parity-qwen3.json")).unwrap();
+    let fixture: Value = serde_json::from_str(&text).unwrap();
+    let mut samples: Vec<String> = fixture["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["request"].get("messages").is_some())
+        .map(|c| tok.render_chat(&c["request"]).unwrap())
+        .collect();
+    // Whitespace runs, newlines, NFD input (NFC normalisation), added tokens, emoji.
+    samples.extend(
+        [
+            "",
+            " ",
+            "  ",
+            "a  b",
+            "a \n b",
+            "\n\n  x",
+            "x  \n\n",
+            "   ",
+            "\t\tfoo  \t bar",
+            "e\u{301}t\u{e9} cafe\u{301}",
+            "1234567 3.14159",
+            "it's I'LL we'd",
+            "<|im_start|><|im_end|><think>",
+            "trailing space ",
+            "  leading",
+            "😀😀 ok\r\n\r\nnext",
+            "x\u{a0}\u{a0}y \u{3000}z",
+            "--->  <---",
+        ]
+        .map(String::from),
+    );
+    for s in &samples {
+        for special in [false, true] {
+            assert_eq!(
+                tok.encode(s, special).unwrap(),
+                tok.encode_with_tokenizers_crate(s, special).unwrap(),
+                "{s:?}"
+            );
+        }
+    }
+}
