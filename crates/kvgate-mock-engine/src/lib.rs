@@ -1,10 +1,31 @@
-//! Placeholder: being built (see the issue tracker).
-pub mod cli {
-    /// Arguments (placeholder).
-    #[derive(clap::Args, Debug)]
-    pub struct MockEngineArgs {}
-    /// Entry point (placeholder).
-    pub async fn run(_args: MockEngineArgs) -> anyhow::Result<()> {
-        anyhow::bail!("not built yet")
-    }
-}
+//! `kvgate mock-engine`: a simulated vLLM-compatible engine for tests and benchmarks.
+//!
+//! The crate is split into a pure, deterministic simulation core (`cache`,
+//! `scheduler`, `latency`, `events`, `virtual_time`), the wire format of KV events
+//! (`wire`), tokenization (`tokenizer`), and the I/O shell (`driver`, `server`,
+//! `kv_publisher`, `engine`, `cli`). The core never does I/O; the shell never makes
+//! scheduling decisions.
+
+pub mod cache;
+pub mod cli;
+pub mod driver;
+pub mod engine;
+pub mod events;
+pub mod kv_publisher;
+pub mod latency;
+mod local_tokenizer;
+pub mod metrics;
+pub mod openai;
+pub mod scheduler;
+pub mod server;
+pub mod tokenizer;
+pub mod virtual_time;
+pub mod wire;
+
+pub use events::KvEvent;
+pub use latency::LatencyModel;
+pub use scheduler::{SimConfig, SimRequest, Simulator, StepOutput};
+pub use virtual_time::{run_virtual, TimedRequest, VirtualRun};
+
+pub use engine::{spawn, EngineConfig, RunningEngine};
+pub use kv_publisher::PublisherConfig;

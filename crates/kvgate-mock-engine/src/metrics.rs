@@ -1,0 +1,105 @@
+//! Prometheus text for GET /metrics, with vLLM's metric names and labels.
+//!
+//! Owns the exposition format only: it renders a [`SimSnapshot`]; it keeps no state
+//! and does not touch the engine loop.
+
+use std::fmt::Write;
+
+use crate::scheduler::SimSnapshot;
+
+fn escape(label: &str) -> String {
+    label
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// Render the metrics vLLM routers read (`vllm:num_requests_running`, ...).
+pub fn render(model: &str, s: &SimSnapshot) -> String {
+    let labels = format!("{{engine=\"0\",model_name=\"{}\"}}", escape(model));
+    let mut out = String::with_capacity(2048);
+    let mut gauge = |name: &str, help: &str, v: f64| {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} gauge");
+        let _ = writeln!(out, "{name}{labels} {v:?}");
+    };
+    gauge(
+        "vllm:num_requests_running",
+        "Number of requests in model execution batches.",
+        s.running as f64,
+    );
+    gauge(
+        "vllm:num_requests_waiting",
+        "Number of requests waiting to be processed.",
+        s.waiting as f64,
+    );
+    gauge(
+        "vllm:kv_cache_usage_perc",
+        "KV-cache usage. 1 means 100 percent usage.",
+        s.kv_usage,
+    );
+    let c = &s.counters;
+    let mut counter = |name: &str, help: &str, v: u64| {
+        let _ = writeln!(out, "# HELP {name}_total {help}");
+        let _ = writeln!(out, "# TYPE {name}_total counter");
+        let _ = writeln!(out, "{name}_total{labels} {:?}", v as f64);
+    };
+    counter(
+        "vllm:prefix_cache_queries",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        c.prefix_queries_tokens,
+    );
+    counter(
+        "vllm:prefix_cache_hits",
+        "Prefix cache hits, in terms of number of cached tokens.",
+        c.prefix_hits_tokens,
+    );
+    counter(
+        "vllm:num_preemptions",
+        "Cumulative number of preemption from the engine.",
+        c.preemptions,
+    );
+    counter(
+        "vllm:prompt_tokens",
+        "Number of prefill tokens processed.",
+        c.prompt_tokens,
+    );
+    counter(
+        "vllm:generation_tokens",
+        "Number of generation tokens processed.",
+        c.generation_tokens,
+    );
+    // vLLM labels this counter by finished_reason; the simulator does not track why a
+    // request finished, so every finished request is reported once under "length".
+    let success_labels = format!(
+        "{{engine=\"0\",finished_reason=\"length\",model_name=\"{}\"}}",
+        escape(model)
+    );
+    let _ = writeln!(out, "# HELP vllm:request_success_total Count of successfully processed requests.");
+    let _ = writeln!(out, "# TYPE vllm:request_success_total counter");
+    let _ = writeln!(out, "vllm:request_success_total{success_labels} {:?}", c.finished as f64);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_labels() {
+        let s = SimSnapshot {
+            running: 2,
+            waiting: 1,
+            kv_usage: 0.25,
+            ..Default::default()
+        };
+        let text = render("my\"model", &s);
+        assert!(
+            text.contains("vllm:num_requests_running{engine=\"0\",model_name=\"my\\\"model\"} 2.0")
+        );
+        assert!(text.contains("vllm:kv_cache_usage_perc{"));
+        assert!(text.contains("vllm:prefix_cache_hits_total{"));
+        assert!(text.contains("vllm:request_success_total{engine=\"0\",finished_reason=\"length\""));
+        assert!(text.contains("# TYPE vllm:prefix_cache_queries_total counter"));
+    }
+}

@@ -1,0 +1,291 @@
+//! The HTTP surface of vLLM's OpenAI server that routers and clients use.
+//!
+//! Owns routes, request decoding and response streaming (axum). It hands token ids to
+//! the engine loop through [`EngineHandle`] and never touches the simulator directly.
+//! Errors reaching a client are OpenAI-style JSON.
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+
+use crate::driver::EngineHandle;
+use crate::openai::{self, gen_params, ResponseMeta, SSE_DONE};
+use crate::scheduler::SimRequest;
+use crate::tokenizer::{self, body_tokens, PromptKind, PromptTokenizer};
+
+/// What every handler needs.
+#[derive(Clone)]
+pub struct AppState {
+    pub engine: EngineHandle,
+    pub tokenizer: Arc<dyn PromptTokenizer>,
+    /// The served model name.
+    pub model: String,
+    pub max_model_len: u64,
+    pub default_max_tokens: u32,
+    pub created: u64,
+    pub next_response: Arc<AtomicU64>,
+}
+
+/// The router with every endpoint.
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/tokenize", post(tokenize))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/reset_prefix_cache", post(reset_prefix_cache))
+        .route("/get_load", get(get_load))
+        .route("/version", get(version))
+        .fallback(not_found)
+        .with_state(state)
+}
+
+/// Seconds since the Unix epoch.
+pub fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn error(status: StatusCode, message: &str) -> Response {
+    let kind = match status {
+        StatusCode::BAD_REQUEST => "BadRequestError",
+        StatusCode::NOT_FOUND => "NotFoundError",
+        StatusCode::CONFLICT => "ConflictError",
+        _ => "InternalServerError",
+    };
+    (
+        status,
+        Json(openai::error_body(message, kind, status.as_u16())),
+    )
+        .into_response()
+}
+
+fn bad_request(message: &str) -> Response {
+    error(StatusCode::BAD_REQUEST, message)
+}
+
+fn parse_body(bytes: &Bytes) -> Result<Value, String> {
+    serde_json::from_slice(bytes).map_err(|e| format!("invalid JSON body: {e}"))
+}
+
+async fn not_found() -> Response {
+    error(StatusCode::NOT_FOUND, "not found")
+}
+
+async fn chat(State(st): State<AppState>, body: Bytes) -> Response {
+    generate(st, PromptKind::Chat, body).await
+}
+
+async fn completions(State(st): State<AppState>, body: Bytes) -> Response {
+    generate(st, PromptKind::Completion, body).await
+}
+
+async fn generate(st: AppState, kind: PromptKind, raw: Bytes) -> Response {
+    let body = match parse_body(&raw) {
+        Ok(b) => b,
+        Err(msg) => return bad_request(&msg),
+    };
+    let params = match gen_params(kind, &body, st.default_max_tokens) {
+        Ok(p) => p,
+        Err(msg) => return bad_request(&msg),
+    };
+    let prompt = match body_tokens(st.tokenizer.as_ref(), kind, &body) {
+        Ok(p) => p,
+        Err(e) => return bad_request(&e.to_string()),
+    };
+    let prompt_len = prompt.len() as u32;
+    let sim_req = SimRequest {
+        prompt,
+        max_tokens: params.max_tokens,
+        ignore_eos: params.ignore_eos,
+    };
+    let (guard, mut rx) = match st.engine.submit(sim_req).await {
+        Ok(Ok(x)) => x,
+        Ok(Err(e)) => return bad_request(&e.to_string()),
+        Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+    };
+    let n = st.next_response.fetch_add(1, Ordering::Relaxed);
+    let prefix = match kind {
+        PromptKind::Chat => "chatcmpl",
+        PromptKind::Completion => "cmpl",
+    };
+    let meta = ResponseMeta {
+        kind,
+        id: format!("{prefix}-mock{:x}{:06x}", st.created, n),
+        created: unix_now(),
+        model: params.model.clone().unwrap_or_else(|| st.model.clone()),
+    };
+
+    if !params.stream {
+        let mut guard = guard;
+        let mut text = String::new();
+        while let Some(o) = rx.recv().await {
+            text.push_str(&tokenizer::filler_text(o.index));
+            if let Some(reason) = o.finished {
+                guard.disarm();
+                let usage = openai::usage(prompt_len, o.index + 1, o.cached_tokens);
+                return Json(meta.full_response(&text, reason, usage)).into_response();
+            }
+        }
+        return error(StatusCode::SERVICE_UNAVAILABLE, "the request was aborted");
+    }
+
+    let include_usage = params.include_usage;
+    let stream = async_stream(meta, guard, rx, prompt_len, include_usage);
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/event-stream; charset=utf-8")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(stream))
+        .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "response build failed"))
+}
+
+/// The SSE body: role chunk with the first token (chat), one chunk per token, the
+/// usage chunk if asked, `[DONE]`. Dropping the stream (client gone) aborts the
+/// request through the guard it owns.
+fn async_stream(
+    meta: ResponseMeta,
+    guard: crate::driver::AbortOnDrop,
+    rx: tokio::sync::mpsc::UnboundedReceiver<crate::scheduler::TokenOutput>,
+    prompt_len: u32,
+    include_usage: bool,
+) -> impl futures::Stream<Item = Result<Bytes, Infallible>> + Send {
+    struct S {
+        meta: ResponseMeta,
+        guard: crate::driver::AbortOnDrop,
+        rx: tokio::sync::mpsc::UnboundedReceiver<crate::scheduler::TokenOutput>,
+        prompt_len: u32,
+        include_usage: bool,
+        done: bool,
+    }
+    let init = S {
+        meta,
+        guard,
+        rx,
+        prompt_len,
+        include_usage,
+        done: false,
+    };
+    futures::stream::unfold(init, |mut s| async move {
+        if s.done {
+            return None;
+        }
+        let Some(o) = s.rx.recv().await else {
+            // Engine went away mid-stream: end the body (guard aborts on drop).
+            return None;
+        };
+        let mut out = String::new();
+        if o.index == 0 && s.meta.kind == PromptKind::Chat {
+            out.push_str(&openai::sse_data(&s.meta.role_chunk()));
+        }
+        out.push_str(&openai::sse_data(
+            &s.meta
+                .token_chunk(&tokenizer::filler_text(o.index), o.finished),
+        ));
+        if o.finished.is_some() {
+            s.guard.disarm();
+            if s.include_usage {
+                let usage = openai::usage(s.prompt_len, o.index + 1, o.cached_tokens);
+                out.push_str(&openai::sse_data(&s.meta.usage_chunk(usage)));
+            }
+            out.push_str(SSE_DONE);
+            s.done = true;
+        }
+        Some((Ok(Bytes::from(out)), s))
+    })
+}
+
+async fn tokenize(State(st): State<AppState>, raw: Bytes) -> Response {
+    let body = match parse_body(&raw) {
+        Ok(b) => b,
+        Err(msg) => return bad_request(&msg),
+    };
+    let kind = if body.get("messages").is_some() {
+        PromptKind::Chat
+    } else {
+        PromptKind::Completion
+    };
+    match body_tokens(st.tokenizer.as_ref(), kind, &body) {
+        Ok(tokens) => Json(json!({
+            "count": tokens.len(),
+            "max_model_len": st.max_model_len,
+            "tokens": tokens,
+            "token_strs": null,
+        }))
+        .into_response(),
+        Err(e) => bad_request(&e.to_string()),
+    }
+}
+
+async fn models(State(st): State<AppState>) -> Response {
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": st.model,
+            "object": "model",
+            "created": st.created,
+            "owned_by": "vllm",
+            "root": st.model,
+            "parent": null,
+            "max_model_len": st.max_model_len,
+            "permission": [],
+        }],
+    }))
+    .into_response()
+}
+
+async fn health() -> StatusCode {
+    StatusCode::OK
+}
+
+async fn version() -> Response {
+    Json(json!({"version": concat!("kvgate-mock-engine-", env!("CARGO_PKG_VERSION"))}))
+        .into_response()
+}
+
+async fn metrics(State(st): State<AppState>) -> Response {
+    let text = crate::metrics::render(&st.model, &st.engine.snapshot());
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
+}
+
+async fn reset_prefix_cache(State(st): State<AppState>) -> Response {
+    match st.engine.reset_prefix_cache().await {
+        Ok(true) => StatusCode::OK.into_response(),
+        Ok(false) => error(
+            StatusCode::CONFLICT,
+            "cannot reset the prefix cache while requests are running",
+        ),
+        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+    }
+}
+
+async fn get_load(State(st): State<AppState>) -> Response {
+    let s = st.engine.snapshot();
+    Json(json!({
+        "load": s.running + s.waiting,
+        "num_requests_running": s.running,
+        "num_requests_waiting": s.waiting,
+        "kv_cache_usage_perc": s.kv_usage,
+    }))
+    .into_response()
+}
