@@ -1,10 +1,34 @@
-//! Placeholder: being built (see the issue tracker).
-pub mod cli {
-    /// Arguments (placeholder).
-    #[derive(clap::Args, Debug)]
-    pub struct ServeArgs {}
-    /// Entry point (placeholder).
-    pub async fn run(_args: ServeArgs) -> anyhow::Result<()> {
-        anyhow::bail!("not built yet")
-    }
-}
+//! # kvgate-gateway: `kvgate serve`, the OpenAI-compatible routing gateway
+//!
+//! Wires the core policies, prefix index and ledger (kvgate-core), KV-event ingestion
+//! (kvgate-events) and pre-routing tokenization (kvgate-tokenize) into one HTTP
+//! process. Request path: `server` (endpoints, auth, body limit) → `routing` (parse,
+//! model, tokenize, select) → `failover` (book, forward, retry before the first byte)
+//! → `proxy` (upstream HTTP) → `observe` (pass bytes through, drive the ledger).
+//! Background: `health` (checks, ledger sweep). State: `gateway`, `registry`,
+//! `breaker`, `limits`. Must not contain policy scoring (kvgate-core) or event
+//! decoding (kvgate-events).
+
+pub mod admin;
+pub mod auth;
+pub mod breaker;
+pub mod cli;
+pub mod config;
+pub mod errors;
+pub mod failover;
+pub mod gateway;
+pub mod health;
+pub mod limits;
+pub mod metrics;
+pub mod observe;
+pub mod proxy;
+pub mod registry;
+pub mod routing;
+pub mod server;
+
+pub use config::{
+    Config, FailoverConfig, HealthConfig, LimitsConfig, ModelConfig, TimeoutsConfig, WorkerConfig,
+};
+pub use errors::ApiError;
+pub use gateway::Gateway;
+pub use server::{router, start, RunningGateway};

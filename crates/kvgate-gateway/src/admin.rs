@@ -1,0 +1,171 @@
+//! The admin API: list, add and remove workers at run time.
+//!
+//! `GET /admin/workers`, `POST /admin/workers` (`{"model","url","kv_events"?,
+//! "kv_events_replay"?,"dp_size"?}`), `DELETE /admin/workers/{id}` or
+//! `DELETE /admin/workers?model=M&url=U`. Off (404) unless an admin token is
+//! configured; every call must carry it as a bearer token. Owns request/response shapes
+//! only; the gateway does the work.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, Query, Request, State};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use http::StatusCode;
+use kvgate_core::WorkerId;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::auth::check_bearer;
+use crate::config::WorkerConfig;
+use crate::errors::ApiError;
+use crate::gateway::Gateway;
+use crate::registry::{ModelState, Worker};
+
+fn guard(gw: &Gateway, headers: &http::HeaderMap) -> Result<(), ApiError> {
+    match gw.config.admin_token.as_deref() {
+        None => Err(ApiError::not_found(
+            "the admin API is disabled: start the gateway with --admin-token",
+        )),
+        Some(t) => check_bearer(headers, Some(t), "admin token"),
+    }
+}
+
+pub fn worker_json(model: &ModelState, w: &Worker) -> Value {
+    let load = model.ledger.load(w.id);
+    json!({
+        "id": w.id.0,
+        "model": &*model.name,
+        "url": &*w.url,
+        "healthy": !w.breaker.is_open(),
+        "consecutive_failures": w.breaker.consecutive_failures(),
+        "in_flight": w.in_flight(),
+        "ledger": load,
+        "kv_events": w.config.kv_events,
+        "kv_events_replay": w.config.kv_events_replay,
+        "dp_size": w.config.dp_size,
+    })
+}
+
+pub async fn list(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
+    if let Err(e) = guard(&gw, req.headers()) {
+        return e.into_response();
+    }
+    let workers: Vec<Value> = gw
+        .models()
+        .flat_map(|m| {
+            m.workers()
+                .iter()
+                .map(|w| worker_json(m, w))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    Json(json!({ "workers": workers })).into_response()
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AddWorker {
+    model: Option<String>,
+    url: String,
+    #[serde(default)]
+    kv_events: Option<String>,
+    #[serde(default)]
+    kv_events_replay: Option<String>,
+    #[serde(default)]
+    dp_size: Option<u32>,
+}
+
+pub async fn add(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
+    if let Err(e) = guard(&gw, req.headers()) {
+        return e.into_response();
+    }
+    let body = match axum::body::to_bytes(req.into_body(), 1 << 20).await {
+        Ok(b) => b,
+        Err(e) => return ApiError::bad_request("invalid_body", e.to_string()).into_response(),
+    };
+    let add: AddWorker = match serde_json::from_slice(&body) {
+        Ok(a) => a,
+        Err(e) => return ApiError::malformed_json(e).into_response(),
+    };
+    let model = match gw.resolve(add.model.as_deref()) {
+        Ok((m, _)) => m.clone(),
+        Err(e) => return e.into_response(),
+    };
+    let config = WorkerConfig {
+        url: add.url,
+        kv_events: add.kv_events,
+        kv_events_replay: add.kv_events_replay,
+        dp_size: add.dp_size.unwrap_or(1).max(1),
+    };
+    match gw.add_worker(&model.name, config) {
+        Ok(w) => (StatusCode::CREATED, Json(worker_json(&model, &w))).into_response(),
+        Err(e) => ApiError::new(
+            StatusCode::CONFLICT,
+            "invalid_request_error",
+            "invalid_worker",
+            format!("{e:#}"),
+        )
+        .into_response(),
+    }
+}
+
+#[derive(Deserialize)]
+pub struct RemoveQuery {
+    model: Option<String>,
+    url: Option<String>,
+}
+
+fn remove_by(gw: &Gateway, pred: impl Fn(&ModelState, &Worker) -> bool) -> Response {
+    let found: Vec<(Arc<ModelState>, WorkerId)> = gw
+        .models()
+        .flat_map(|m| {
+            m.workers()
+                .iter()
+                .filter(|w| pred(m, w))
+                .map(|w| (m.clone(), w.id))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    if found.is_empty() {
+        return ApiError::not_found("no such worker").into_response();
+    }
+    let mut removed = Vec::new();
+    for (m, id) in found {
+        if let Some(w) = gw.remove_worker(&m.name, id) {
+            removed.push(json!({"id": id.0, "model": &*m.name, "url": &*w.url}));
+        }
+    }
+    Json(json!({ "removed": removed })).into_response()
+}
+
+pub async fn remove_id(
+    State(gw): State<Arc<Gateway>>,
+    Path(id): Path<u32>,
+    req: Request,
+) -> Response {
+    if let Err(e) = guard(&gw, req.headers()) {
+        return e.into_response();
+    }
+    remove_by(&gw, |_, w| w.id == WorkerId(id))
+}
+
+pub async fn remove_query(
+    State(gw): State<Arc<Gateway>>,
+    Query(q): Query<RemoveQuery>,
+    req: Request,
+) -> Response {
+    if let Err(e) = guard(&gw, req.headers()) {
+        return e.into_response();
+    }
+    let Some(url) = q.url.map(|u| crate::config::normalize_url(&u)) else {
+        return ApiError::bad_request(
+            "missing_url",
+            "pass ?url=WORKER_URL (and optionally &model=NAME), or DELETE /admin/workers/{id}",
+        )
+        .into_response();
+    };
+    remove_by(&gw, |m, w| {
+        *w.url == *url && q.model.as_deref().is_none_or(|name| *m.name == *name)
+    })
+}

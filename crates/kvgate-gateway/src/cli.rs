@@ -1,0 +1,366 @@
+//! `kvgate serve`: command-line flags, building the [`Config`] from them (or from
+//! `--config FILE`, with global flags overriding the file), and running until SIGTERM
+//! or ctrl-c. Must not contain gateway logic.
+
+use std::path::PathBuf;
+
+use anyhow::bail;
+use kvgate_core::PolicyKind;
+
+use crate::config::{normalize_url, parse_assignment, Config, ModelConfig, WorkerConfig};
+
+/// Run the OpenAI-compatible routing gateway.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct ServeArgs {
+    /// YAML config file (may declare several models). Model flags below are then not allowed.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Interface to listen on [default: 0.0.0.0].
+    #[arg(long)]
+    pub host: Option<String>,
+    /// Port to listen on [default: 8000].
+    #[arg(long)]
+    pub port: Option<u16>,
+
+    /// Served model name (what clients send as "model").
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Engine replica base URL (repeat for each replica).
+    #[arg(long = "worker", value_name = "URL")]
+    pub workers: Vec<String>,
+    /// round_robin (default), random, least_loaded, session, prefix_affinity, kv_aware.
+    #[arg(long)]
+    pub policy: Option<PolicyKind>,
+    /// Directory with tokenizer.json (+ tokenizer_config.json) for local tokenization.
+    #[arg(long, value_name = "DIR")]
+    pub tokenizer: Option<PathBuf>,
+    /// Tokenize with a replica's POST /tokenize instead of locally.
+    #[arg(long)]
+    pub remote_tokenize: bool,
+    /// KV events of a worker: WORKER_URL=tcp://HOST:PORT (repeat per worker).
+    #[arg(long = "kv-events", value_name = "URL=ENDPOINT")]
+    pub kv_events: Vec<String>,
+    /// Replay endpoint of a worker: WORKER_URL=tcp://HOST:PORT.
+    #[arg(long = "kv-events-replay", value_name = "URL=ENDPOINT")]
+    pub kv_events_replay: Vec<String>,
+    /// ZeroMQ topic prefix to subscribe to ("" = all).
+    #[arg(long, default_value = "")]
+    pub kv_topic: String,
+    /// Data-parallel ranks per worker (rank r publishes events on port + r).
+    #[arg(long, default_value_t = 1)]
+    pub dp_size: u32,
+    /// Tokens per KV block (must match the engines).
+    #[arg(long, default_value_t = 16)]
+    pub block_size: u32,
+    /// kv_aware without any KV event source: route with this policy instead of 503.
+    #[arg(long, value_name = "POLICY")]
+    pub kv_fallback: Option<PolicyKind>,
+    /// Header carrying the session key for the session policy.
+    #[arg(long, default_value = "x-session-id")]
+    pub session_header: String,
+    /// A LoRA adapter name served by the workers (repeat).
+    #[arg(long = "lora-adapter", value_name = "NAME")]
+    pub lora_adapters: Vec<String>,
+    /// kv_aware: weight of prefill work against decode work.
+    #[arg(long)]
+    pub overlap_weight: Option<f64>,
+    /// kv_aware: softmax temperature (0 = pick the lowest cost).
+    #[arg(long)]
+    pub temperature: Option<f64>,
+    /// Seed for the policy's random choices.
+    #[arg(long)]
+    pub seed: Option<u64>,
+
+    /// Clients must send Authorization: Bearer KEY.
+    #[arg(long, env = "KVGATE_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Enables the admin API, guarded by this bearer token.
+    #[arg(long, env = "KVGATE_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    /// Bearer token sent to the workers.
+    #[arg(long, env = "KVGATE_WORKER_API_KEY", hide_env_values = true)]
+    pub worker_api_key: Option<String>,
+
+    /// Max requests in flight across the gateway (0 = unlimited).
+    #[arg(long)]
+    pub max_in_flight: Option<usize>,
+    /// Max requests in flight per worker (0 = unlimited).
+    #[arg(long)]
+    pub max_in_flight_per_worker: Option<u32>,
+    /// Requests allowed to wait for a slot before 429.
+    #[arg(long)]
+    pub max_queue: Option<usize>,
+    /// Longest wait for a slot before 429, in ms.
+    #[arg(long)]
+    pub queue_timeout_ms: Option<u64>,
+    /// Largest accepted request body, in bytes.
+    #[arg(long)]
+    pub max_body_bytes: Option<usize>,
+    /// Upstream connect timeout, ms (0 = none).
+    #[arg(long)]
+    pub connect_timeout_ms: Option<u64>,
+    /// Upstream time to response head, ms (0 = none).
+    #[arg(long)]
+    pub first_byte_timeout_ms: Option<u64>,
+    /// Upstream whole-request timeout, ms (0 = none).
+    #[arg(long)]
+    pub request_timeout_ms: Option<u64>,
+    /// Active health check interval, ms (0 = off).
+    #[arg(long)]
+    pub health_interval_ms: Option<u64>,
+    /// Health check timeout, ms.
+    #[arg(long)]
+    pub health_timeout_ms: Option<u64>,
+    /// Consecutive failures that take a worker out of rotation.
+    #[arg(long)]
+    pub failure_threshold: Option<u32>,
+    /// How long an open circuit breaker keeps a worker out, ms.
+    #[arg(long)]
+    pub breaker_open_ms: Option<u64>,
+    /// Attempts per request on distinct workers before giving up (1 = no retry).
+    #[arg(long)]
+    pub max_attempts: Option<u32>,
+    /// Backoff before the first retry, ms (doubles per attempt).
+    #[arg(long)]
+    pub retry_backoff_ms: Option<u64>,
+    /// Bookings older than this are freed by the ledger sweep, seconds.
+    #[arg(long)]
+    pub ledger_ttl_secs: Option<u64>,
+    /// Grace period for in-flight requests on shutdown, seconds.
+    #[arg(long)]
+    pub shutdown_grace_secs: Option<u64>,
+}
+
+fn has_model_flags(a: &ServeArgs) -> bool {
+    a.model.is_some()
+        || !a.workers.is_empty()
+        || a.policy.is_some()
+        || a.tokenizer.is_some()
+        || a.remote_tokenize
+        || !a.kv_events.is_empty()
+        || !a.kv_events_replay.is_empty()
+        || a.kv_fallback.is_some()
+        || !a.lora_adapters.is_empty()
+}
+
+impl ServeArgs {
+    /// Builds and validates the config these flags describe.
+    pub fn to_config(&self) -> anyhow::Result<Config> {
+        let mut config = match &self.config {
+            Some(path) => {
+                if has_model_flags(self) {
+                    bail!("--config declares the models; do not combine it with --model/--worker/--policy/--tokenizer/--kv-events flags");
+                }
+                Config::from_yaml_file(path)?
+            }
+            None => Config {
+                models: vec![self.model_config()?],
+                ..Config::default()
+            },
+        };
+        self.apply_globals(&mut config);
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn model_config(&self) -> anyhow::Result<ModelConfig> {
+        let Some(name) = self.model.clone() else {
+            bail!("pass --model NAME (the model name clients send) and at least one --worker URL, or --config FILE");
+        };
+        let mut workers: Vec<WorkerConfig> = self
+            .workers
+            .iter()
+            .map(|u| WorkerConfig {
+                dp_size: self.dp_size,
+                ..WorkerConfig::new(normalize_url(u))
+            })
+            .collect();
+        for (flag, list, replay) in [
+            ("--kv-events", &self.kv_events, false),
+            ("--kv-events-replay", &self.kv_events_replay, true),
+        ] {
+            for a in list {
+                let (url, endpoint) = parse_assignment(a)?;
+                let Some(w) = workers.iter_mut().find(|w| w.url == url) else {
+                    bail!("{flag} {a}: {url} is not one of the --worker URLs");
+                };
+                if replay {
+                    w.kv_events_replay = Some(endpoint);
+                } else {
+                    w.kv_events = Some(endpoint);
+                }
+            }
+        }
+        let mut m = ModelConfig {
+            name,
+            workers,
+            policy: self.policy.unwrap_or_default(),
+            seed: self.seed,
+            tokenizer: self.tokenizer.clone(),
+            remote_tokenize: self.remote_tokenize,
+            block_size: self.block_size,
+            kv_fallback: self.kv_fallback,
+            session_header: self.session_header.clone(),
+            lora_adapters: self.lora_adapters.clone(),
+            kv_topic: self.kv_topic.clone(),
+            ..ModelConfig::default()
+        };
+        if let Some(w) = self.overlap_weight {
+            m.kv_aware.overlap_weight = w;
+        }
+        if let Some(t) = self.temperature {
+            m.kv_aware.temperature = t;
+        }
+        Ok(m)
+    }
+
+    fn apply_globals(&self, c: &mut Config) {
+        fn set<T: Clone>(dst: &mut T, v: &Option<T>) {
+            if let Some(v) = v {
+                *dst = v.clone();
+            }
+        }
+        set(&mut c.host, &self.host);
+        set(&mut c.port, &self.port);
+        if self.api_key.is_some() {
+            c.api_key = self.api_key.clone();
+        }
+        if self.admin_token.is_some() {
+            c.admin_token = self.admin_token.clone();
+        }
+        if self.worker_api_key.is_some() {
+            c.worker_api_key = self.worker_api_key.clone();
+        }
+        set(&mut c.limits.max_in_flight, &self.max_in_flight);
+        set(
+            &mut c.limits.max_in_flight_per_worker,
+            &self.max_in_flight_per_worker,
+        );
+        set(&mut c.limits.max_queue, &self.max_queue);
+        set(&mut c.limits.queue_timeout_ms, &self.queue_timeout_ms);
+        set(&mut c.limits.max_body_bytes, &self.max_body_bytes);
+        set(&mut c.timeouts.connect_ms, &self.connect_timeout_ms);
+        set(&mut c.timeouts.first_byte_ms, &self.first_byte_timeout_ms);
+        set(&mut c.timeouts.total_ms, &self.request_timeout_ms);
+        set(&mut c.health.interval_ms, &self.health_interval_ms);
+        set(&mut c.health.timeout_ms, &self.health_timeout_ms);
+        set(&mut c.health.failure_threshold, &self.failure_threshold);
+        set(&mut c.health.open_ms, &self.breaker_open_ms);
+        set(&mut c.failover.max_attempts, &self.max_attempts);
+        set(&mut c.failover.backoff_ms, &self.retry_backoff_ms);
+        set(&mut c.ledger_ttl_secs, &self.ledger_ttl_secs);
+        set(&mut c.shutdown_grace_secs, &self.shutdown_grace_secs);
+    }
+}
+
+/// Runs the gateway until SIGTERM or ctrl-c, then drains in-flight requests.
+pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let config = args.to_config()?;
+    let running = crate::server::start(config).await?;
+    shutdown_signal().await;
+    tracing::info!("shutdown requested: no new connections; draining in-flight requests");
+    running.shutdown().await;
+    tracing::info!("gateway stopped");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(err) = tokio::signal::ctrl_c().await {
+            tracing::warn!(%err, "cannot listen for ctrl-c");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(err) => {
+                tracing::warn!(%err, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct T {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    fn parse(args: &[&str]) -> anyhow::Result<Config> {
+        let mut v = vec!["kvgate"];
+        v.extend_from_slice(args);
+        T::try_parse_from(v)?.serve.to_config()
+    }
+
+    #[test]
+    fn issue_example_flags() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = parse(&[
+            "--port",
+            "8000",
+            "--model",
+            "m",
+            "--worker",
+            "http://127.0.0.1:8101",
+            "--worker",
+            "http://127.0.0.1:8102",
+            "--policy",
+            "kv_aware",
+            "--tokenizer",
+            dir.path().to_str().unwrap(),
+            "--kv-events",
+            "http://127.0.0.1:8101=tcp://127.0.0.1:5601",
+            "--kv-events-replay",
+            "http://127.0.0.1:8101=tcp://127.0.0.1:5701",
+            "--block-size",
+            "32",
+        ])
+        .unwrap();
+        let m = &c.models[0];
+        assert_eq!(m.policy, PolicyKind::KvAware);
+        assert_eq!(m.block_size, 32);
+        assert_eq!(
+            m.workers[0].kv_events.as_deref(),
+            Some("tcp://127.0.0.1:5601")
+        );
+        assert_eq!(
+            m.workers[0].kv_events_replay.as_deref(),
+            Some("tcp://127.0.0.1:5701")
+        );
+        assert_eq!(m.workers[1].kv_events, None);
+    }
+
+    #[test]
+    fn default_policy_is_round_robin_and_errors_are_clear() {
+        let c = parse(&["--model", "m", "--worker", "http://h:1"]).unwrap();
+        assert_eq!(c.models[0].policy, PolicyKind::RoundRobin);
+        let e = parse(&["--worker", "http://h:1"]).unwrap_err();
+        assert!(e.to_string().contains("--model"), "{e}");
+        let e = parse(&[
+            "--model",
+            "m",
+            "--worker",
+            "http://h:1",
+            "--kv-events",
+            "http://other:1=tcp://h:5",
+        ])
+        .unwrap_err();
+        assert!(e.to_string().contains("not one of the --worker"), "{e}");
+    }
+}

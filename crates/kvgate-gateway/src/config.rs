@@ -1,0 +1,518 @@
+//! Gateway configuration: one [`Config`] built either from a YAML file or from CLI
+//! flags, declaring one or more models, each with its workers, policy and tokenizer,
+//! plus global limits, timeouts, health checking and auth.
+//!
+//! Owns parsing, defaults and validation (with error messages that say what to fix).
+//! It must not start anything: `server::start` turns a validated config into a
+//! running gateway.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use kvgate_core::{KvAwareConfig, PolicyKind, PrefixAffinityConfig, SessionConfig};
+use serde::{Deserialize, Serialize};
+
+/// Everything one gateway process serves.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// Interface to listen on.
+    pub host: String,
+    /// Port to listen on (0 = ephemeral, for tests).
+    pub port: u16,
+    pub models: Vec<ModelConfig>,
+    /// Clients must send `Authorization: Bearer <api_key>` when set.
+    pub api_key: Option<String>,
+    /// Enables the admin API (`/admin/workers`), guarded by this bearer token.
+    pub admin_token: Option<String>,
+    /// Sent to workers as `Authorization: Bearer ...` (engines started with --api-key).
+    pub worker_api_key: Option<String>,
+    pub limits: LimitsConfig,
+    pub timeouts: TimeoutsConfig,
+    pub health: HealthConfig,
+    pub failover: FailoverConfig,
+    /// Bookings older than this are freed by the ledger sweep (a backstop for leaks).
+    pub ledger_ttl_secs: u64,
+    /// On SIGTERM/ctrl-c, in-flight requests get this long to finish.
+    pub shutdown_grace_secs: u64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            host: "0.0.0.0".into(),
+            port: 8000,
+            models: Vec::new(),
+            api_key: None,
+            admin_token: None,
+            worker_api_key: None,
+            limits: LimitsConfig::default(),
+            timeouts: TimeoutsConfig::default(),
+            health: HealthConfig::default(),
+            failover: FailoverConfig::default(),
+            ledger_ttl_secs: 3600,
+            shutdown_grace_secs: 30,
+        }
+    }
+}
+
+/// One served model (its name is what clients put in `"model"`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelConfig {
+    pub name: String,
+    pub workers: Vec<WorkerConfig>,
+    pub policy: PolicyKind,
+    /// Seed for the policy's random choices (tests, reproducible benchmarks).
+    pub seed: Option<u64>,
+    pub kv_aware: KvAwareConfig,
+    pub prefix_affinity: PrefixAffinityConfig,
+    pub session: SessionConfig,
+    /// Header carrying the session key for the `session` policy.
+    pub session_header: String,
+    /// Directory with `tokenizer.json` (+ `tokenizer_config.json`) for local tokenization.
+    pub tokenizer: Option<PathBuf>,
+    /// Tokenize with a healthy replica's `POST /tokenize` instead of locally.
+    pub remote_tokenize: bool,
+    /// Tokens per KV block (must equal the engines' block size; events say so loudly).
+    pub block_size: u32,
+    /// Extra salt folded into block keys (must match on every router replica).
+    pub hash_salt: Option<String>,
+    /// Model names that are LoRA adapters served by these workers; requests naming
+    /// one are routed here, with block keys salted by the adapter name.
+    pub lora_adapters: Vec<String>,
+    /// kv_aware only: when no KV event source is configured, route with this policy
+    /// instead of answering 503.
+    pub kv_fallback: Option<PolicyKind>,
+    /// ZeroMQ topic prefix to subscribe to ("" = all).
+    pub kv_topic: String,
+    /// Cap on prefix-index entries for this model.
+    pub index_max_blocks: usize,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        Self {
+            name: String::new(),
+            workers: Vec::new(),
+            policy: PolicyKind::RoundRobin,
+            seed: None,
+            kv_aware: KvAwareConfig::default(),
+            prefix_affinity: PrefixAffinityConfig::default(),
+            session: SessionConfig::default(),
+            session_header: "x-session-id".into(),
+            tokenizer: None,
+            remote_tokenize: false,
+            block_size: 16,
+            hash_salt: None,
+            lora_adapters: Vec::new(),
+            kv_fallback: None,
+            kv_topic: String::new(),
+            index_max_blocks: kvgate_core::IndexConfig::default().max_blocks,
+        }
+    }
+}
+
+impl ModelConfig {
+    /// Whether requests for this model need routing tokens.
+    pub fn needs_tokens(&self) -> bool {
+        self.policy.uses_tokens()
+    }
+
+    /// Whether any worker publishes KV events.
+    pub fn has_event_source(&self) -> bool {
+        self.workers.iter().any(|w| w.kv_events.is_some())
+    }
+}
+
+/// One engine replica. In YAML either a URL string or a map.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "WorkerSpec")]
+pub struct WorkerConfig {
+    /// Base URL, e.g. `http://10.0.0.5:8000`.
+    pub url: String,
+    /// ZeroMQ PUB endpoint of its KV events, e.g. `tcp://10.0.0.5:5557`.
+    pub kv_events: Option<String>,
+    /// ZeroMQ ROUTER endpoint for replay, e.g. `tcp://10.0.0.5:5558`.
+    pub kv_events_replay: Option<String>,
+    /// Data-parallel ranks (rank r publishes on the events port + r).
+    pub dp_size: u32,
+}
+
+impl WorkerConfig {
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            kv_events: None,
+            kv_events_replay: None,
+            dp_size: 1,
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum WorkerSpec {
+    Url(String),
+    Full {
+        url: String,
+        #[serde(default)]
+        kv_events: Option<String>,
+        #[serde(default)]
+        kv_events_replay: Option<String>,
+        #[serde(default)]
+        dp_size: Option<u32>,
+    },
+}
+
+impl From<WorkerSpec> for WorkerConfig {
+    fn from(s: WorkerSpec) -> Self {
+        match s {
+            WorkerSpec::Url(url) => WorkerConfig::new(url),
+            WorkerSpec::Full {
+                url,
+                kv_events,
+                kv_events_replay,
+                dp_size,
+            } => WorkerConfig {
+                url,
+                kv_events,
+                kv_events_replay,
+                dp_size: dp_size.unwrap_or(1),
+            },
+        }
+    }
+}
+
+/// In-flight limits and the wait queue in front of them.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LimitsConfig {
+    /// Requests proxied at once across all models (0 = unlimited).
+    pub max_in_flight: usize,
+    /// Requests proxied at once to one worker (0 = unlimited).
+    pub max_in_flight_per_worker: u32,
+    /// Requests allowed to wait for a free slot; beyond this, 429 at once.
+    pub max_queue: usize,
+    /// How long a request may wait for a slot before 429.
+    pub queue_timeout_ms: u64,
+    /// Largest accepted request body.
+    pub max_body_bytes: usize,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        Self {
+            max_in_flight: 0,
+            max_in_flight_per_worker: 0,
+            max_queue: 1024,
+            queue_timeout_ms: 5000,
+            max_body_bytes: 32 << 20,
+        }
+    }
+}
+
+impl LimitsConfig {
+    pub fn queue_timeout(&self) -> Duration {
+        Duration::from_millis(self.queue_timeout_ms)
+    }
+
+    /// `Retry-After` seconds for a 429.
+    pub fn retry_after_secs(&self) -> u64 {
+        self.queue_timeout_ms.div_ceil(1000).max(1)
+    }
+}
+
+/// Upstream timeouts (0 = none).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TimeoutsConfig {
+    /// TCP connect to a worker.
+    pub connect_ms: u64,
+    /// From sending the request to the response head (covers queueing and, for
+    /// non-streaming requests, the whole generation).
+    pub first_byte_ms: u64,
+    /// Whole request, including streaming the body.
+    pub total_ms: u64,
+}
+
+impl Default for TimeoutsConfig {
+    fn default() -> Self {
+        Self {
+            connect_ms: 3_000,
+            first_byte_ms: 600_000,
+            total_ms: 3_600_000,
+        }
+    }
+}
+
+fn opt_ms(ms: u64) -> Option<Duration> {
+    (ms > 0).then(|| Duration::from_millis(ms))
+}
+
+impl TimeoutsConfig {
+    pub fn connect(&self) -> Option<Duration> {
+        opt_ms(self.connect_ms)
+    }
+    pub fn first_byte(&self) -> Option<Duration> {
+        opt_ms(self.first_byte_ms)
+    }
+    pub fn total(&self) -> Option<Duration> {
+        opt_ms(self.total_ms)
+    }
+}
+
+/// Active health checks and the per-worker circuit breaker.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HealthConfig {
+    /// Interval between `GET {worker}{path}` checks (0 = no active checks; an open
+    /// breaker then half-opens by itself after `open_ms`).
+    pub interval_ms: u64,
+    pub timeout_ms: u64,
+    pub path: String,
+    /// Consecutive failures (checks or proxied requests) that open the breaker.
+    pub failure_threshold: u32,
+    /// How long an open breaker keeps a worker out before a probe may close it.
+    pub open_ms: u64,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        Self {
+            interval_ms: 2_000,
+            timeout_ms: 1_000,
+            path: "/health".into(),
+            failure_threshold: 3,
+            open_ms: 5_000,
+        }
+    }
+}
+
+/// Retrying a request that failed before any byte reached the client.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FailoverConfig {
+    /// Total attempts, each on a different worker (1 = no retry).
+    pub max_attempts: u32,
+    /// Delay before the second attempt; doubles per attempt.
+    pub backoff_ms: u64,
+}
+
+impl Default for FailoverConfig {
+    fn default() -> Self {
+        Self {
+            max_attempts: 3,
+            backoff_ms: 10,
+        }
+    }
+}
+
+impl Config {
+    /// Reads and validates a YAML config file.
+    pub fn from_yaml_file(path: &Path) -> anyhow::Result<Config> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read config file {}", path.display()))?;
+        Self::from_yaml_str(&text).with_context(|| format!("in config file {}", path.display()))
+    }
+
+    /// Parses and validates YAML text.
+    pub fn from_yaml_str(text: &str) -> anyhow::Result<Config> {
+        let config: Config = serde_norway::from_str(text).context("invalid YAML config")?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks the config, returning an error that says what to change.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if self.models.is_empty() {
+            bail!("no model configured: pass --model NAME --worker URL, or declare `models:` in the config file");
+        }
+        let mut names = HashSet::new();
+        for m in &self.models {
+            m.validate()?;
+            for name in std::iter::once(&m.name).chain(m.lora_adapters.iter()) {
+                if !names.insert(name.as_str()) {
+                    bail!("model name {name:?} is declared twice (as a model or LoRA adapter)");
+                }
+            }
+        }
+        if self.failover.max_attempts == 0 {
+            bail!("failover.max_attempts must be at least 1");
+        }
+        if self.health.failure_threshold == 0 {
+            bail!("health.failure_threshold must be at least 1");
+        }
+        if self.limits.max_body_bytes == 0 {
+            bail!("limits.max_body_bytes must be positive");
+        }
+        for (what, key) in [
+            ("api_key", &self.api_key),
+            ("admin_token", &self.admin_token),
+        ] {
+            if key.as_deref().is_some_and(str::is_empty) {
+                bail!("{what} is set but empty");
+            }
+        }
+        Ok(())
+    }
+}
+
+impl ModelConfig {
+    fn validate(&self) -> anyhow::Result<()> {
+        let name = &self.name;
+        if name.trim().is_empty() {
+            bail!("a model has an empty name");
+        }
+        if self.block_size == 0 {
+            bail!("model {name:?}: block_size must be at least 1");
+        }
+        let mut urls = HashSet::new();
+        for w in &self.workers {
+            validate_worker_url(&w.url).with_context(|| format!("model {name:?}"))?;
+            if !urls.insert(normalize_url(&w.url)) {
+                bail!("model {name:?}: worker {} is listed twice", w.url);
+            }
+            for ep in [&w.kv_events, &w.kv_events_replay].into_iter().flatten() {
+                if !ep.starts_with("tcp://") {
+                    bail!("model {name:?}: KV event endpoint {ep:?} of worker {} must look like tcp://HOST:PORT", w.url);
+                }
+            }
+            if w.kv_events_replay.is_some() && w.kv_events.is_none() {
+                bail!(
+                    "model {name:?}: worker {} has a replay endpoint but no --kv-events endpoint",
+                    w.url
+                );
+            }
+            if w.dp_size == 0 {
+                bail!("model {name:?}: worker {} has dp_size 0", w.url);
+            }
+        }
+        if self.needs_tokens() && self.tokenizer.is_none() && !self.remote_tokenize {
+            bail!(
+                "model {name:?}: policy {} routes on token ids: pass --tokenizer DIR (a directory with tokenizer.json) or --remote-tokenize",
+                self.policy
+            );
+        }
+        if let Some(fb) = self.kv_fallback {
+            if self.policy != PolicyKind::KvAware {
+                bail!("model {name:?}: kv_fallback only applies to the kv_aware policy");
+            }
+            if fb == PolicyKind::KvAware {
+                bail!("model {name:?}: kv_fallback cannot be kv_aware itself");
+            }
+        }
+        if self.session_header.is_empty()
+            || http::HeaderName::from_bytes(self.session_header.as_bytes()).is_err()
+        {
+            bail!(
+                "model {name:?}: session_header {:?} is not a valid HTTP header name",
+                self.session_header
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Removes a trailing `/` so `http://h:1/` and `http://h:1` are the same worker.
+pub fn normalize_url(url: &str) -> String {
+    url.trim().trim_end_matches('/').to_string()
+}
+
+/// A worker URL must be `http://host:port[/prefix]`.
+pub fn validate_worker_url(url: &str) -> anyhow::Result<()> {
+    let url = normalize_url(url);
+    let uri: http::Uri = url
+        .parse()
+        .with_context(|| format!("worker URL {url:?} is not a valid URL"))?;
+    match uri.scheme_str() {
+        Some("http") => {}
+        Some("https") => bail!("worker URL {url:?}: https upstreams are not supported; terminate TLS in front of the engine or use http://"),
+        _ => bail!("worker URL {url:?} must start with http://"),
+    }
+    if uri.authority().is_none() {
+        bail!("worker URL {url:?} has no host");
+    }
+    if uri.query().is_some() {
+        bail!("worker URL {url:?} must not have a query string");
+    }
+    Ok(())
+}
+
+/// Parses `URL=ENDPOINT` (the `--kv-events` / `--kv-events-replay` flag syntax).
+pub fn parse_assignment(s: &str) -> anyhow::Result<(String, String)> {
+    let Some((url, endpoint)) = s.rsplit_once('=') else {
+        bail!("expected WORKER_URL=tcp://HOST:PORT, got {s:?}");
+    };
+    if url.is_empty() || endpoint.is_empty() {
+        bail!("expected WORKER_URL=tcp://HOST:PORT, got {s:?}");
+    }
+    Ok((normalize_url(url), endpoint.trim().to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn yaml_with_two_models() {
+        let c = Config::from_yaml_str(
+            r#"
+port: 9000
+models:
+  - name: a
+    policy: kv_aware
+    tokenizer: /tmp/tok
+    block_size: 32
+    workers:
+      - url: http://127.0.0.1:8101
+        kv_events: tcp://127.0.0.1:5601
+        kv_events_replay: tcp://127.0.0.1:5701
+      - http://127.0.0.1:8102
+  - name: b
+    workers: [http://127.0.0.1:8201/]
+limits: { max_in_flight_per_worker: 4 }
+"#,
+        )
+        .unwrap();
+        assert_eq!(c.port, 9000);
+        assert_eq!(c.models.len(), 2);
+        assert_eq!(c.models[0].policy, PolicyKind::KvAware);
+        assert_eq!(
+            c.models[0].workers[1],
+            WorkerConfig::new("http://127.0.0.1:8102")
+        );
+        assert!(c.models[0].has_event_source());
+        assert_eq!(c.models[1].policy, PolicyKind::RoundRobin);
+        assert_eq!(c.limits.max_in_flight_per_worker, 4);
+        assert_eq!(c.limits.max_queue, 1024);
+    }
+
+    #[test]
+    fn errors_say_what_to_fix() {
+        let err =
+            Config::from_yaml_str("models: [{name: a, policy: kv_aware, workers: [http://h:1]}]")
+                .unwrap_err();
+        assert!(format!("{err:#}").contains("--tokenizer"), "{err:#}");
+        let err = Config::from_yaml_str("models: [{name: a, workers: [ftp://h:1]}]").unwrap_err();
+        assert!(format!("{err:#}").contains("http://"), "{err:#}");
+        let err = Config::from_yaml_str("models: []").unwrap_err();
+        assert!(format!("{err:#}").contains("--model"), "{err:#}");
+        let err = Config::from_yaml_str("modles: []").unwrap_err();
+        assert!(format!("{err:#}").contains("modles"), "{err:#}");
+    }
+
+    #[test]
+    fn assignment_syntax() {
+        assert_eq!(
+            parse_assignment("http://127.0.0.1:8101/=tcp://127.0.0.1:5601").unwrap(),
+            (
+                "http://127.0.0.1:8101".into(),
+                "tcp://127.0.0.1:5601".into()
+            )
+        );
+        assert!(parse_assignment("http://x").is_err());
+    }
+}

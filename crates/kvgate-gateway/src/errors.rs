@@ -1,0 +1,189 @@
+//! OpenAI-style error responses: `{"error":{"message","type","code"}}` with the right
+//! HTTP status (and `Retry-After` where waiting helps).
+//!
+//! Owns the mapping from gateway failure kinds to status codes and bodies. It must not
+//! decide *when* a request fails; routing, limits and proxying do that.
+
+use axum::response::{IntoResponse, Response};
+use http::{header, HeaderValue, StatusCode};
+use serde::Serialize;
+
+/// A failure the gateway reports to its client.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    /// OpenAI `type`, e.g. `invalid_request_error`.
+    pub kind: &'static str,
+    /// Machine-readable code, e.g. `model_not_found`.
+    pub code: &'static str,
+    /// Seconds a client should wait before retrying (sent as `Retry-After`).
+    pub retry_after: Option<u64>,
+}
+
+impl ApiError {
+    pub fn new(
+        status: StatusCode,
+        kind: &'static str,
+        code: &'static str,
+        message: impl Into<String>,
+    ) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            kind,
+            code,
+            retry_after: None,
+        }
+    }
+
+    pub fn with_retry_after(mut self, secs: u64) -> Self {
+        self.retry_after = Some(secs.max(1));
+        self
+    }
+
+    /// 400: the body is not valid JSON or not a JSON object.
+    pub fn malformed_json(detail: impl std::fmt::Display) -> Self {
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "invalid_json",
+            format!("request body is not valid JSON: {detail}"),
+        )
+    }
+
+    /// 400: a request the router cannot accept.
+    pub fn bad_request(code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            code,
+            message,
+        )
+    }
+
+    /// 404: the requested model is not served by this gateway.
+    pub fn unknown_model(model: &str, known: &[&str]) -> Self {
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "model_not_found",
+            format!(
+                "the model {model:?} does not exist on this gateway (served: {})",
+                known.join(", ")
+            ),
+        )
+    }
+
+    /// 503: no healthy worker can take the request.
+    pub fn no_healthy_worker(model: &str, retry_after: u64) -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            "no_healthy_worker",
+            format!("no healthy worker is available for model {model:?}"),
+        )
+        .with_retry_after(retry_after)
+    }
+
+    /// 429: limits and wait queue are full.
+    pub fn overloaded(message: impl Into<String>, retry_after: u64) -> Self {
+        Self::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_error",
+            "overloaded",
+            message,
+        )
+        .with_retry_after(retry_after)
+    }
+
+    pub fn unauthorized(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::UNAUTHORIZED,
+            "authentication_error",
+            "invalid_api_key",
+            message,
+        )
+    }
+
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "not_found",
+            message,
+        )
+    }
+
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal_error",
+            "internal_error",
+            message,
+        )
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({}): {}", self.status, self.code, self.message)
+    }
+}
+
+impl std::error::Error for ApiError {}
+
+#[derive(Serialize)]
+struct Body<'a> {
+    error: Inner<'a>,
+}
+
+#[derive(Serialize)]
+struct Inner<'a> {
+    message: &'a str,
+    #[serde(rename = "type")]
+    kind: &'a str,
+    code: &'a str,
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = Body {
+            error: Inner {
+                message: &self.message,
+                kind: self.kind,
+                code: self.code,
+            },
+        };
+        let bytes = serde_json::to_vec(&body).unwrap_or_else(|_| b"{}".to_vec());
+        let mut resp = (self.status, bytes).into_response();
+        let headers = resp.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        if let Some(secs) = self.retry_after {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        resp
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn body_is_openai_shaped_with_retry_after() {
+        let resp = ApiError::overloaded("busy", 0).into_response();
+        assert_eq!(resp.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(resp.headers()[header::RETRY_AFTER], "1");
+        let body = axum::body::to_bytes(resp.into_body(), 1 << 16)
+            .await
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["error"]["code"], "overloaded");
+        assert_eq!(v["error"]["type"], "rate_limit_error");
+        assert_eq!(v["error"]["message"], "busy");
+    }
+}

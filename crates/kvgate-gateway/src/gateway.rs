@@ -1,0 +1,352 @@
+//! The running gateway's shared state and its lifecycle operations.
+//!
+//! Owns [`Gateway`]: the models (with LoRA-adapter aliases), the worker-id counter,
+//! the upstream HTTP client, limits, metrics and event-ingestion wiring. Adding a
+//! worker starts its KV-event subscribers; removing one (or declaring it dead) stops
+//! them and purges its index entries. Must not serve HTTP (server.rs) or pick workers
+//! (routing.rs).
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use http::{HeaderName, HeaderValue};
+use kvgate_core::{
+    build_policy, BlockHasher, IndexConfig, PolicyConfig, PolicyKind, PrefixIndex, WorkerId,
+};
+use kvgate_events::{spawn_subscriber, EventMetrics, EventSource, SharedIndex};
+use kvgate_tokenize::{LocalTokenizer, RemoteTokenizer, Tokenizer};
+use parking_lot::RwLock;
+use rustc_hash::FxHashMap;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{Config, ModelConfig, WorkerConfig};
+use crate::errors::ApiError;
+use crate::limits::GlobalLimiter;
+use crate::metrics::Metrics;
+use crate::proxy::{build_client, ForwardAuth, HttpClient};
+use crate::registry::{ModelState, Worker};
+
+/// Shared state of one gateway process.
+pub struct Gateway {
+    pub config: Config,
+    models: FxHashMap<String, Arc<ModelState>>,
+    /// Served names in declaration order (models, then their LoRA adapters).
+    names: Vec<(String, Arc<ModelState>, Option<Arc<str>>)>,
+    next_worker_id: AtomicU32,
+    pub(crate) client: HttpClient,
+    pub(crate) limiter: GlobalLimiter,
+    pub metrics: Metrics,
+    pub events: Arc<EventMetrics>,
+    pub(crate) shutdown: CancellationToken,
+    forward_auth: ForwardAuth,
+}
+
+impl std::fmt::Debug for Gateway {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gateway")
+            .field(
+                "models",
+                &self.names.iter().map(|n| &n.0).collect::<Vec<_>>(),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+impl Gateway {
+    /// Builds the gateway from a validated config: loads tokenizers, builds policies and
+    /// indexes, registers workers and starts their event subscribers. Must run inside a
+    /// tokio runtime.
+    pub fn build(config: Config, shutdown: CancellationToken) -> anyhow::Result<Arc<Gateway>> {
+        config.validate()?;
+        let mut models = FxHashMap::default();
+        let mut names = Vec::new();
+        let mut pending = Vec::new();
+        for mc in &config.models {
+            let model = Arc::new(build_model(mc)?);
+            models.insert(mc.name.clone(), model.clone());
+            names.push((mc.name.clone(), model.clone(), None));
+            for a in &mc.lora_adapters {
+                names.push((a.clone(), model.clone(), Some(Arc::from(a.as_str()))));
+            }
+            pending.push((model, mc.workers.clone()));
+        }
+        let worker_auth = match &config.worker_api_key {
+            Some(k) => Some(
+                HeaderValue::from_str(&format!("Bearer {k}"))
+                    .context("worker_api_key contains characters not allowed in a header")?,
+            ),
+            None => None,
+        };
+        let gw = Arc::new(Gateway {
+            client: build_client(&config.timeouts),
+            limiter: GlobalLimiter::new(&config.limits),
+            metrics: Metrics::new().context("cannot register metrics")?,
+            events: EventMetrics::new(),
+            shutdown,
+            forward_auth: ForwardAuth {
+                strip_client_auth: config.api_key.is_some(),
+                worker_auth,
+            },
+            next_worker_id: AtomicU32::new(0),
+            models,
+            names,
+            config,
+        });
+        for (model, workers) in pending {
+            for w in workers {
+                gw.add_worker_to(&model, w)?;
+            }
+        }
+        Ok(gw)
+    }
+
+    /// Looks up the model a request names. `None` is accepted when exactly one model is
+    /// served. Returns the model and the LoRA adapter named, if any.
+    pub fn resolve(
+        &self,
+        name: Option<&str>,
+    ) -> Result<(&Arc<ModelState>, Option<&Arc<str>>), ApiError> {
+        match name {
+            Some(n) => {
+                if let Some(m) = self.models.get(n) {
+                    return Ok((m, None));
+                }
+                self.names
+                    .iter()
+                    .find(|(alias, _, lora)| lora.is_some() && alias == n)
+                    .map(|(_, m, lora)| (m, lora.as_ref()))
+                    .ok_or_else(|| {
+                        let known: Vec<&str> = self.names.iter().map(|n| n.0.as_str()).collect();
+                        ApiError::unknown_model(n, &known)
+                    })
+            }
+            None if self.models.len() == 1 => Ok((&self.names[0].1, None)),
+            None => Err(ApiError::bad_request(
+                "missing_model",
+                "the request has no \"model\" field and this gateway serves several models",
+            )),
+        }
+    }
+
+    /// Every served name (models and LoRA adapters) with its model.
+    pub fn served_names(&self) -> impl Iterator<Item = (&str, &Arc<ModelState>, bool)> {
+        self.names
+            .iter()
+            .map(|(n, m, lora)| (n.as_str(), m, lora.is_some()))
+    }
+
+    pub fn model(&self, name: &str) -> Option<&Arc<ModelState>> {
+        self.models.get(name)
+    }
+
+    pub fn models(&self) -> impl Iterator<Item = &Arc<ModelState>> {
+        self.names.iter().filter(|n| n.2.is_none()).map(|n| &n.1)
+    }
+
+    /// Header handling for forwarded requests.
+    pub(crate) fn forward_auth(&self) -> &ForwardAuth {
+        &self.forward_auth
+    }
+
+    /// Health-check based recovery is the probe unless active checks are off.
+    pub(crate) fn passive_open_ms(&self) -> Option<u64> {
+        (self.config.health.interval_ms == 0).then_some(self.config.health.open_ms)
+    }
+
+    /// Adds a worker to a model at run time.
+    pub fn add_worker(&self, model: &str, config: WorkerConfig) -> anyhow::Result<Arc<Worker>> {
+        let m = self
+            .models
+            .get(model)
+            .ok_or_else(|| anyhow::anyhow!("unknown model {model:?}"))?
+            .clone();
+        self.add_worker_to(&m, config)
+    }
+
+    fn add_worker_to(
+        &self,
+        model: &Arc<ModelState>,
+        config: WorkerConfig,
+    ) -> anyhow::Result<Arc<Worker>> {
+        crate::config::validate_worker_url(&config.url)?;
+        if model.worker_by_url(&config.url).is_some() {
+            anyhow::bail!(
+                "worker {} is already registered for model {:?}",
+                config.url,
+                &*model.name
+            );
+        }
+        for ep in [&config.kv_events, &config.kv_events_replay]
+            .into_iter()
+            .flatten()
+        {
+            if !ep.starts_with("tcp://") {
+                anyhow::bail!("KV event endpoint {ep:?} must look like tcp://HOST:PORT");
+            }
+        }
+        let id = WorkerId(self.next_worker_id.fetch_add(1, Ordering::Relaxed));
+        let remote = if model.config.remote_tokenize {
+            let timeout = self
+                .config
+                .timeouts
+                .first_byte()
+                .unwrap_or(Duration::from_secs(30))
+                .min(Duration::from_secs(30));
+            let mut r = RemoteTokenizer::new(&crate::config::normalize_url(&config.url), timeout)?;
+            if let Some(k) = &self.config.worker_api_key {
+                r = r.with_bearer_token(k.clone());
+            }
+            Some(r)
+        } else {
+            None
+        };
+        let worker = Arc::new(Worker::new(id, config, &self.config.health.path, remote)?);
+        if let (Some(index), Some(endpoint)) = (&model.index, &worker.config.kv_events) {
+            let mut subs = worker.subscribers.lock();
+            for rank in 0..worker.config.dp_size {
+                let source = EventSource {
+                    worker: id,
+                    endpoint: offset_port(endpoint, rank)?,
+                    replay_endpoint: worker
+                        .config
+                        .kv_events_replay
+                        .as_deref()
+                        .map(|r| offset_port(r, rank))
+                        .transpose()?,
+                    topic: model.config.kv_topic.clone(),
+                    dp_rank: rank,
+                };
+                subs.push(spawn_subscriber(source, index.clone(), self.events.clone()));
+            }
+        }
+        model.insert_worker(worker.clone())?;
+        tracing::info!(model = %model.name, worker = %worker.url, id = %id, "worker added");
+        Ok(worker)
+    }
+
+    /// Removes a worker: it gets no new requests, its event subscribers stop and its
+    /// index entries are purged. Requests in flight to it finish normally.
+    pub fn remove_worker(&self, model: &str, id: WorkerId) -> Option<Arc<Worker>> {
+        let m = self.models.get(model)?;
+        let w = m.remove_worker(id)?;
+        for s in w.subscribers.lock().drain(..) {
+            s.shutdown();
+        }
+        self.purge(m, &w, "removed");
+        self.events.forget(id);
+        tracing::info!(model = %m.name, worker = %w.url, id = %id, "worker removed");
+        Some(w)
+    }
+
+    /// Forgets what the index says a worker holds.
+    pub(crate) fn purge(&self, model: &ModelState, worker: &Worker, why: &str) {
+        if let Some(index) = &model.index {
+            let n = kvgate_events::purge_worker(index, worker.id);
+            self.metrics
+                .index_purged_entries
+                .with_label_values(&[&*model.name])
+                .inc_by(n as u64);
+            tracing::info!(model = %model.name, worker = %worker.url, entries = n, why, "purged worker from the prefix index");
+        }
+    }
+
+    /// URL of a worker id in any model.
+    pub fn worker_url(&self, id: WorkerId) -> Option<String> {
+        self.models().find_map(|m| {
+            m.workers()
+                .iter()
+                .find(|w| w.id == id)
+                .map(|w| w.url.to_string())
+        })
+    }
+}
+
+fn build_model(mc: &ModelConfig) -> anyhow::Result<ModelState> {
+    let name = &mc.name;
+    let hasher = BlockHasher::with_salt(
+        mc.block_size,
+        mc.hash_salt.as_deref().unwrap_or("").as_bytes(),
+    )
+    .map_err(|e| anyhow::anyhow!("model {name:?}: {e}"))?;
+    let policy_config = |kind: PolicyKind| PolicyConfig {
+        kind,
+        seed: mc.seed,
+        kv_aware: mc.kv_aware.clone(),
+        prefix_affinity: mc.prefix_affinity.clone(),
+        session: mc.session.clone(),
+    };
+    let policy = build_policy(&policy_config(mc.policy));
+    let fallback = mc.kv_fallback.map(|k| build_policy(&policy_config(k)));
+    let index: Option<SharedIndex> = (mc.policy == PolicyKind::KvAware).then(|| {
+        Arc::new(RwLock::new(PrefixIndex::new(
+            hasher,
+            IndexConfig {
+                max_blocks: mc.index_max_blocks,
+            },
+        )))
+    });
+    let tokenizer = match (&mc.tokenizer, mc.remote_tokenize) {
+        (Some(dir), false) => Some(Tokenizer::Local(Arc::new(
+            LocalTokenizer::from_dir(dir).with_context(|| {
+                format!(
+                    "model {name:?}: cannot load tokenizer from {}",
+                    dir.display()
+                )
+            })?,
+        ))),
+        _ => None,
+    };
+    let session_header = HeaderName::from_bytes(mc.session_header.to_ascii_lowercase().as_bytes())
+        .with_context(|| format!("model {name:?}: invalid session header"))?;
+    if mc.policy == PolicyKind::KvAware && !mc.has_event_source() {
+        match mc.kv_fallback {
+            Some(fb) => {
+                tracing::warn!(model = %name, fallback = %fb, "kv_aware has no KV event source: routing with the fallback policy until workers with --kv-events are added")
+            }
+            None => {
+                tracing::warn!(model = %name, "kv_aware has no KV event source: requests get 503 until workers with --kv-events are added (or pass --kv-fallback POLICY)")
+            }
+        }
+    }
+    Ok(ModelState::new(
+        mc.clone(),
+        policy,
+        fallback,
+        hasher,
+        index,
+        tokenizer,
+        session_header,
+    ))
+}
+
+/// `tcp://host:5557` with rank 2 → `tcp://host:5559` (vLLM data-parallel ports).
+fn offset_port(endpoint: &str, rank: u32) -> anyhow::Result<String> {
+    if rank == 0 {
+        return Ok(endpoint.to_string());
+    }
+    let (host, port) = endpoint
+        .rsplit_once(':')
+        .ok_or_else(|| anyhow::anyhow!("endpoint {endpoint:?} has no port"))?;
+    let port: u32 = port
+        .parse()
+        .with_context(|| format!("endpoint {endpoint:?} has an invalid port"))?;
+    let p = port + rank;
+    if p > u32::from(u16::MAX) {
+        anyhow::bail!("endpoint {endpoint:?} + rank {rank} exceeds port 65535");
+    }
+    Ok(format!("{host}:{p}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dp_rank_ports() {
+        assert_eq!(offset_port("tcp://h:5557", 0).unwrap(), "tcp://h:5557");
+        assert_eq!(offset_port("tcp://h:5557", 2).unwrap(), "tcp://h:5559");
+        assert!(offset_port("tcp://h:65535", 1).is_err());
+    }
+}

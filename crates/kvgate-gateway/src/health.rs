@@ -1,0 +1,84 @@
+//! Background tasks: active health checks and the ledger TTL sweep.
+//!
+//! Owns the periodic `GET {worker}/health` probes that feed each worker's circuit
+//! breaker (a worker declared dead has its prefix-index entries purged; it returns to
+//! rotation on its next successful probe), and the sweep that frees bookings older
+//! than the TTL (a backstop; freed bookings are counted). Health never touches the
+//! ledger's per-worker load. Both tasks stop on gateway shutdown.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::task::JoinSet;
+
+use crate::failover::worker_ok;
+use crate::gateway::Gateway;
+use crate::proxy::get_status;
+use crate::registry::Endpoint;
+
+/// Runs health checks every `health.interval_ms` until shutdown (no-op when 0).
+pub async fn run_health_checks(gw: Arc<Gateway>) {
+    let cfg = gw.config.health.clone();
+    if cfg.interval_ms == 0 {
+        return;
+    }
+    let interval = Duration::from_millis(cfg.interval_ms);
+    let timeout = Duration::from_millis(cfg.timeout_ms.max(1));
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = gw.shutdown.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let mut set = JoinSet::new();
+        for model in gw.models() {
+            for worker in model.workers().iter() {
+                let (gw, model, worker) = (gw.clone(), model.clone(), worker.clone());
+                set.spawn(async move {
+                    let result = get_status(&gw.client, &worker, Endpoint::Health, timeout).await;
+                    match result {
+                        Ok(s) if s.is_success() => worker_ok(&gw, &model, &worker),
+                        other => {
+                            let why = match &other {
+                                Ok(s) => format!("health check answered {s}"),
+                                Err(e) => format!("health check failed: {e}"),
+                            };
+                            if worker.breaker.record_failure(gw.config.health.failure_threshold) {
+                                tracing::warn!(model = %model.name, worker = %worker.url, %why, "worker declared dead: taken out of rotation");
+                                gw.metrics
+                                    .health_transitions
+                                    .with_label_values(&[&*model.name, &*worker.url, "open"])
+                                    .inc();
+                                gw.purge(&model, &worker, "dead");
+                            } else {
+                                tracing::debug!(model = %model.name, worker = %worker.url, %why);
+                            }
+                        }
+                    }
+                });
+            }
+        }
+        while set.join_next().await.is_some() {}
+    }
+}
+
+/// Frees bookings older than the ledger TTL, periodically, until shutdown.
+pub async fn run_ledger_sweep(gw: Arc<Gateway>) {
+    let ttl = Duration::from_secs(gw.config.ledger_ttl_secs.max(1));
+    let period = (ttl / 4).clamp(Duration::from_millis(100), Duration::from_secs(60));
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = gw.shutdown.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        for model in gw.models() {
+            let n = model.ledger.sweep_expired(Instant::now(), ttl);
+            if n > 0 {
+                tracing::warn!(model = %model.name, swept = n, "ledger TTL sweep freed bookings whose request never ended");
+            }
+        }
+    }
+}

@@ -1,0 +1,192 @@
+//! Backpressure: the global in-flight limit with a bounded wait queue, and waiting
+//! for a per-worker slot.
+//!
+//! Owns admission. A request first takes a global slot (waiting in a bounded queue for
+//! at most the queue timeout); after routing it takes a slot on its worker
+//! ([`crate::registry::Worker::try_reserve`]); when every healthy candidate is full it
+//! waits for a slot to free, bounded by the same timeout. Beyond either bound the answer
+//! is 429 with `Retry-After`, never a hang. Must not choose workers.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
+
+use crate::config::LimitsConfig;
+use crate::errors::ApiError;
+use crate::registry::ModelState;
+
+/// The gateway-wide in-flight limit.
+#[derive(Debug)]
+pub struct GlobalLimiter {
+    sem: Option<Arc<Semaphore>>,
+    waiting: AtomicUsize,
+    max_queue: usize,
+    timeout: Duration,
+    retry_after: u64,
+}
+
+impl GlobalLimiter {
+    pub fn new(cfg: &LimitsConfig) -> Self {
+        Self {
+            sem: (cfg.max_in_flight > 0).then(|| Arc::new(Semaphore::new(cfg.max_in_flight))),
+            waiting: AtomicUsize::new(0),
+            max_queue: cfg.max_queue,
+            timeout: cfg.queue_timeout(),
+            retry_after: cfg.retry_after_secs(),
+        }
+    }
+
+    /// Takes a global slot (`None` when unlimited), waiting in the bounded queue.
+    pub async fn acquire(&self) -> Result<Option<OwnedSemaphorePermit>, ApiError> {
+        let Some(sem) = &self.sem else {
+            return Ok(None);
+        };
+        if let Ok(p) = sem.clone().try_acquire_owned() {
+            return Ok(Some(p));
+        }
+        let _ticket = QueueTicket::take(&self.waiting, self.max_queue).ok_or_else(|| {
+            ApiError::overloaded(
+                "the gateway is at its in-flight limit and its wait queue is full; retry later",
+                self.retry_after,
+            )
+        })?;
+        match tokio::time::timeout(self.timeout, sem.clone().acquire_owned()).await {
+            Ok(Ok(p)) => Ok(Some(p)),
+            Ok(Err(_)) => Err(ApiError::internal("the gateway is shutting down")),
+            Err(_) => Err(ApiError::overloaded(
+                "the gateway stayed at its in-flight limit for the whole queue timeout; retry later",
+                self.retry_after,
+            )),
+        }
+    }
+
+    pub fn retry_after(&self) -> u64 {
+        self.retry_after
+    }
+
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Requests waiting for a global slot.
+    pub fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::Relaxed)
+    }
+}
+
+/// A place in a bounded queue; leaving frees it.
+struct QueueTicket<'a>(&'a AtomicUsize);
+
+impl<'a> QueueTicket<'a> {
+    fn take(counter: &'a AtomicUsize, max: usize) -> Option<Self> {
+        counter
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| QueueTicket(counter))
+    }
+}
+
+impl Drop for QueueTicket<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Waits until `attempt` yields `Some` (re-trying each time a worker slot of `model`
+/// frees or the fleet changes) or `deadline` passes (`None`). At most `max_queue`
+/// requests wait per model; beyond that `None` at once.
+pub async fn wait_for_slot<T, F>(
+    model: &ModelState,
+    max_queue: usize,
+    deadline: Instant,
+    mut attempt: F,
+) -> Option<T>
+where
+    F: FnMut() -> Option<T>,
+{
+    let _ticket = QueueTicket::take(&model.waiting, max_queue.max(1))?;
+    loop {
+        let notified = model.capacity.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if let Some(v) = attempt() {
+            return Some(v);
+        }
+        // Wake periodically too: health changes do not signal `capacity`.
+        let tick = Instant::now() + Duration::from_millis(50);
+        let wake = tick.min(deadline);
+        if tokio::time::timeout_at(wake, notified).await.is_err() && Instant::now() >= deadline {
+            return attempt();
+        }
+    }
+}
+
+/// Runs `fut` with an optional timeout.
+pub async fn maybe_timeout<F: Future>(d: Option<Duration>, fut: F) -> Result<F::Output, ()> {
+    match d {
+        Some(d) => tokio::time::timeout(d, fut).await.map_err(|_| ()),
+        None => Ok(fut.await),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn full_queue_is_429_at_once() {
+        let cfg = LimitsConfig {
+            max_in_flight: 1,
+            max_queue: 0,
+            queue_timeout_ms: 10_000,
+            ..LimitsConfig::default()
+        };
+        let lim = GlobalLimiter::new(&cfg);
+        let held = lim.acquire().await.unwrap();
+        assert!(held.is_some());
+        let err = lim.acquire().await.unwrap_err();
+        assert_eq!(err.status, http::StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(err.retry_after, Some(10));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn queue_timeout_is_429_and_release_admits() {
+        let cfg = LimitsConfig {
+            max_in_flight: 1,
+            max_queue: 4,
+            queue_timeout_ms: 100,
+            ..LimitsConfig::default()
+        };
+        let lim = Arc::new(GlobalLimiter::new(&cfg));
+        let held = lim.acquire().await.unwrap();
+        let err = lim.acquire().await.unwrap_err();
+        assert_eq!(err.status, http::StatusCode::TOO_MANY_REQUESTS);
+        let l2 = lim.clone();
+        let waiter = tokio::spawn(async move { l2.acquire().await.map(|p| p.is_some()) });
+        tokio::task::yield_now().await;
+        drop(held);
+        assert_eq!(waiter.await.unwrap(), Ok(true));
+        assert_eq!(lim.waiting(), 0);
+    }
+
+    #[test]
+    fn unlimited_has_no_semaphore() {
+        let lim = GlobalLimiter::new(&LimitsConfig::default());
+        let p = futures_lite_block_on(lim.acquire());
+        assert!(matches!(p, Ok(None)));
+    }
+
+    fn futures_lite_block_on<F: Future>(f: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(f)
+    }
+}

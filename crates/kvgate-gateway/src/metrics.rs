@@ -1,0 +1,308 @@
+//! Prometheus metrics for `GET /metrics`.
+//!
+//! Owns the metric registry and the text rendering. Counters and histograms are
+//! updated on the request path; per-worker load gauges (from the ledger), health,
+//! index size and the KV-event ingestion counters (from kvgate-events) are read at
+//! scrape time, so the hot path never touches them. Must not make routing decisions.
+
+use std::fmt::Write as _;
+
+use kvgate_events::EventMetricsSnapshot;
+use prometheus::{
+    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry,
+    TextEncoder,
+};
+
+/// All gateway metrics.
+pub struct Metrics {
+    registry: Registry,
+    /// Responses by model, worker (URL, or "" when the gateway answered), policy, status.
+    pub requests: IntCounterVec,
+    pub decision_seconds: HistogramVec,
+    pub tokenize_seconds: HistogramVec,
+    pub retries: IntCounterVec,
+    pub stream_ends: IntCounterVec,
+    pub predicted_cached_tokens: IntCounterVec,
+    pub reported_cached_tokens: IntCounterVec,
+    pub reported_prompt_tokens: IntCounterVec,
+    pub cached_tokens_error: HistogramVec,
+    pub health_transitions: IntCounterVec,
+    pub index_purged_entries: IntCounterVec,
+    worker_in_flight: IntGaugeVec,
+    worker_prefill_tokens: IntGaugeVec,
+    worker_decode_blocks: GaugeVec,
+    worker_healthy: IntGaugeVec,
+    ledger_active: IntGaugeVec,
+    ledger_booked: IntGaugeVec,
+    ledger_swept: IntGaugeVec,
+    index_entries: IntGaugeVec,
+}
+
+fn counter(
+    r: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+) -> prometheus::Result<IntCounterVec> {
+    let c = IntCounterVec::new(Opts::new(name, help), labels)?;
+    r.register(Box::new(c.clone()))?;
+    Ok(c)
+}
+
+fn igauge(
+    r: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+) -> prometheus::Result<IntGaugeVec> {
+    let g = IntGaugeVec::new(Opts::new(name, help), labels)?;
+    r.register(Box::new(g.clone()))?;
+    Ok(g)
+}
+
+fn histogram(
+    r: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+    buckets: Vec<f64>,
+) -> prometheus::Result<HistogramVec> {
+    let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets), labels)?;
+    r.register(Box::new(h.clone()))?;
+    Ok(h)
+}
+
+/// Buckets for sub-millisecond to second latencies.
+fn latency_buckets() -> Vec<f64> {
+    vec![
+        5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1,
+        0.25, 0.5, 1.0,
+    ]
+}
+
+/// Symmetric buckets for (reported − predicted) cached tokens.
+fn error_buckets() -> Vec<f64> {
+    let pos = [0.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0];
+    let mut v: Vec<f64> = pos.iter().skip(1).rev().map(|x| -x - 0.5).collect();
+    v.extend(pos.iter().map(|x| x + 0.5));
+    v
+}
+
+impl Metrics {
+    pub fn new() -> prometheus::Result<Metrics> {
+        let r = Registry::new();
+        let mw = &["model", "worker"];
+        Ok(Metrics {
+            requests: counter(&r, "kvgate_requests_total", "Requests answered, by model, worker, policy and HTTP status", &["model", "worker", "policy", "status"])?,
+            decision_seconds: histogram(&r, "kvgate_routing_decision_seconds", "Time to select a worker (policy + index lookup)", &["model", "policy"], latency_buckets())?,
+            tokenize_seconds: histogram(&r, "kvgate_tokenization_seconds", "Time to tokenize a request for routing", &["model"], latency_buckets())?,
+            retries: counter(&r, "kvgate_retries_total", "Requests retried on another worker before the first byte", &["model", "reason"])?,
+            stream_ends: counter(&r, "kvgate_response_ends_total", "How proxied responses ended: complete, client_disconnect, upstream_error, timeout", &["model", "outcome"])?,
+            predicted_cached_tokens: counter(&r, "kvgate_predicted_cached_tokens_total", "Prompt tokens the policy predicted the engine would serve from cache (requests whose engine reported usage)", &["model"])?,
+            reported_cached_tokens: counter(&r, "kvgate_reported_cached_tokens_total", "usage.prompt_tokens_details.cached_tokens reported by engines", &["model"])?,
+            reported_prompt_tokens: counter(&r, "kvgate_reported_prompt_tokens_total", "usage.prompt_tokens reported by engines", &["model"])?,
+            cached_tokens_error: histogram(&r, "kvgate_cached_tokens_prediction_error", "Engine-reported minus predicted cached tokens, per request", &["model"], error_buckets())?,
+            health_transitions: counter(&r, "kvgate_worker_health_transitions_total", "Circuit breaker transitions", &["model", "worker", "to"])?,
+            index_purged_entries: counter(&r, "kvgate_index_purged_entries_total", "Index entries purged for dead or removed workers", &["model"])?,
+            worker_in_flight: igauge(&r, "kvgate_worker_in_flight", "Requests in flight per worker (ledger)", mw)?,
+            worker_prefill_tokens: igauge(&r, "kvgate_worker_prefill_tokens", "Uncached prompt tokens waiting for prefill per worker (ledger)", mw)?,
+            worker_decode_blocks: {
+                let g = GaugeVec::new(Opts::new("kvgate_worker_decode_blocks", "Weighted decode KV blocks per worker (ledger)"), mw)?;
+                r.register(Box::new(g.clone()))?;
+                g
+            },
+            worker_healthy: igauge(&r, "kvgate_worker_healthy", "1 when the worker's circuit breaker is closed", mw)?,
+            ledger_active: igauge(&r, "kvgate_ledger_active_bookings", "Bookings currently held", &["model"])?,
+            ledger_booked: igauge(&r, "kvgate_ledger_booked_total", "Bookings made since start", &["model"])?,
+            ledger_swept: igauge(&r, "kvgate_ledger_swept_total", "Bookings freed by the TTL sweep (leaks caught)", &["model"])?,
+            index_entries: igauge(&r, "kvgate_index_entries", "Prefix index entries per model", &["model"])?,
+            registry: r,
+        })
+    }
+
+    /// Renders every metric in the Prometheus text format. `fill` sets the
+    /// scrape-time gauges; `events` adds KV-event ingestion counters by worker URL.
+    pub fn render(
+        &self,
+        fill: impl FnOnce(&ScrapeGauges<'_>),
+        events: &EventMetricsSnapshot,
+        worker_url: impl Fn(kvgate_core::WorkerId) -> Option<String>,
+    ) -> String {
+        for g in [
+            &self.worker_in_flight,
+            &self.worker_prefill_tokens,
+            &self.worker_healthy,
+            &self.ledger_active,
+            &self.ledger_booked,
+            &self.ledger_swept,
+            &self.index_entries,
+        ] {
+            g.reset();
+        }
+        self.worker_decode_blocks.reset();
+        fill(&ScrapeGauges { m: self });
+        let mut buf = Vec::with_capacity(16 * 1024);
+        if let Err(err) = TextEncoder::new().encode(&self.registry.gather(), &mut buf) {
+            tracing::warn!(%err, "cannot encode metrics");
+        }
+        let mut out = String::from_utf8(buf).unwrap_or_default();
+        render_events(&mut out, events, worker_url);
+        out
+    }
+}
+
+/// Setters for scrape-time gauges.
+pub struct ScrapeGauges<'a> {
+    m: &'a Metrics,
+}
+
+impl ScrapeGauges<'_> {
+    pub fn worker(&self, model: &str, worker: &str, load: &kvgate_core::WorkerLoad, healthy: bool) {
+        let l = [model, worker];
+        self.m
+            .worker_in_flight
+            .with_label_values(&l)
+            .set(i64::from(load.in_flight));
+        self.m
+            .worker_prefill_tokens
+            .with_label_values(&l)
+            .set(load.prefill_tokens.min(i64::MAX as u64) as i64);
+        self.m
+            .worker_decode_blocks
+            .with_label_values(&l)
+            .set(load.decode_blocks);
+        self.m
+            .worker_healthy
+            .with_label_values(&l)
+            .set(i64::from(healthy));
+    }
+
+    pub fn ledger(&self, model: &str, stats: &kvgate_core::LedgerStats) {
+        let clamp = |v: u64| v.min(i64::MAX as u64) as i64;
+        self.m
+            .ledger_active
+            .with_label_values(&[model])
+            .set(clamp(stats.active));
+        self.m
+            .ledger_booked
+            .with_label_values(&[model])
+            .set(clamp(stats.booked));
+        self.m
+            .ledger_swept
+            .with_label_values(&[model])
+            .set(clamp(stats.swept));
+    }
+
+    pub fn index_entries(&self, model: &str, entries: usize) {
+        self.m
+            .index_entries
+            .with_label_values(&[model])
+            .set(entries.min(i64::MAX as usize) as i64);
+    }
+}
+
+fn render_events(
+    out: &mut String,
+    snap: &EventMetricsSnapshot,
+    worker_url: impl Fn(kvgate_core::WorkerId) -> Option<String>,
+) {
+    type Field = fn(&kvgate_events::WorkerEventStats) -> u64;
+    let counters: [(&str, &str, Field); 14] = [
+        ("batches", "Event batches received", |s| s.batches),
+        ("events_applied", "Events applied to the index", |s| {
+            s.events_applied
+        }),
+        ("blocks_stored", "Blocks stored", |s| s.blocks_stored),
+        ("blocks_removed", "Blocks removed", |s| s.blocks_removed),
+        ("clears", "AllBlocksCleared events", |s| s.clears),
+        ("decode_errors", "Undecodable payloads", |s| s.decode_errors),
+        ("gaps", "Sequence gaps detected", |s| s.gaps),
+        ("replays", "Replays performed", |s| s.replays),
+        ("replay_failures", "Replays that failed", |s| {
+            s.replay_failures
+        }),
+        ("purges", "Worker purges after an untrusted stream", |s| {
+            s.purges
+        }),
+        ("reconnects", "Reconnects", |s| s.reconnects),
+        (
+            "block_size_mismatches",
+            "Stored events whose block size differs from the configured one",
+            |s| s.block_size_mismatches,
+        ),
+        (
+            "unknown_parents",
+            "Stored events with an unknown parent block",
+            |s| s.unknown_parents,
+        ),
+        ("unknown_events", "Events of unknown type", |s| {
+            s.unknown_events
+        }),
+    ];
+    let labels: Vec<String> = snap
+        .workers
+        .iter()
+        .map(|s| escape(&worker_url(s.worker).unwrap_or_else(|| s.worker.to_string())))
+        .collect();
+    for (name, help, field) in counters {
+        let _ = writeln!(out, "# HELP kvgate_kv_events_{name}_total {help}");
+        let _ = writeln!(out, "# TYPE kvgate_kv_events_{name}_total counter");
+        for (s, l) in snap.workers.iter().zip(&labels) {
+            let _ = writeln!(
+                out,
+                "kvgate_kv_events_{name}_total{{worker=\"{l}\"}} {}",
+                field(s)
+            );
+        }
+    }
+    let _ = writeln!(
+        out,
+        "# HELP kvgate_kv_events_connected 1 while the worker's event stream is connected"
+    );
+    let _ = writeln!(out, "# TYPE kvgate_kv_events_connected gauge");
+    for (s, l) in snap.workers.iter().zip(&labels) {
+        let _ = writeln!(
+            out,
+            "kvgate_kv_events_connected{{worker=\"{l}\"}} {}",
+            u8::from(s.connected)
+        );
+    }
+}
+
+fn escape(s: &str) -> String {
+    s.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_registered_and_event_metrics() {
+        let m = Metrics::new().unwrap();
+        m.requests
+            .with_label_values(&["m", "http://w", "round_robin", "200"])
+            .inc();
+        let ev = kvgate_events::EventMetrics::new();
+        ev.worker(kvgate_core::WorkerId(3))
+            .batches
+            .fetch_add(7, std::sync::atomic::Ordering::Relaxed);
+        let snap = ev.snapshot();
+        let text = m.render(
+            |g| g.index_entries("m", 5),
+            &snap,
+            |_| Some("http://w".into()),
+        );
+        assert!(text.contains("kvgate_requests_total{model=\"m\",policy=\"round_robin\",status=\"200\",worker=\"http://w\"} 1"), "{text}");
+        assert!(
+            text.contains("kvgate_kv_events_batches_total{worker=\"http://w\"} 7"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kvgate_index_entries{model=\"m\"} 5"),
+            "{text}"
+        );
+    }
+}

@@ -1,0 +1,357 @@
+//! The proxied response body: the worker's bytes, passed on frame by frame unchanged,
+//! observed only to drive the request's ledger booking.
+//!
+//! Owns the request's lifecycle after routing: the [`BookingGuard`], the worker and
+//! global slots, and the end-of-request accounting. For SSE it watches `data:` lines:
+//! the first one marks prefill done, later ones count output tokens (or the `usage`
+//! object's `completion_tokens` when present), `[DONE]`/end/error/drop free everything.
+//! For JSON it keeps the body (bounded) to read the final `usage` object once. A client
+//! disconnect drops this body, which drops the upstream body (aborting the engine's
+//! request) and the guard. Must not modify, delay or buffer bytes it passes on.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use kvgate_core::BookingGuard;
+use memchr::memmem;
+use serde::Deserialize;
+use tokio::sync::OwnedSemaphorePermit;
+use tokio::time::Sleep;
+
+use crate::gateway::Gateway;
+use crate::registry::{ModelState, WorkerPermit};
+
+/// Longest SSE line kept across frame boundaries.
+const MAX_LINE: usize = 1 << 20;
+/// Largest JSON body kept to read its `usage`.
+const MAX_JSON: usize = 8 << 20;
+/// Ledger progress is reported every this many output events.
+const PROGRESS_EVERY: u32 = 8;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Outcome {
+    Complete,
+    ClientDisconnect,
+    UpstreamError,
+    Timeout,
+}
+
+impl Outcome {
+    fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Complete => "complete",
+            Outcome::ClientDisconnect => "client_disconnect",
+            Outcome::UpstreamError => "upstream_error",
+            Outcome::Timeout => "timeout",
+        }
+    }
+}
+
+/// OpenAI `usage`, the parts kvgate reads.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+pub struct Usage {
+    #[serde(default)]
+    pub prompt_tokens: Option<u64>,
+    #[serde(default)]
+    pub completion_tokens: Option<u64>,
+    #[serde(default)]
+    pub prompt_tokens_details: Option<PromptDetails>,
+}
+
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+pub struct PromptDetails {
+    #[serde(default)]
+    pub cached_tokens: Option<u64>,
+}
+
+#[derive(Deserialize)]
+struct UsageChunk {
+    #[serde(default)]
+    usage: Option<Usage>,
+}
+
+/// Everything a routed request holds until it ends.
+pub struct Lifecycle {
+    pub(crate) guard: Option<BookingGuard>,
+    pub(crate) permit: Option<WorkerPermit>,
+    pub(crate) global: Option<OwnedSemaphorePermit>,
+    pub(crate) gw: Arc<Gateway>,
+    pub(crate) model: Arc<ModelState>,
+    pub(crate) predicted_cached: u32,
+}
+
+struct Observer {
+    life: Lifecycle,
+    sse: bool,
+    first_seen: bool,
+    events: u32,
+    reported: u32,
+    buf: Vec<u8>,
+    overflow: bool,
+    usage: Option<Usage>,
+    finished: bool,
+}
+
+/// The body handed to the client.
+pub struct ObservedBody {
+    inner: Incoming,
+    obs: Observer,
+    deadline: Option<Pin<Box<Sleep>>>,
+}
+
+impl ObservedBody {
+    /// Wraps `inner`. `sse` selects event-stream observation; `deadline` is the total
+    /// request timeout.
+    pub fn new(
+        inner: Incoming,
+        life: Lifecycle,
+        sse: bool,
+        deadline: Option<Pin<Box<Sleep>>>,
+    ) -> Self {
+        Self {
+            inner,
+            obs: Observer {
+                life,
+                sse,
+                first_seen: false,
+                events: 0,
+                reported: 0,
+                buf: Vec::new(),
+                overflow: false,
+                usage: None,
+                finished: false,
+            },
+            deadline,
+        }
+    }
+}
+
+impl Body for ObservedBody {
+    type Data = Bytes;
+    type Error = axum::BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let this = self.get_mut();
+        if this.obs.finished {
+            return Poll::Ready(None);
+        }
+        if let Some(d) = &mut this.deadline {
+            if d.as_mut().poll(cx).is_ready() {
+                this.obs.finish(Outcome::Timeout);
+                return Poll::Ready(Some(Err("upstream total timeout exceeded".into())));
+            }
+        }
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(None) => {
+                this.obs.finish(Outcome::Complete);
+                Poll::Ready(None)
+            }
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    this.obs.observe(data);
+                }
+                if this.inner.is_end_stream() {
+                    this.obs.finish(Outcome::Complete);
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => {
+                this.obs.finish(Outcome::UpstreamError);
+                Poll::Ready(Some(Err(e.into())))
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.obs.finished || self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for ObservedBody {
+    fn drop(&mut self) {
+        if !self.obs.finished {
+            let outcome = if self.inner.is_end_stream() {
+                Outcome::Complete
+            } else {
+                Outcome::ClientDisconnect
+            };
+            self.obs.finish(outcome);
+        }
+    }
+}
+
+impl Observer {
+    fn observe(&mut self, data: &[u8]) {
+        if !self.sse {
+            if !self.first_seen {
+                self.first_token();
+            }
+            if !self.overflow {
+                if self.buf.len() + data.len() > MAX_JSON {
+                    self.overflow = true;
+                    self.buf = Vec::new();
+                } else {
+                    self.buf.extend_from_slice(data);
+                }
+            }
+            return;
+        }
+        let mut data = data;
+        if !self.buf.is_empty() || self.overflow {
+            match memchr::memchr(b'\n', data) {
+                None => {
+                    self.stash(data);
+                    return;
+                }
+                Some(i) => {
+                    self.stash(&data[..i]);
+                    let line = std::mem::take(&mut self.buf);
+                    if !self.overflow {
+                        self.on_line(&line);
+                    }
+                    self.overflow = false;
+                    self.buf = line;
+                    self.buf.clear();
+                    data = &data[i + 1..];
+                }
+            }
+        }
+        while let Some(i) = memchr::memchr(b'\n', data) {
+            self.on_line(&data[..i]);
+            data = &data[i + 1..];
+        }
+        if !data.is_empty() {
+            self.stash(data);
+        }
+    }
+
+    fn stash(&mut self, part: &[u8]) {
+        if self.overflow {
+            return;
+        }
+        if self.buf.len() + part.len() > MAX_LINE {
+            self.overflow = true;
+            self.buf.clear();
+        } else {
+            self.buf.extend_from_slice(part);
+        }
+    }
+
+    fn first_token(&mut self) {
+        self.first_seen = true;
+        if let Some(g) = &self.life.guard {
+            g.prefill_done();
+        }
+    }
+
+    fn on_line(&mut self, line: &[u8]) {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        let Some(payload) = line.strip_prefix(b"data:") else {
+            return;
+        };
+        let payload = payload.strip_prefix(b" ").unwrap_or(payload);
+        if payload == b"[DONE]" {
+            return;
+        }
+        if !self.first_seen {
+            self.first_token();
+        }
+        self.events += 1;
+        if memmem::find(payload, b"\"usage\"").is_some() {
+            if let Ok(UsageChunk { usage: Some(u) }) = serde_json::from_slice::<UsageChunk>(payload)
+            {
+                self.usage = Some(u);
+                if let (Some(n), Some(g)) = (u.completion_tokens, &self.life.guard) {
+                    g.progress(n.min(u64::from(u32::MAX)) as u32);
+                    self.reported = self.events;
+                }
+                return;
+            }
+        }
+        if self.events - self.reported >= PROGRESS_EVERY {
+            self.reported = self.events;
+            if let Some(g) = &self.life.guard {
+                g.progress(self.events);
+            }
+        }
+    }
+
+    fn finish(&mut self, outcome: Outcome) {
+        if self.finished {
+            return;
+        }
+        self.finished = true;
+        if !self.sse && outcome == Outcome::Complete && !self.overflow {
+            self.usage = usage_of_json(&self.buf);
+        }
+        self.buf = Vec::new();
+        let life = &self.life;
+        let model = &*life.model.name;
+        let m = &life.gw.metrics;
+        m.stream_ends
+            .with_label_values(&[model, outcome.as_str()])
+            .inc();
+        if let Some(u) = self.usage {
+            if let Some(p) = u.prompt_tokens {
+                m.reported_prompt_tokens
+                    .with_label_values(&[model])
+                    .inc_by(p);
+            }
+            if let Some(cached) = u.prompt_tokens_details.and_then(|d| d.cached_tokens) {
+                let predicted = u64::from(life.predicted_cached);
+                m.predicted_cached_tokens
+                    .with_label_values(&[model])
+                    .inc_by(predicted);
+                m.reported_cached_tokens
+                    .with_label_values(&[model])
+                    .inc_by(cached);
+                m.cached_tokens_error
+                    .with_label_values(&[model])
+                    .observe(cached as f64 - predicted as f64);
+            }
+        }
+        // Free the booking and the slots now, not whenever the body is dropped.
+        self.life.guard = None;
+        self.life.permit = None;
+        self.life.global = None;
+    }
+}
+
+/// Reads the top-level `usage` object of a complete JSON response (searching from the
+/// end, where OpenAI servers put it), parsing only that object.
+pub fn usage_of_json(body: &[u8]) -> Option<Usage> {
+    let pos = memmem::rfind(body, b"\"usage\"")?;
+    let rest = &body[pos + b"\"usage\"".len()..];
+    let rest = rest.trim_ascii_start().strip_prefix(b":")?;
+    let mut it = serde_json::Deserializer::from_slice(rest).into_iter::<Option<Usage>>();
+    it.next()?.ok().flatten()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn usage_from_json_body() {
+        let body = br#"{"id":"x","choices":[{"text":"the \"usage\" word"}],"usage":{"prompt_tokens":40,"total_tokens":45,"completion_tokens":5,"prompt_tokens_details":{"cached_tokens":32}},"kv_transfer_params":null}"#;
+        let u = usage_of_json(body).unwrap();
+        assert_eq!(u.prompt_tokens, Some(40));
+        assert_eq!(u.completion_tokens, Some(5));
+        assert_eq!(u.prompt_tokens_details.unwrap().cached_tokens, Some(32));
+        assert_eq!(usage_of_json(br#"{"usage":null}"#), None);
+        assert_eq!(usage_of_json(b"not json"), None);
+    }
+}

@@ -1,0 +1,205 @@
+//! Upstream HTTP: the pooled client, forwarding one request to one worker, and
+//! turning the worker's response head into the client's.
+//!
+//! Owns header hygiene (hop-by-hop headers, `Host`, the gateway's own credentials,
+//! `Accept-Encoding` so the stream stays observable) and the connect/first-byte
+//! timeouts. The body is passed on untouched by [`crate::observe::ObservedBody`].
+//! Must not retry (failover.rs) or choose workers (routing.rs).
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, Request, Response};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+
+use crate::config::TimeoutsConfig;
+use crate::limits::maybe_timeout;
+use crate::registry::{Endpoint, Worker};
+
+/// The shared upstream client (HTTP/1.1, keep-alive pool).
+pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+/// Header naming the worker that served a response.
+pub const WORKER_HEADER: HeaderName = HeaderName::from_static("x-kvgate-worker");
+
+pub fn build_client(t: &TimeoutsConfig) -> HttpClient {
+    let mut conn = HttpConnector::new();
+    conn.set_nodelay(true);
+    conn.set_connect_timeout(t.connect());
+    conn.enforce_http(true);
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(90))
+        .pool_max_idle_per_host(4096)
+        .build(conn)
+}
+
+/// Why a request did not get a response head from its worker.
+#[derive(Debug)]
+pub enum SendError {
+    /// Connect failure, reset, or the connection closed before a response.
+    Transport(String),
+    /// No response head within the first-byte timeout.
+    Timeout,
+}
+
+impl SendError {
+    pub fn reason(&self) -> &'static str {
+        match self {
+            SendError::Transport(_) => "transport",
+            SendError::Timeout => "first_byte_timeout",
+        }
+    }
+}
+
+impl std::fmt::Display for SendError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SendError::Transport(e) => write!(f, "upstream transport error: {e}"),
+            SendError::Timeout => f.write_str("upstream first-byte timeout"),
+        }
+    }
+}
+
+/// What the gateway adds to or strips from forwarded requests.
+#[derive(Clone, Debug, Default)]
+pub struct ForwardAuth {
+    /// Strip the client's `Authorization` (it carried the gateway's own key).
+    pub strip_client_auth: bool,
+    /// `Authorization` to send to workers.
+    pub worker_auth: Option<HeaderValue>,
+}
+
+/// POSTs `body` to `endpoint` of `worker`, returning the response head.
+pub async fn send(
+    client: &HttpClient,
+    worker: &Worker,
+    endpoint: Endpoint,
+    client_headers: &HeaderMap,
+    auth: &ForwardAuth,
+    body: Bytes,
+    first_byte_timeout: Option<Duration>,
+) -> Result<Response<Incoming>, SendError> {
+    let mut req = Request::new(Full::new(body));
+    *req.method_mut() = Method::POST;
+    *req.uri_mut() = worker.uri(endpoint);
+    copy_request_headers(client_headers, req.headers_mut(), auth);
+    match maybe_timeout(first_byte_timeout, client.request(req)).await {
+        Err(()) => Err(SendError::Timeout),
+        Ok(Err(e)) => Err(SendError::Transport(error_chain(&e))),
+        Ok(Ok(resp)) => Ok(resp),
+    }
+}
+
+/// GETs `endpoint` of `worker` (health checks), returning the status.
+pub async fn get_status(
+    client: &HttpClient,
+    worker: &Worker,
+    endpoint: Endpoint,
+    timeout: Duration,
+) -> Result<http::StatusCode, SendError> {
+    let mut req = Request::new(Full::new(Bytes::new()));
+    *req.uri_mut() = worker.uri(endpoint);
+    let fut = async {
+        let resp = client.request(req).await?;
+        let status = resp.status();
+        // Read the (small) body so the connection returns to the pool.
+        let _ = http_body_util::BodyExt::collect(resp.into_body()).await;
+        Ok::<_, hyper_util::client::legacy::Error>(status)
+    };
+    match tokio::time::timeout(timeout, fut).await {
+        Err(_) => Err(SendError::Timeout),
+        Ok(Err(e)) => Err(SendError::Transport(error_chain(&e))),
+        Ok(Ok(s)) => Ok(s),
+    }
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(inner) = src {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        src = inner.source();
+    }
+    s
+}
+
+fn is_hop_by_hop(name: &HeaderName) -> bool {
+    name == header::CONNECTION
+        || name == header::TRANSFER_ENCODING
+        || name == header::TE
+        || name == header::TRAILER
+        || name == header::UPGRADE
+        || name == header::PROXY_AUTHORIZATION
+        || name.as_str() == "keep-alive"
+        || name.as_str() == "proxy-connection"
+}
+
+/// Copies client headers to the upstream request.
+pub fn copy_request_headers(from: &HeaderMap, to: &mut HeaderMap, auth: &ForwardAuth) {
+    to.reserve(from.len() + 1);
+    for (name, value) in from {
+        if is_hop_by_hop(name)
+            || name == header::HOST
+            || name == header::CONTENT_LENGTH
+            || name == header::ACCEPT_ENCODING
+            || (name == header::AUTHORIZATION
+                && (auth.strip_client_auth || auth.worker_auth.is_some()))
+        {
+            continue;
+        }
+        to.append(name.clone(), value.clone());
+    }
+    if let Some(v) = &auth.worker_auth {
+        to.insert(header::AUTHORIZATION, v.clone());
+    }
+}
+
+/// Removes hop-by-hop headers from an upstream response and names the worker.
+pub fn prepare_response_headers(headers: &mut HeaderMap, worker: &Worker) {
+    let drop: smallvec::SmallVec<[HeaderName; 4]> = headers
+        .keys()
+        .filter(|n| is_hop_by_hop(n))
+        .cloned()
+        .collect();
+    for n in drop {
+        headers.remove(n);
+    }
+    headers.insert(WORKER_HEADER, worker.header_value.clone());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_headers_are_cleaned() {
+        let mut from = HeaderMap::new();
+        from.insert(header::HOST, HeaderValue::from_static("gw"));
+        from.insert(header::CONNECTION, HeaderValue::from_static("keep-alive"));
+        from.insert(header::CONTENT_LENGTH, HeaderValue::from_static("3"));
+        from.insert(header::ACCEPT_ENCODING, HeaderValue::from_static("gzip"));
+        from.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("Bearer client"),
+        );
+        from.insert("x-request-id", HeaderValue::from_static("abc"));
+        let mut to = HeaderMap::new();
+        copy_request_headers(&from, &mut to, &ForwardAuth::default());
+        assert_eq!(to.len(), 2);
+        assert_eq!(to["x-request-id"], "abc");
+        assert_eq!(to[header::AUTHORIZATION], "Bearer client");
+        let mut to = HeaderMap::new();
+        let auth = ForwardAuth {
+            strip_client_auth: true,
+            worker_auth: Some(HeaderValue::from_static("Bearer engine")),
+        };
+        copy_request_headers(&from, &mut to, &auth);
+        assert_eq!(to[header::AUTHORIZATION], "Bearer engine");
+    }
+}

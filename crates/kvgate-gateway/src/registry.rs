@@ -1,0 +1,360 @@
+//! Workers and models as the running gateway knows them.
+//!
+//! Owns [`Worker`] (identity, URL pieces precomputed for the hot path, circuit breaker,
+//! in-flight count, KV-event subscribers) and [`ModelState`] (policy, prefix index,
+//! ledger, tokenizer, the current worker list). Worker ids come from one counter in the
+//! gateway and are never reused. Adding and removing workers happens through
+//! [`ModelState::insert_worker`] / [`ModelState::remove_worker`]; the gateway
+//! (`gateway.rs`) wires subscribers and purges. Must not do HTTP.
+
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use http::uri::{Authority, PathAndQuery, Scheme};
+use http::{HeaderName, HeaderValue, Uri};
+use kvgate_core::{BlockHasher, Ledger, PolicyKind, RoutingPolicy, WorkerId};
+use kvgate_events::{SharedIndex, SubscriberHandle};
+use kvgate_tokenize::{RemoteTokenizer, Tokenizer};
+use parking_lot::{Mutex, RwLock};
+use tokio::sync::Notify;
+
+use crate::breaker::Breaker;
+use crate::config::{ModelConfig, WorkerConfig};
+
+/// The upstream paths the gateway forwards to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    Chat = 0,
+    Completions = 1,
+    Tokenize = 2,
+    Health = 3,
+}
+
+impl Endpoint {
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "/v1/chat/completions",
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::Tokenize => "/tokenize",
+            Endpoint::Health => "/health",
+        }
+    }
+}
+
+/// One engine replica.
+#[derive(Debug)]
+pub struct Worker {
+    pub id: WorkerId,
+    /// Normalized base URL (no trailing `/`).
+    pub url: Arc<str>,
+    /// `x-kvgate-worker` value.
+    pub header_value: HeaderValue,
+    scheme: Scheme,
+    authority: Authority,
+    paths: [PathAndQuery; 4],
+    pub breaker: Breaker,
+    in_flight: AtomicU32,
+    pub config: WorkerConfig,
+    pub(crate) subscribers: Mutex<Vec<SubscriberHandle>>,
+    pub remote_tokenizer: Option<RemoteTokenizer>,
+}
+
+impl Worker {
+    /// Builds a worker from a validated config. `health_path` replaces `/health`.
+    pub fn new(
+        id: WorkerId,
+        config: WorkerConfig,
+        health_path: &str,
+        remote_tokenizer: Option<RemoteTokenizer>,
+    ) -> anyhow::Result<Worker> {
+        let url = crate::config::normalize_url(&config.url);
+        crate::config::validate_worker_url(&url)?;
+        let uri: Uri = url.parse()?;
+        let parts = uri.into_parts();
+        let scheme = parts.scheme.unwrap_or(Scheme::HTTP);
+        let authority = parts
+            .authority
+            .ok_or_else(|| anyhow::anyhow!("worker URL {url:?} has no host"))?;
+        let prefix = parts
+            .path_and_query
+            .map(|p| p.path().trim_end_matches('/').to_string())
+            .unwrap_or_default();
+        let path = |p: &str| -> anyhow::Result<PathAndQuery> {
+            Ok(PathAndQuery::try_from(format!("{prefix}{p}"))?)
+        };
+        let health = if health_path.starts_with('/') {
+            health_path.to_string()
+        } else {
+            format!("/{health_path}")
+        };
+        Ok(Worker {
+            id,
+            header_value: HeaderValue::from_str(&url)?,
+            url: url.into(),
+            scheme,
+            authority,
+            paths: [
+                path(Endpoint::Chat.path())?,
+                path(Endpoint::Completions.path())?,
+                path(Endpoint::Tokenize.path())?,
+                path(&health)?,
+            ],
+            breaker: Breaker::new(),
+            in_flight: AtomicU32::new(0),
+            config,
+            subscribers: Mutex::new(Vec::new()),
+            remote_tokenizer,
+        })
+    }
+
+    /// Full upstream URI of an endpoint (no allocation beyond the URI's parts).
+    pub fn uri(&self, endpoint: Endpoint) -> Uri {
+        let mut parts = http::uri::Parts::default();
+        parts.scheme = Some(self.scheme.clone());
+        parts.authority = Some(self.authority.clone());
+        parts.path_and_query = Some(self.paths[endpoint as usize].clone());
+        Uri::from_parts(parts).unwrap_or_default()
+    }
+
+    /// Requests currently proxied to this worker by this gateway.
+    pub fn in_flight(&self) -> u32 {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Takes an in-flight slot if fewer than `limit` are taken (0 = unlimited).
+    #[inline]
+    pub(crate) fn try_reserve(&self, limit: u32) -> bool {
+        if limit == 0 {
+            self.in_flight.fetch_add(1, Ordering::Relaxed);
+            return true;
+        }
+        self.in_flight
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < limit).then_some(n + 1)
+            })
+            .is_ok()
+    }
+
+    pub(crate) fn has_capacity(&self, limit: u32) -> bool {
+        limit == 0 || self.in_flight.load(Ordering::Relaxed) < limit
+    }
+
+    pub(crate) fn release(&self) {
+        self.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// One served model and its fleet.
+pub struct ModelState {
+    pub name: Arc<str>,
+    pub config: ModelConfig,
+    pub policy: Box<dyn RoutingPolicy>,
+    /// kv_aware without an event source routes with this policy when configured.
+    pub fallback: Option<Box<dyn RoutingPolicy>>,
+    pub hasher: BlockHasher,
+    /// The prefix index (kv_aware only).
+    pub index: Option<SharedIndex>,
+    pub ledger: Arc<Ledger>,
+    /// Local tokenizer (None with remote tokenization or token-less policies).
+    pub tokenizer: Option<Tokenizer>,
+    pub session_header: HeaderName,
+    workers: RwLock<Arc<Vec<Arc<Worker>>>>,
+    /// Signalled when a worker slot frees while someone waits for one.
+    pub(crate) capacity: Notify,
+    pub(crate) waiting: AtomicUsize,
+    tokenize_cursor: AtomicUsize,
+}
+
+impl std::fmt::Debug for ModelState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelState")
+            .field("name", &self.name)
+            .field("policy", &self.policy.kind())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ModelState {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        config: ModelConfig,
+        policy: Box<dyn RoutingPolicy>,
+        fallback: Option<Box<dyn RoutingPolicy>>,
+        hasher: BlockHasher,
+        index: Option<SharedIndex>,
+        tokenizer: Option<Tokenizer>,
+        session_header: HeaderName,
+    ) -> ModelState {
+        ModelState {
+            name: config.name.as_str().into(),
+            ledger: Ledger::new(config.block_size),
+            config,
+            policy,
+            fallback,
+            hasher,
+            index,
+            tokenizer,
+            session_header,
+            workers: RwLock::new(Arc::new(Vec::new())),
+            capacity: Notify::new(),
+            waiting: AtomicUsize::new(0),
+            tokenize_cursor: AtomicUsize::new(0),
+        }
+    }
+
+    pub fn kind(&self) -> PolicyKind {
+        self.policy.kind()
+    }
+
+    /// The current workers (a cheap snapshot).
+    #[inline]
+    pub fn workers(&self) -> Arc<Vec<Arc<Worker>>> {
+        self.workers.read().clone()
+    }
+
+    pub fn worker_by_url(&self, url: &str) -> Option<Arc<Worker>> {
+        let url = crate::config::normalize_url(url);
+        self.workers().iter().find(|w| *w.url == *url).cloned()
+    }
+
+    /// Whether KV events feed this model's index (some worker has an event source).
+    pub fn has_event_source(&self) -> bool {
+        self.index.is_some() && self.workers().iter().any(|w| w.config.kv_events.is_some())
+    }
+
+    /// Adds a worker; fails when its URL is already present.
+    pub(crate) fn insert_worker(&self, worker: Arc<Worker>) -> anyhow::Result<()> {
+        {
+            let mut guard = self.workers.write();
+            if guard.iter().any(|w| w.url == worker.url) {
+                anyhow::bail!(
+                    "worker {} is already registered for model {:?}",
+                    worker.url,
+                    &*self.name
+                );
+            }
+            let mut next: Vec<Arc<Worker>> = guard.as_ref().clone();
+            next.push(worker);
+            *guard = Arc::new(next);
+        }
+        self.notify_policy();
+        Ok(())
+    }
+
+    /// Removes a worker by id, returning it.
+    pub(crate) fn remove_worker(&self, id: WorkerId) -> Option<Arc<Worker>> {
+        let removed = {
+            let mut guard = self.workers.write();
+            let pos = guard.iter().position(|w| w.id == id)?;
+            let mut next: Vec<Arc<Worker>> = guard.as_ref().clone();
+            let removed = next.remove(pos);
+            *guard = Arc::new(next);
+            removed
+        };
+        self.notify_policy();
+        self.capacity.notify_waiters();
+        Some(removed)
+    }
+
+    fn notify_policy(&self) {
+        let workers = self.workers();
+        let list: Vec<(WorkerId, &str)> = workers.iter().map(|w| (w.id, &*w.url)).collect();
+        self.policy.workers_changed(&list);
+        if let Some(fb) = &self.fallback {
+            fb.workers_changed(&list);
+        }
+    }
+
+    /// Available workers, starting at a rotating position (spreads side traffic such
+    /// as remote tokenization over the fleet).
+    pub(crate) fn rotated_available(&self, passive_open_ms: Option<u64>) -> Vec<Arc<Worker>> {
+        let workers = self.workers();
+        let n = workers.len();
+        if n == 0 {
+            return Vec::new();
+        }
+        let start = self.tokenize_cursor.fetch_add(1, Ordering::Relaxed) % n;
+        (0..n)
+            .map(|i| &workers[(start + i) % n])
+            .filter(|w| w.breaker.available(passive_open_ms))
+            .cloned()
+            .collect()
+    }
+
+    /// Remote tokenizers of available workers, starting at a rotating position.
+    pub(crate) fn remote_tokenizers(&self, passive_open_ms: Option<u64>) -> Vec<RemoteTokenizer> {
+        self.rotated_available(passive_open_ms)
+            .iter()
+            .filter_map(|w| w.remote_tokenizer.clone())
+            .collect()
+    }
+}
+
+/// Frees a worker slot when dropped and wakes requests waiting for one.
+#[derive(Debug)]
+pub struct WorkerPermit {
+    worker: Arc<Worker>,
+    model: Arc<ModelState>,
+}
+
+impl WorkerPermit {
+    pub(crate) fn new(worker: Arc<Worker>, model: Arc<ModelState>) -> Self {
+        Self { worker, model }
+    }
+
+    pub fn worker(&self) -> &Arc<Worker> {
+        &self.worker
+    }
+}
+
+impl Drop for WorkerPermit {
+    fn drop(&mut self) {
+        self.worker.release();
+        if self.model.waiting.load(Ordering::Acquire) > 0 {
+            self.model.capacity.notify_waiters();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uri_keeps_path_prefix() {
+        let w = Worker::new(
+            WorkerId(0),
+            WorkerConfig::new("http://127.0.0.1:9/engine/"),
+            "/health",
+            None,
+        )
+        .unwrap();
+        assert_eq!(
+            w.uri(Endpoint::Chat).to_string(),
+            "http://127.0.0.1:9/engine/v1/chat/completions"
+        );
+        assert_eq!(
+            w.uri(Endpoint::Health).to_string(),
+            "http://127.0.0.1:9/engine/health"
+        );
+        assert_eq!(&*w.url, "http://127.0.0.1:9/engine");
+    }
+
+    #[test]
+    fn reserve_respects_limit() {
+        let w = Worker::new(
+            WorkerId(0),
+            WorkerConfig::new("http://h:1"),
+            "/health",
+            None,
+        )
+        .unwrap();
+        assert!(w.try_reserve(2));
+        assert!(w.try_reserve(2));
+        assert!(!w.try_reserve(2));
+        w.release();
+        assert!(w.try_reserve(2));
+        assert!(w.try_reserve(0));
+        assert_eq!(w.in_flight(), 3);
+    }
+}

@@ -1,0 +1,336 @@
+//! From request body to chosen worker: parse the fields routing needs, find the model,
+//! tokenize when the policy scores on tokens, hash block keys, and run the policy over
+//! the healthy candidates with free slots.
+//!
+//! Owns request preparation and selection (including waiting for a worker slot). It
+//! must not book the ledger or talk to workers about the request itself (failover.rs
+//! and proxy.rs do), and never holds the index lock across an `.await`.
+
+use std::borrow::Cow;
+use std::sync::Arc;
+use std::time::Instant;
+
+use http::{HeaderMap, StatusCode};
+use kvgate_core::{
+    BlockKey, Decision, FleetView, PolicyKind, RouteRequest, RoutingPolicy, SelectError, WorkerId,
+};
+use kvgate_tokenize::{RequestKind, RoutingTokens, TokenizeError};
+use serde::Deserialize;
+use smallvec::SmallVec;
+
+use crate::errors::ApiError;
+use crate::gateway::Gateway;
+use crate::registry::{ModelState, Worker, WorkerPermit};
+
+/// The request fields routing reads; everything else is skipped while parsing.
+#[derive(Deserialize)]
+struct Head<'a> {
+    #[serde(borrow, default)]
+    model: Option<Cow<'a, str>>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    max_tokens: Option<f64>,
+    #[serde(default)]
+    max_completion_tokens: Option<f64>,
+}
+
+/// A request ready to be routed.
+pub struct Prepared {
+    pub model: Arc<ModelState>,
+    pub lora: Option<Arc<str>>,
+    pub stream: bool,
+    pub max_tokens: Option<u32>,
+    /// Block keys (`Some(empty)` when the body has nothing to route on).
+    pub keys: Option<Vec<BlockKey>>,
+    pub prompt_tokens: u32,
+    /// Token ids, when tokenized and asked for (`/tokenize`).
+    pub token_ids: Option<Vec<u32>>,
+}
+
+fn to_u32(v: Option<f64>) -> Option<u32> {
+    v.filter(|x| x.is_finite() && *x >= 0.0)
+        .map(|x| x.min(f64::from(u32::MAX)) as u32)
+}
+
+/// Parses, resolves the model, and tokenizes when the model's policy needs tokens (or
+/// `force_tokens`). `keep_ids` keeps the token ids in the result.
+pub async fn prepare(
+    gw: &Gateway,
+    kind: RequestKind,
+    body: &[u8],
+    force_tokens: bool,
+    keep_ids: bool,
+) -> Result<Prepared, ApiError> {
+    let head: Head<'_> = serde_json::from_slice(body).map_err(ApiError::malformed_json)?;
+    let (model, lora) = gw.resolve(head.model.as_deref())?;
+    let (model, lora) = (model.clone(), lora.cloned());
+    let mut p = Prepared {
+        stream: head.stream.unwrap_or(false),
+        max_tokens: to_u32(head.max_completion_tokens).or(to_u32(head.max_tokens)),
+        keys: None,
+        prompt_tokens: 0,
+        token_ids: None,
+        model,
+        lora,
+    };
+    if !(force_tokens || p.model.kind().uses_tokens()) {
+        return Ok(p);
+    }
+    let value: serde_json::Value =
+        serde_json::from_slice(body).map_err(ApiError::malformed_json)?;
+    let tokens = tokenize(gw, &p.model, kind, &value).await?;
+    match tokens {
+        RoutingTokens::Tokens { ids, .. } => {
+            let hasher = p.model.hasher.for_lora(p.lora.as_deref());
+            p.keys = Some(hasher.block_keys(&ids));
+            p.prompt_tokens = u32::try_from(ids.len()).unwrap_or(u32::MAX);
+            if keep_ids {
+                p.token_ids = Some(ids);
+            }
+        }
+        RoutingTokens::NoRoutingTokens { reason } => {
+            tracing::debug!(model = %p.model.name, reason, "request has no routing tokens; routing on load only");
+            p.keys = Some(Vec::new());
+        }
+    }
+    Ok(p)
+}
+
+async fn tokenize(
+    gw: &Gateway,
+    model: &ModelState,
+    kind: RequestKind,
+    value: &serde_json::Value,
+) -> Result<RoutingTokens, ApiError> {
+    let start = Instant::now();
+    let result = if let Some(t) = &model.tokenizer {
+        t.tokenize(kind, value).await
+    } else if model.config.remote_tokenize {
+        let remotes = model.remote_tokenizers(gw.passive_open_ms());
+        let mut last = TokenizeError::Unavailable("no healthy worker to tokenize with".into());
+        let mut out = None;
+        for r in remotes.iter().take(3) {
+            match r.tokenize(kind, value).await {
+                Err(e @ TokenizeError::Unavailable(_)) => last = e,
+                other => {
+                    out = Some(other);
+                    break;
+                }
+            }
+        }
+        out.unwrap_or(Err(last))
+    } else {
+        return Ok(RoutingTokens::NoRoutingTokens {
+            reason: "no tokenizer configured",
+        });
+    };
+    gw.metrics
+        .tokenize_seconds
+        .with_label_values(&[&*model.name])
+        .observe(start.elapsed().as_secs_f64());
+    result.map_err(|e| match e {
+        TokenizeError::Invalid(msg) => ApiError::bad_request(
+            "invalid_prompt",
+            format!("the request cannot be tokenized: {msg}"),
+        ),
+        TokenizeError::Unavailable(msg) => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            "tokenizer_unavailable",
+            format!("cannot tokenize the request for routing: {msg}"),
+        )
+        .with_retry_after(1),
+    })
+}
+
+/// Outcome of one selection attempt.
+pub enum Pick {
+    Chosen {
+        decision: Decision,
+        worker: Arc<Worker>,
+        permit: Option<WorkerPermit>,
+    },
+    /// Healthy candidates exist but all are at their in-flight limit.
+    Full,
+    /// No healthy candidate (after exclusions).
+    NoneHealthy,
+}
+
+fn no_event_source(model: &ModelState) -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "service_unavailable",
+        "kv_events_not_configured",
+        format!(
+            "model {:?} uses kv_aware routing but no worker has a KV event source: start the gateway with --kv-events WORKER_URL=tcp://HOST:PORT for its workers (and run the engines with --kv-events-config), or pass --kv-fallback POLICY to route without the index",
+            &*model.name
+        ),
+    )
+}
+
+/// One synchronous selection attempt. With `reserve`, takes a slot on the chosen
+/// worker (the returned permit frees it).
+pub fn try_pick(
+    gw: &Gateway,
+    p: &Prepared,
+    session_key: Option<&str>,
+    excluded: &[WorkerId],
+    reserve: bool,
+) -> Result<Pick, ApiError> {
+    let model = &p.model;
+    let workers = model.workers();
+    let passive = gw.passive_open_ms();
+    let limit = gw.config.limits.max_in_flight_per_worker;
+    let mut candidates: SmallVec<[WorkerId; 16]> = SmallVec::new();
+    let mut any_healthy = false;
+    let mut events = false;
+    for w in workers.iter() {
+        events |= w.config.kv_events.is_some();
+        if !w.breaker.available(passive) || excluded.contains(&w.id) {
+            continue;
+        }
+        any_healthy = true;
+        if !reserve || w.has_capacity(limit) {
+            candidates.push(w.id);
+        }
+    }
+    if candidates.is_empty() {
+        return Ok(if any_healthy {
+            Pick::Full
+        } else {
+            Pick::NoneHealthy
+        });
+    }
+    let req = RouteRequest {
+        block_keys: p.keys.as_deref(),
+        prompt_tokens: p.prompt_tokens,
+        session_key,
+        now: Instant::now(),
+    };
+    let start = Instant::now();
+    let result = {
+        let index = if events {
+            model.index.as_ref().map(|i| i.read())
+        } else {
+            None
+        };
+        let view = FleetView {
+            candidates: &candidates,
+            ledger: &model.ledger,
+            index: index.as_deref(),
+        };
+        match model.policy.select(&req, &view) {
+            Err(SelectError::NoIndex) => match &model.fallback {
+                Some(fb) => select_fallback(fb.as_ref(), &req, &view),
+                None => Err(SelectError::NoIndex),
+            },
+            other => other,
+        }
+    };
+    gw.metrics
+        .decision_seconds
+        .with_label_values(&[&*model.name, model.kind().as_str()])
+        .observe(start.elapsed().as_secs_f64());
+    let decision = match result {
+        Ok(d) => d,
+        Err(SelectError::NoIndex) => return Err(no_event_source(model)),
+        Err(SelectError::MissingTokens) => {
+            return Err(ApiError::bad_request(
+                "missing_tokens",
+                format!(
+                    "{} routing needs the prompt's token ids and this request has none",
+                    model.kind()
+                ),
+            ))
+        }
+        Err(SelectError::NoCandidates) => return Ok(Pick::NoneHealthy),
+    };
+    let Some(worker) = workers.iter().find(|w| w.id == decision.worker).cloned() else {
+        return Err(ApiError::internal("the policy chose an unknown worker"));
+    };
+    let permit = if reserve {
+        if !worker.try_reserve(limit) {
+            return Ok(Pick::Full);
+        }
+        Some(WorkerPermit::new(worker.clone(), model.clone()))
+    } else {
+        None
+    };
+    Ok(Pick::Chosen {
+        decision,
+        worker,
+        permit,
+    })
+}
+
+fn select_fallback(
+    fb: &dyn RoutingPolicy,
+    req: &RouteRequest<'_>,
+    view: &FleetView<'_>,
+) -> Result<Decision, SelectError> {
+    let view = FleetView {
+        index: None,
+        ..*view
+    };
+    fb.select(req, &view)
+}
+
+/// The session key of a request, from the model's session header.
+pub fn session_key<'h>(model: &ModelState, headers: &'h HeaderMap) -> Option<&'h str> {
+    if model.kind() != PolicyKind::Session {
+        return None;
+    }
+    headers
+        .get(&model.session_header)
+        .and_then(|v| v.to_str().ok())
+}
+
+/// Selects a worker and takes a slot on it, waiting (bounded) when all are full.
+pub async fn pick(
+    gw: &Gateway,
+    p: &Prepared,
+    headers: &HeaderMap,
+    excluded: &[WorkerId],
+) -> Result<(Decision, Arc<Worker>, WorkerPermit), ApiError> {
+    let session = session_key(&p.model, headers);
+    let chosen = |pick: Pick| match pick {
+        Pick::Chosen {
+            decision,
+            worker,
+            permit: Some(permit),
+        } => Some(Ok((decision, worker, permit))),
+        Pick::Chosen { permit: None, .. } => Some(Err(ApiError::internal("no slot was reserved"))),
+        Pick::Full => None,
+        Pick::NoneHealthy => Some(Err(ApiError::no_healthy_worker(
+            &p.model.name,
+            gw.config.health.open_ms.div_ceil(1000),
+        ))),
+    };
+    match try_pick(gw, p, session, excluded, true) {
+        Err(e) => return Err(e),
+        Ok(pk) => {
+            if let Some(r) = chosen(pk) {
+                return r;
+            }
+        }
+    }
+    let deadline = tokio::time::Instant::now() + gw.limiter.timeout();
+    let waited =
+        crate::limits::wait_for_slot(&p.model, gw.config.limits.max_queue, deadline, || {
+            match try_pick(gw, p, session, excluded, true) {
+                Err(e) => Some(Err(e)),
+                Ok(pk) => chosen(pk),
+            }
+        })
+        .await;
+    waited.unwrap_or_else(|| {
+        Err(ApiError::overloaded(
+            format!(
+                "every healthy worker of model {:?} is at its in-flight limit and stayed so for the queue timeout; retry later",
+                &*p.model.name
+            ),
+            gw.limiter.retry_after(),
+        ))
+    })
+}

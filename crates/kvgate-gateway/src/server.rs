@@ -1,0 +1,478 @@
+//! The HTTP surface: axum router, request handlers, and starting/stopping the gateway
+//! in-process ([`start`] → [`RunningGateway`]).
+//!
+//! Owns endpoint wiring, body-size limiting, auth checks at the door, and mapping
+//! failures to responses (with the request counter for gateway-made answers). Routing,
+//! proxying and failover live in their own modules; this file must not grow policy or
+//! streaming logic.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use axum::{Json, Router};
+use bytes::Bytes;
+use http::{header, HeaderMap, StatusCode};
+use http_body_util::{BodyExt, Limited};
+use kvgate_core::Tier;
+use kvgate_tokenize::RequestKind;
+use serde_json::{json, Value};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::auth::check_bearer;
+use crate::config::Config;
+use crate::errors::ApiError;
+use crate::failover::{dispatch, worker_failed, worker_ok};
+use crate::gateway::Gateway;
+use crate::proxy::{prepare_response_headers, send};
+use crate::registry::{Endpoint, ModelState};
+use crate::routing::{prepare, session_key, try_pick, Pick};
+
+/// Builds the router over a gateway.
+pub fn router(gw: Arc<Gateway>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
+        .route("/v1/route/explain", post(explain))
+        .route("/health", get(health))
+        .route("/ready", get(ready))
+        .route("/metrics", get(metrics))
+        .route(
+            "/admin/workers",
+            get(crate::admin::list)
+                .post(crate::admin::add)
+                .delete(crate::admin::remove_query),
+        )
+        .route("/admin/workers/{id}", delete(crate::admin::remove_id))
+        .fallback(not_found)
+        .with_state(gw)
+}
+
+/// Records and renders a response the gateway made itself.
+fn fail(gw: &Gateway, model: Option<&ModelState>, e: ApiError) -> Response {
+    let (name, policy) = model
+        .map(|m| (&*m.name, m.kind().as_str()))
+        .unwrap_or(("", ""));
+    gw.metrics
+        .requests
+        .with_label_values(&[name, "", policy, e.status.as_str()])
+        .inc();
+    e.into_response()
+}
+
+async fn read_body(headers: &HeaderMap, body: Body, max: usize) -> Result<Bytes, ApiError> {
+    let too_big = || {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            "request_too_large",
+            format!("request body exceeds the limit of {max} bytes"),
+        )
+    };
+    if let Some(len) = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        if len > max {
+            return Err(too_big());
+        }
+    }
+    match Limited::new(body, max).collect().await {
+        Ok(c) => Ok(c.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(too_big()),
+        Err(e) => Err(ApiError::bad_request(
+            "invalid_body",
+            format!("cannot read the request body: {e}"),
+        )),
+    }
+}
+
+async fn chat(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
+    proxied(gw, req, Endpoint::Chat, RequestKind::Chat).await
+}
+
+async fn completions(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
+    proxied(gw, req, Endpoint::Completions, RequestKind::Completion).await
+}
+
+async fn proxied(
+    gw: Arc<Gateway>,
+    req: Request,
+    endpoint: Endpoint,
+    kind: RequestKind,
+) -> Response {
+    let (parts, body) = req.into_parts();
+    if let Err(e) = check_bearer(&parts.headers, gw.config.api_key.as_deref(), "API key") {
+        return fail(&gw, None, e);
+    }
+    let bytes = match read_body(&parts.headers, body, gw.config.limits.max_body_bytes).await {
+        Ok(b) => b,
+        Err(e) => return fail(&gw, None, e),
+    };
+    let p = match prepare(&gw, kind, &bytes, false, false).await {
+        Ok(p) => p,
+        Err(e) => return fail(&gw, None, e),
+    };
+    let model = p.model.clone();
+    match dispatch(&gw, endpoint, &parts.headers, bytes, p).await {
+        Ok(r) => r,
+        Err(e) => fail(&gw, Some(&model), e),
+    }
+}
+
+async fn models(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Response {
+    if let Err(e) = check_bearer(&headers, gw.config.api_key.as_deref(), "API key") {
+        return e.into_response();
+    }
+    let created = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let data: Vec<Value> = gw
+        .served_names()
+        .map(|(name, m, lora)| {
+            json!({
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "kvgate",
+                "root": &*m.name,
+                "parent": if lora { Some(&*m.name) } else { None },
+            })
+        })
+        .collect();
+    Json(json!({"object": "list", "data": data})).into_response()
+}
+
+async fn tokenize(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
+    let (parts, body) = req.into_parts();
+    if let Err(e) = check_bearer(&parts.headers, gw.config.api_key.as_deref(), "API key") {
+        return e.into_response();
+    }
+    let bytes = match read_body(&parts.headers, body, gw.config.limits.max_body_bytes).await {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
+    let value: Value = match serde_json::from_slice(&bytes) {
+        Ok(v) => v,
+        Err(e) => return ApiError::malformed_json(e).into_response(),
+    };
+    let kind = RequestKind::detect(&value);
+    let model = match gw.resolve(value.get("model").and_then(Value::as_str)) {
+        Ok((m, _)) => m.clone(),
+        Err(e) => return e.into_response(),
+    };
+    if model.tokenizer.is_none() {
+        return forward_tokenize(&gw, &model, &parts.headers, bytes).await;
+    }
+    match prepare(&gw, kind, &bytes, true, true).await {
+        Ok(p) => match p.token_ids {
+            Some(ids) => Json(json!({"model": &*model.name, "count": ids.len(), "tokens": ids}))
+                .into_response(),
+            None => ApiError::bad_request(
+                "nothing_to_tokenize",
+                "the body has no single prompt or messages to tokenize",
+            )
+            .into_response(),
+        },
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `/tokenize` without a local tokenizer: ask a healthy worker (no ledger booking).
+async fn forward_tokenize(
+    gw: &Arc<Gateway>,
+    model: &ModelState,
+    headers: &HeaderMap,
+    body: Bytes,
+) -> Response {
+    let workers = model.rotated_available(gw.passive_open_ms());
+    let mut last = ApiError::no_healthy_worker(&model.name, 1);
+    for w in workers
+        .iter()
+        .take(gw.config.failover.max_attempts as usize)
+    {
+        match send(
+            &gw.client,
+            w,
+            Endpoint::Tokenize,
+            headers,
+            gw.forward_auth(),
+            body.clone(),
+            gw.config.timeouts.first_byte(),
+        )
+        .await
+        {
+            Ok(resp) => {
+                worker_ok(gw, model, w);
+                let (mut parts, incoming) = resp.into_parts();
+                prepare_response_headers(&mut parts.headers, w);
+                return Response::from_parts(parts, Body::new(incoming));
+            }
+            Err(e) => {
+                worker_failed(gw, model, w, e.reason());
+                last = ApiError::new(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream_error",
+                    "upstream_unreachable",
+                    format!("worker {} failed: {e}", w.url),
+                );
+            }
+        }
+    }
+    last.into_response()
+}
+
+async fn explain(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
+    let (parts, body) = req.into_parts();
+    if let Err(e) = check_bearer(&parts.headers, gw.config.api_key.as_deref(), "API key") {
+        return e.into_response();
+    }
+    let bytes = match read_body(&parts.headers, body, gw.config.limits.max_body_bytes).await {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
+    let kind = match serde_json::from_slice::<Value>(&bytes) {
+        Ok(v) => RequestKind::detect(&v),
+        Err(e) => return ApiError::malformed_json(e).into_response(),
+    };
+    let p = match prepare(&gw, kind, &bytes, false, false).await {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
+    let session = session_key(&p.model, &parts.headers);
+    let (decision, worker) = match try_pick(&gw, &p, session, &[], false) {
+        Ok(Pick::Chosen {
+            decision, worker, ..
+        }) => (decision, worker),
+        Ok(_) => return ApiError::no_healthy_worker(&p.model.name, 1).into_response(),
+        Err(e) => return e.into_response(),
+    };
+    let workers = p.model.workers();
+    let url_of = |id| {
+        workers
+            .iter()
+            .find(|w| w.id == id)
+            .map(|w| w.url.to_string())
+    };
+    let scores: Vec<Value> = decision
+        .scores
+        .iter()
+        .map(|s| {
+            json!({
+                "worker": url_of(s.worker),
+                "worker_id": s.worker.0,
+                "overlap_blocks": {
+                    "device": s.overlap_blocks[Tier::Device.index()],
+                    "host": s.overlap_blocks[Tier::Host.index()],
+                    "disk": s.overlap_blocks[Tier::Disk.index()],
+                },
+                "in_flight": s.in_flight,
+                "prefill_tokens": s.prefill_tokens,
+                "decode_blocks": s.decode_blocks,
+                "cost": s.cost,
+            })
+        })
+        .collect();
+    Json(json!({
+        "model": &*p.model.name,
+        "lora": p.lora.as_deref(),
+        "policy": decision.policy,
+        "worker": &*worker.url,
+        "worker_id": worker.id.0,
+        "reason": decision.reason,
+        "prompt_tokens": p.prompt_tokens,
+        "prompt_blocks": p.keys.as_ref().map(Vec::len),
+        "block_size": p.model.hasher.block_size(),
+        "predicted_cached_tokens": decision.predicted_cached_tokens,
+        "scores": scores,
+    }))
+    .into_response()
+}
+
+async fn health() -> Response {
+    Json(json!({"status": "ok"})).into_response()
+}
+
+async fn ready(State(gw): State<Arc<Gateway>>) -> Response {
+    let passive = gw.passive_open_ms();
+    let mut all = true;
+    let models: Vec<Value> = gw
+        .models()
+        .map(|m| {
+            let workers = m.workers();
+            let healthy = workers
+                .iter()
+                .filter(|w| w.breaker.available(passive))
+                .count();
+            all &= healthy > 0;
+            json!({"model": &*m.name, "workers": workers.len(), "healthy": healthy})
+        })
+        .collect();
+    let status = if all {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, Json(json!({"ready": all, "models": models}))).into_response()
+}
+
+async fn metrics(State(gw): State<Arc<Gateway>>) -> Response {
+    let events = gw.events.snapshot();
+    let text = gw.metrics.render(
+        |g| {
+            for m in gw.models() {
+                let workers = m.workers();
+                for w in workers.iter() {
+                    g.worker(&m.name, &w.url, &m.ledger.load(w.id), !w.breaker.is_open());
+                }
+                g.ledger(&m.name, &m.ledger.stats());
+                if let Some(index) = &m.index {
+                    g.index_entries(&m.name, index.read().len());
+                }
+            }
+        },
+        &events,
+        |id| gw.worker_url(id),
+    );
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
+}
+
+async fn not_found(req: Request) -> Response {
+    ApiError::not_found(format!(
+        "no route for {} {}",
+        req.method(),
+        req.uri().path()
+    ))
+    .into_response()
+}
+
+/// A gateway running in this process.
+pub struct RunningGateway {
+    pub addr: SocketAddr,
+    gateway: Arc<Gateway>,
+    server: JoinHandle<()>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for RunningGateway {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunningGateway")
+            .field("addr", &self.addr)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Starts a gateway on the current tokio runtime (port 0 = ephemeral) and returns once
+/// it is listening.
+pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
+    let shutdown = CancellationToken::new();
+    let bind = (config.host.clone(), config.port);
+    let gw = Gateway::build(config, shutdown.clone())?;
+    let listener = tokio::net::TcpListener::bind((bind.0.as_str(), bind.1))
+        .await
+        .with_context(|| format!("cannot listen on {}:{}", bind.0, bind.1))?;
+    let addr = listener.local_addr()?;
+    let tasks = vec![
+        tokio::spawn(crate::health::run_health_checks(gw.clone())),
+        tokio::spawn(crate::health::run_ledger_sweep(gw.clone())),
+    ];
+    let app = router(gw.clone());
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    let stop = shutdown.clone();
+    let server = tokio::spawn(async move {
+        let result = axum::serve(listener, app)
+            .with_graceful_shutdown(async move { stop.cancelled().await })
+            .await;
+        if let Err(err) = result {
+            tracing::error!(%err, "gateway HTTP server failed");
+        }
+    });
+    tracing::info!(%addr, "kvgate gateway listening");
+    Ok(RunningGateway {
+        addr,
+        gateway: gw,
+        server,
+        tasks,
+    })
+}
+
+impl RunningGateway {
+    /// `http://addr`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn gateway(&self) -> &Arc<Gateway> {
+        &self.gateway
+    }
+
+    /// Bookings the model's ledger holds (requests routed and not yet ended).
+    pub fn ledger_in_flight(&self, model: &str) -> Option<u64> {
+        self.gateway.model(model).map(|m| m.ledger.in_flight())
+    }
+
+    /// Prefix-index entries of a model (kv_aware only).
+    pub fn index_len(&self, model: &str) -> Option<usize> {
+        self.gateway
+            .model(model)
+            .and_then(|m| m.index.as_ref().map(|i| i.read().len()))
+    }
+
+    /// Resolves when a shutdown was requested (e.g. by [`RunningGateway::trigger_shutdown`]).
+    pub fn shutdown_token(&self) -> CancellationToken {
+        self.gateway.shutdown.clone()
+    }
+
+    /// Asks the gateway to stop accepting; in-flight requests keep running.
+    pub fn trigger_shutdown(&self) {
+        self.gateway.shutdown.cancel();
+    }
+
+    /// Stops accepting, lets in-flight requests finish for up to the configured grace
+    /// period, then stops everything.
+    pub async fn shutdown(self) {
+        let grace = Duration::from_secs(self.gateway.config.shutdown_grace_secs);
+        self.shutdown_within(grace).await;
+    }
+
+    /// As [`RunningGateway::shutdown`] with an explicit grace period.
+    pub async fn shutdown_within(mut self, grace: Duration) {
+        self.gateway.shutdown.cancel();
+        if tokio::time::timeout(grace, &mut self.server).await.is_err() {
+            tracing::warn!(
+                ?grace,
+                "in-flight requests did not finish within the grace period; closing them"
+            );
+            self.server.abort();
+        }
+        for t in self.tasks.drain(..) {
+            t.abort();
+        }
+        for m in self.gateway.models() {
+            for w in m.workers().iter() {
+                for s in w.subscribers.lock().drain(..) {
+                    s.shutdown();
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,854 @@
+//! End-to-end behaviour of the gateway against loopback fake engines.
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use common::*;
+use futures::StreamExt;
+use kvgate_core::PolicyKind;
+use kvgate_gateway::start;
+use serde_json::{json, Value};
+
+#[tokio::test]
+async fn streaming_and_json_pass_through_byte_for_byte() {
+    let a = fake("a", Behavior::default()).await;
+    let gw = start(config(&[&a.url], PolicyKind::RoundRobin))
+        .await
+        .unwrap();
+    let c = client();
+    let resp = c
+        .post(format!("{}/v1/chat/completions", gw.url()))
+        .json(&chat_body(true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(worker_of(&resp), a.url);
+    assert_eq!(resp.headers()["content-type"], "text/event-stream");
+    // Chunks arrive as the engine flushes them; the concatenation is identical.
+    let mut got = Vec::new();
+    let mut stream = resp.bytes_stream();
+    while let Some(chunk) = stream.next().await {
+        got.extend_from_slice(&chunk.unwrap());
+    }
+    assert_eq!(got, sse_bytes());
+
+    let resp = c
+        .post(format!("{}/v1/completions", gw.url()))
+        .json(&json!({"model": "m", "prompt": "hi"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(worker_of(&resp), a.url);
+    assert_eq!(resp.bytes().await.unwrap().as_ref(), JSON_BODY);
+    eventually("ledger drained", || gw.ledger_in_flight("m") == Some(0)).await;
+
+    // Usage seen in the stream and in the JSON body feeds the accuracy metrics.
+    let metrics = c
+        .get(format!("{}/metrics", gw.url()))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("kvgate_reported_prompt_tokens_total{model=\"m\"} 12"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("kvgate_requests_total{model=\"m\",policy=\"round_robin\",status=\"200\""),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("kvgate_response_ends_total{model=\"m\",outcome=\"complete\"} 2"),
+        "{metrics}"
+    );
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn slow_stream_is_flushed_event_by_event() {
+    let a = fake(
+        "a",
+        Behavior {
+            chunk_delay: Duration::from_millis(300),
+            ..Behavior::default()
+        },
+    )
+    .await;
+    let gw = start(config(&[&a.url], PolicyKind::RoundRobin))
+        .await
+        .unwrap();
+    let resp = client()
+        .post(format!("{}/v1/chat/completions", gw.url()))
+        .json(&chat_body(true))
+        .send()
+        .await
+        .unwrap();
+    let mut stream = resp.bytes_stream();
+    // The first event arrives on its own, long before the stream ends.
+    let first = tokio::time::timeout(Duration::from_secs(5), stream.next())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(first.as_ref(), SSE_CHUNKS[0]);
+    assert_eq!(
+        a.stats.completed.load(Ordering::SeqCst),
+        0,
+        "the engine is still streaming"
+    );
+    drop(stream);
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn round_robin_random_and_session_policies() {
+    let a = fake("a", Behavior::default()).await;
+    let b = fake("b", Behavior::default()).await;
+    let c = client();
+    // round_robin alternates.
+    let gw = start(config(&[&a.url, &b.url], PolicyKind::RoundRobin))
+        .await
+        .unwrap();
+    let mut seen = Vec::new();
+    for _ in 0..4 {
+        let r = c
+            .post(format!("{}/v1/chat/completions", gw.url()))
+            .json(&chat_body(false))
+            .send()
+            .await
+            .unwrap();
+        seen.push(worker_of(&r));
+    }
+    assert_ne!(seen[0], seen[1]);
+    assert_eq!(seen[0], seen[2]);
+    assert_eq!(seen[1], seen[3]);
+    gw.shutdown().await;
+
+    // random reaches both.
+    let gw = start(config(&[&a.url, &b.url], PolicyKind::Random))
+        .await
+        .unwrap();
+    let mut set = std::collections::HashSet::new();
+    for _ in 0..30 {
+        let r = c
+            .post(format!("{}/v1/chat/completions", gw.url()))
+            .json(&chat_body(false))
+            .send()
+            .await
+            .unwrap();
+        set.insert(worker_of(&r));
+    }
+    assert_eq!(set.len(), 2);
+    gw.shutdown().await;
+
+    // session: one session id sticks to one worker; different sessions spread.
+    let gw = start(config(&[&a.url, &b.url], PolicyKind::Session))
+        .await
+        .unwrap();
+    let mut per_session = std::collections::HashMap::new();
+    for i in 0..40 {
+        let sid = format!("s{}", i % 8);
+        let r = c
+            .post(format!("{}/v1/chat/completions", gw.url()))
+            .header("x-session-id", &sid)
+            .json(&chat_body(false))
+            .send()
+            .await
+            .unwrap();
+        let w = worker_of(&r);
+        let prev = per_session.entry(sid).or_insert_with(|| w.clone());
+        assert_eq!(*prev, w, "a session moved");
+    }
+    let distinct: std::collections::HashSet<_> = per_session.values().collect();
+    assert_eq!(distinct.len(), 2, "8 sessions all on one worker");
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn least_loaded_avoids_the_busy_worker() {
+    let slow = Behavior {
+        chunk_delay: Duration::from_millis(200),
+        repeat: 20,
+        ..Behavior::default()
+    };
+    let a = fake("a", slow.clone()).await;
+    let b = fake("b", slow).await;
+    let gw = start(config(&[&a.url, &b.url], PolicyKind::LeastLoaded))
+        .await
+        .unwrap();
+    let c = client();
+    let first = c
+        .post(format!("{}/v1/chat/completions", gw.url()))
+        .json(&chat_body(true))
+        .send()
+        .await
+        .unwrap();
+    let busy = worker_of(&first);
+    for _ in 0..3 {
+        let r = c
+            .post(format!("{}/v1/chat/completions", gw.url()))
+            .json(&chat_body(false))
+            .send()
+            .await
+            .unwrap();
+        assert_ne!(
+            worker_of(&r),
+            busy,
+            "least_loaded sent work to the worker holding a stream"
+        );
+    }
+    drop(first);
+    eventually("ledger drained", || gw.ledger_in_flight("m") == Some(0)).await;
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn prefix_affinity_repeats_a_prompt_on_the_same_worker() {
+    let a = fake("a", Behavior::default()).await;
+    let b = fake("b", Behavior::default()).await;
+    let mut cfg = config(&[&a.url, &b.url], PolicyKind::PrefixAffinity);
+    cfg.models[0].tokenizer = Some(fixtures().join("qwen3-tokenizer"));
+    let gw = start(cfg).await.unwrap();
+    let c = client();
+    let long: String = (0..200).map(|i| format!("word{i} ")).collect();
+    let mut first = None;
+    for i in 0..6 {
+        let body = json!({"model": "m", "prompt": format!("{long} question {i}")});
+        let r = c
+            .post(format!("{}/v1/completions", gw.url()))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let w = worker_of(&r);
+        assert_eq!(*first.get_or_insert(w.clone()), w);
+    }
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn failover_before_the_first_byte() {
+    // A dead port and a 500-answering engine, then a good one.
+    let dead = dead_url().await;
+    let bad = fake(
+        "bad",
+        Behavior {
+            status: 500,
+            ..Behavior::default()
+        },
+    )
+    .await;
+    let good = fake("good", Behavior::default()).await;
+    for first in [dead.clone(), bad.url.clone()] {
+        let gw = start(config(&[&first, &good.url], PolicyKind::RoundRobin))
+            .await
+            .unwrap();
+        for _ in 0..4 {
+            let r = client()
+                .post(format!("{}/v1/chat/completions", gw.url()))
+                .json(&chat_body(true))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            assert_eq!(worker_of(&r), good.url);
+            assert_eq!(r.bytes().await.unwrap().as_ref(), sse_bytes().as_slice());
+        }
+        eventually("ledger drained", || gw.ledger_in_flight("m") == Some(0)).await;
+        gw.shutdown().await;
+    }
+    assert!(bad.hits() >= 1);
+
+    // Nobody left: the last error is reported, not a hang.
+    let gw = start(config(&[&dead, &bad.url], PolicyKind::RoundRobin))
+        .await
+        .unwrap();
+    let r = client()
+        .post(format!("{}/v1/chat/completions", gw.url()))
+        .json(&chat_body(false))
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_server_error(), "{}", r.status());
+    let v: Value = r.json().await.unwrap();
+    assert!(v["error"]["message"].is_string());
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn no_retry_after_the_first_byte() {
+    // The delay makes the engine flush its first event before it fails.
+    let broken = fake(
+        "broken",
+        Behavior {
+            fail_after_first: true,
+            chunk_delay: Duration::from_millis(100),
+            ..Behavior::default()
+        },
+    )
+    .await;
+    let good = fake("good", Behavior::default()).await;
+    let gw = start(config(&[&broken.url, &good.url], PolicyKind::RoundRobin))
+        .await
+        .unwrap();
+    let mut to_good = 0;
+    for _ in 0..2 {
+        let r = client()
+            .post(format!("{}/v1/chat/completions", gw.url()))
+            .json(&chat_body(true))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        if worker_of(&r) == good.url {
+            to_good += 1;
+            continue;
+        }
+        assert_eq!(worker_of(&r), broken.url);
+        let mut stream = r.bytes_stream();
+        let mut got = Vec::new();
+        let mut errored = false;
+        while let Some(item) = stream.next().await {
+            match item {
+                Ok(b) => got.extend_from_slice(&b),
+                Err(_) => {
+                    errored = true;
+                    break;
+                }
+            }
+        }
+        assert!(
+            errored,
+            "a truncated stream must end with an error, not a clean end"
+        );
+        assert_eq!(got, SSE_CHUNKS[0]);
+    }
+    assert_eq!(broken.hits(), 1);
+    assert_eq!(good.hits(), to_good, "retried after bytes were sent");
+    eventually("ledger drained", || gw.ledger_in_flight("m") == Some(0)).await;
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn overload_is_429_with_retry_after() {
+    let slow = fake(
+        "slow",
+        Behavior {
+            chunk_delay: Duration::from_millis(200),
+            repeat: 20,
+            ..Behavior::default()
+        },
+    )
+    .await;
+    let mut cfg = config(&[&slow.url], PolicyKind::RoundRobin);
+    cfg.limits.max_in_flight_per_worker = 1;
+    cfg.limits.queue_timeout_ms = 200;
+    let gw = start(cfg).await.unwrap();
+    let c = client();
+    let held = c
+        .post(format!("{}/v1/chat/completions", gw.url()))
+        .json(&chat_body(true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(held.status(), 200);
+    let r = c
+        .post(format!("{}/v1/chat/completions", gw.url()))
+        .json(&chat_body(true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["retry-after"], "1");
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "overloaded");
+    // Freeing the slot admits queued requests.
+    drop(held);
+    eventually("slot freed", || gw.ledger_in_flight("m") == Some(0)).await;
+    let r = c
+        .post(format!("{}/v1/chat/completions", gw.url()))
+        .json(&chat_body(false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    gw.shutdown().await;
+
+    // The global limit with a zero-length queue rejects at once.
+    let mut cfg = config(&[&slow.url], PolicyKind::RoundRobin);
+    cfg.limits.max_in_flight = 1;
+    cfg.limits.max_queue = 0;
+    let gw = start(cfg).await.unwrap();
+    let held = c
+        .post(format!("{}/v1/chat/completions", gw.url()))
+        .json(&chat_body(true))
+        .send()
+        .await
+        .unwrap();
+    let r = c
+        .post(format!("{}/v1/chat/completions", gw.url()))
+        .json(&chat_body(true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    assert!(r.headers().contains_key("retry-after"));
+    drop(held);
+    gw.shutdown().await;
+}
+
+async fn error_of(r: reqwest::Response) -> (u16, Value) {
+    let s = r.status().as_u16();
+    (s, r.json().await.unwrap())
+}
+
+#[tokio::test]
+async fn error_cases_are_openai_shaped() {
+    let a = fake("a", Behavior::default()).await;
+    let c = client();
+    let mut cfg = config(&[&a.url], PolicyKind::RoundRobin);
+    cfg.limits.max_body_bytes = 4096;
+    let gw = start(cfg).await.unwrap();
+    let url = format!("{}/v1/chat/completions", gw.url());
+
+    let (s, v) = error_of(c.post(&url).body("{not json").send().await.unwrap()).await;
+    assert_eq!(
+        (s, v["error"]["code"].as_str()),
+        (400, Some("invalid_json"))
+    );
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+
+    let (s, v) = error_of(
+        c.post(&url)
+            .json(&json!({"model": "nope", "messages": []}))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(
+        (s, v["error"]["code"].as_str()),
+        (404, Some("model_not_found"))
+    );
+
+    let (s, v) = error_of(c.post(&url).body(vec![b' '; 10_000]).send().await.unwrap()).await;
+    assert_eq!(
+        (s, v["error"]["code"].as_str()),
+        (413, Some("request_too_large"))
+    );
+
+    let (s, _) = error_of(c.get(format!("{}/nope", gw.url())).send().await.unwrap()).await;
+    assert_eq!(s, 404);
+    gw.shutdown().await;
+
+    // Untokenizable body with a token policy: 400.
+    let mut cfg = config(&[&a.url], PolicyKind::PrefixAffinity);
+    cfg.models[0].tokenizer = Some(fixtures().join("qwen3-tokenizer"));
+    let gw = start(cfg).await.unwrap();
+    let (s, v) = error_of(
+        c.post(format!("{}/v1/chat/completions", gw.url()))
+            .json(&json!({"model": "m", "messages": 5}))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(
+        (s, v["error"]["code"].as_str()),
+        (400, Some("invalid_prompt")),
+        "{v}"
+    );
+    gw.shutdown().await;
+
+    // kv_aware without an event source: 503 naming the fix; with --kv-fallback: routed.
+    let mut cfg = config(&[&a.url], PolicyKind::KvAware);
+    cfg.models[0].tokenizer = Some(fixtures().join("qwen3-tokenizer"));
+    let gw = start(cfg.clone()).await.unwrap();
+    let r = c
+        .post(format!("{}/v1/chat/completions", gw.url()))
+        .json(&chat_body(false))
+        .send()
+        .await
+        .unwrap();
+    let (s, v) = error_of(r).await;
+    assert_eq!(s, 503);
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("--kv-events"),
+        "{v}"
+    );
+    assert_eq!(gw.ledger_in_flight("m"), Some(0));
+    gw.shutdown().await;
+    cfg.models[0].kv_fallback = Some(PolicyKind::LeastLoaded);
+    let gw = start(cfg).await.unwrap();
+    let r = c
+        .post(format!("{}/v1/chat/completions", gw.url()))
+        .json(&chat_body(false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    gw.shutdown().await;
+
+    // All workers down: 503 with Retry-After, and /ready says so.
+    let mut cfg = config(&[&dead_url().await], PolicyKind::RoundRobin);
+    cfg.health.interval_ms = 50;
+    cfg.health.failure_threshold = 1;
+    let gw = start(cfg).await.unwrap();
+    eventually("worker marked down", || {
+        gw.gateway().model("m").unwrap().workers()[0]
+            .breaker
+            .is_open()
+    })
+    .await;
+    let r = c
+        .post(format!("{}/v1/chat/completions", gw.url()))
+        .json(&chat_body(false))
+        .send()
+        .await
+        .unwrap();
+    assert!(r.headers().contains_key("retry-after"));
+    let (s, v) = error_of(r).await;
+    assert_eq!(
+        (s, v["error"]["code"].as_str()),
+        (503, Some("no_healthy_worker"))
+    );
+    let ready = c.get(format!("{}/ready", gw.url())).send().await.unwrap();
+    assert_eq!(ready.status(), 503);
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn api_key_is_required_and_not_forwarded() {
+    let a = fake("a", Behavior::default()).await;
+    let mut cfg = config(&[&a.url], PolicyKind::RoundRobin);
+    cfg.api_key = Some("sekret".into());
+    cfg.worker_api_key = Some("engine-key".into());
+    let gw = start(cfg).await.unwrap();
+    let c = client();
+    let url = format!("{}/v1/chat/completions", gw.url());
+    let (s, v) = error_of(c.post(&url).json(&chat_body(false)).send().await.unwrap()).await;
+    assert_eq!(
+        (s, v["error"]["code"].as_str()),
+        (401, Some("invalid_api_key"))
+    );
+    let r = c
+        .post(&url)
+        .bearer_auth("wrong")
+        .json(&chat_body(false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    let r = c
+        .post(&url)
+        .bearer_auth("sekret")
+        .json(&chat_body(false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        a.stats.last_auth.lock().as_deref(),
+        Some("Bearer engine-key")
+    );
+    // Liveness and metrics stay open; the admin API is off without a token.
+    assert_eq!(
+        c.get(format!("{}/health", gw.url()))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    assert_eq!(
+        c.get(format!("{}/admin/workers", gw.url()))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        404
+    );
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn ledger_is_empty_after_a_burst_with_disconnects() {
+    let slow = fake(
+        "slow",
+        Behavior {
+            chunk_delay: Duration::from_millis(20),
+            repeat: 10,
+            ..Behavior::default()
+        },
+    )
+    .await;
+    let b = fake(
+        "b",
+        Behavior {
+            chunk_delay: Duration::from_millis(20),
+            repeat: 10,
+            ..Behavior::default()
+        },
+    )
+    .await;
+    let gw = start(config(&[&slow.url, &b.url], PolicyKind::LeastLoaded))
+        .await
+        .unwrap();
+    let c = client();
+    let mut tasks = Vec::new();
+    for i in 0..24 {
+        let c = c.clone();
+        let url = format!("{}/v1/chat/completions", gw.url());
+        tasks.push(tokio::spawn(async move {
+            let r = c.post(url).json(&chat_body(true)).send().await.unwrap();
+            let mut s = r.bytes_stream();
+            if i % 2 == 0 {
+                // Disconnect after the first chunk.
+                let _ = s.next().await;
+                return;
+            }
+            while s.next().await.is_some() {}
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    eventually("ledger drained", || gw.ledger_in_flight("m") == Some(0)).await;
+    let m = gw.gateway().model("m").unwrap();
+    for w in m.workers().iter() {
+        assert_eq!(m.ledger.load(w.id), kvgate_core::WorkerLoad::default());
+        assert_eq!(w.in_flight(), 0);
+    }
+    // Client disconnects aborted the upstream requests.
+    eventually("engines saw aborts", || {
+        slow.stats.aborted.load(Ordering::SeqCst) + b.stats.aborted.load(Ordering::SeqCst) == 12
+    })
+    .await;
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn workers_are_added_and_removed_at_run_time() {
+    let a = fake("a", Behavior::default()).await;
+    let b = fake("b", Behavior::default()).await;
+    let mut cfg = config(&[&a.url], PolicyKind::RoundRobin);
+    cfg.admin_token = Some("adm".into());
+    let gw = start(cfg).await.unwrap();
+    let c = client();
+    let admin = format!("{}/admin/workers", gw.url());
+    assert_eq!(c.get(&admin).send().await.unwrap().status(), 401);
+    let r = c
+        .post(&admin)
+        .bearer_auth("adm")
+        .json(&json!({"model": "m", "url": b.url}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    let added: Value = r.json().await.unwrap();
+    let dup = c
+        .post(&admin)
+        .bearer_auth("adm")
+        .json(&json!({"model": "m", "url": b.url}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(dup.status(), 409);
+    let mut set = std::collections::HashSet::new();
+    for _ in 0..4 {
+        let r = c
+            .post(format!("{}/v1/chat/completions", gw.url()))
+            .json(&chat_body(false))
+            .send()
+            .await
+            .unwrap();
+        set.insert(worker_of(&r));
+    }
+    assert_eq!(set.len(), 2);
+    let list: Value = c
+        .get(&admin)
+        .bearer_auth("adm")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(list["workers"].as_array().unwrap().len(), 2);
+
+    let r = c
+        .delete(format!("{admin}/{}", added["id"]))
+        .bearer_auth("adm")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    for _ in 0..4 {
+        let r = c
+            .post(format!("{}/v1/chat/completions", gw.url()))
+            .json(&chat_body(false))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(worker_of(&r), a.url);
+    }
+    // Remove by URL; re-adding gets a fresh id.
+    let r = c
+        .delete(&admin)
+        .query(&[("url", a.url.as_str())])
+        .bearer_auth("adm")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let r = c
+        .post(format!("{}/v1/chat/completions", gw.url()))
+        .json(&chat_body(false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503);
+    let r = c
+        .post(&admin)
+        .bearer_auth("adm")
+        .json(&json!({"url": b.url}))
+        .send()
+        .await
+        .unwrap();
+    let again: Value = r.json().await.unwrap();
+    assert_ne!(again["id"], added["id"], "worker ids are never reused");
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn health_checks_take_workers_out_and_back_without_touching_load() {
+    let a = fake("a", Behavior::default()).await;
+    let b = fake(
+        "b",
+        Behavior {
+            chunk_delay: Duration::from_millis(100),
+            repeat: 30,
+            ..Behavior::default()
+        },
+    )
+    .await;
+    let mut cfg = config(&[&a.url, &b.url], PolicyKind::RoundRobin);
+    cfg.health.interval_ms = 50;
+    cfg.health.failure_threshold = 2;
+    let gw = start(cfg).await.unwrap();
+    let c = client();
+    // Hold a stream on b so its ledger has load.
+    let mut held = None;
+    for _ in 0..2 {
+        let r = c
+            .post(format!("{}/v1/chat/completions", gw.url()))
+            .json(&chat_body(true))
+            .send()
+            .await
+            .unwrap();
+        if worker_of(&r) == b.url {
+            held = Some(r);
+        }
+    }
+    let held = held.unwrap();
+    let m = gw.gateway().model("m").unwrap().clone();
+    let bw = m.worker_by_url(&b.url).unwrap();
+    b.stats.healthy.store(false, Ordering::SeqCst);
+    eventually("b out", || bw.breaker.is_open()).await;
+    for _ in 0..4 {
+        let r = c
+            .post(format!("{}/v1/chat/completions", gw.url()))
+            .json(&chat_body(false))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(worker_of(&r), a.url);
+    }
+    assert_eq!(
+        m.ledger.load(bw.id).in_flight,
+        1,
+        "health must not reset the ledger"
+    );
+    b.stats.healthy.store(true, Ordering::SeqCst);
+    eventually("b back", || !bw.breaker.is_open()).await;
+    drop(held);
+    eventually("ledger drained", || gw.ledger_in_flight("m") == Some(0)).await;
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn models_tokenize_explain_and_graceful_shutdown() {
+    let a = fake(
+        "a",
+        Behavior {
+            chunk_delay: Duration::from_millis(50),
+            ..Behavior::default()
+        },
+    )
+    .await;
+    let mut cfg = config(&[&a.url], PolicyKind::PrefixAffinity);
+    cfg.models[0].tokenizer = Some(fixtures().join("qwen3-tokenizer"));
+    cfg.models[0].lora_adapters = vec!["m-sql".into()];
+    let gw = start(cfg).await.unwrap();
+    let c = client();
+    let models: Value = c
+        .get(format!("{}/v1/models", gw.url()))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["m", "m-sql"]);
+    let tok: Value = c
+        .post(format!("{}/tokenize", gw.url()))
+        .json(&json!({"model": "m", "prompt": "hello world"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(tok["count"].as_u64().unwrap() >= 2, "{tok}");
+    let ex: Value = c
+        .post(format!("{}/v1/route/explain", gw.url()))
+        .json(&json!({"model": "m-sql", "prompt": "hello world"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(ex["worker"], a.url.as_str(), "{ex}");
+    assert_eq!(ex["lora"], "m-sql");
+    assert_eq!(ex["scores"].as_array().unwrap().len(), 1);
+    assert_eq!(a.hits(), 0, "explain must not forward");
+
+    // Shutdown lets an in-flight stream finish.
+    let r = c
+        .post(format!("{}/v1/chat/completions", gw.url()))
+        .json(&chat_body(true))
+        .send()
+        .await
+        .unwrap();
+    let reader = tokio::spawn(async move { r.bytes().await.map(|b| b.len()) });
+    tokio::time::sleep(Duration::from_millis(60)).await;
+    gw.shutdown_within(Duration::from_secs(5)).await;
+    assert_eq!(reader.await.unwrap().unwrap(), sse_bytes().len());
+}

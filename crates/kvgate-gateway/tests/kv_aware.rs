@@ -1,0 +1,157 @@
+//! kv_aware end to end with simulated vLLM engines: KV events reach the index, a
+//! repeated prompt goes to the worker holding its prefix, and the engine confirms the
+//! cache hit; removing the worker purges its index entries.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use kvgate_core::{PolicyKind, WorkerRef};
+use kvgate_gateway::{start, WorkerConfig};
+use kvgate_mock_engine::{spawn, EngineConfig};
+use serde_json::{json, Value};
+
+#[tokio::test]
+async fn repeated_prompt_follows_its_cached_prefix() {
+    let mut engines = Vec::new();
+    for _ in 0..2 {
+        engines.push(
+            spawn(EngineConfig {
+                speedup: 20.0,
+                ..EngineConfig::default()
+            })
+            .await
+            .unwrap(),
+        );
+    }
+    let mut cfg = config(&[], PolicyKind::KvAware);
+    cfg.models[0].remote_tokenize = true;
+    cfg.models[0].block_size = 16;
+    cfg.models[0].workers = engines
+        .iter()
+        .map(|e| WorkerConfig {
+            kv_events: e.kv_events_endpoint.clone(),
+            kv_events_replay: e.replay_endpoint.clone(),
+            ..WorkerConfig::new(e.base_url())
+        })
+        .collect();
+    let gw = start(cfg).await.unwrap();
+    let g = gw.gateway().clone();
+    eventually("event streams connected", || {
+        let s = g.events.snapshot();
+        s.workers.len() == 2 && s.workers.iter().all(|w| w.connected)
+    })
+    .await;
+
+    let c = client();
+    let prompt: String = (0..300).map(|i| format!("w{} ", i * 7 % 101)).collect();
+    let body = json!({"model": "m", "prompt": prompt, "max_tokens": 2});
+    let r = c
+        .post(format!("{}/v1/completions", gw.url()))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let first = worker_of(&r);
+    let _: Value = r.json().await.unwrap();
+    eventually("events reached the index", || {
+        gw.index_len("m").unwrap_or(0) > 0
+    })
+    .await;
+
+    for _ in 0..3 {
+        let ex: Value = c
+            .post(format!("{}/v1/route/explain", gw.url()))
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(ex["worker"], first.as_str(), "{ex}");
+        assert!(
+            ex["predicted_cached_tokens"].as_u64().unwrap() >= 16 * 10,
+            "{ex}"
+        );
+        let r = c
+            .post(format!("{}/v1/completions", gw.url()))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(
+            worker_of(&r),
+            first,
+            "the repeated prompt left its cached prefix"
+        );
+        let v: Value = r.json().await.unwrap();
+        let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        assert!(
+            cached >= 16 * 10,
+            "engine reported {cached} cached tokens: {v}"
+        );
+    }
+    let metrics = c
+        .get(format!("{}/metrics", gw.url()))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("kvgate_reported_cached_tokens_total{model=\"m\"}"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("kvgate_kv_events_blocks_stored_total"),
+        "{metrics}"
+    );
+
+    // Removing the worker purges what the index says it holds.
+    let m = g.model("m").unwrap().clone();
+    let w = m.worker_by_url(&first).unwrap();
+    assert!(
+        m.index
+            .as_ref()
+            .unwrap()
+            .read()
+            .worker_len(WorkerRef::new(w.id, 0))
+            > 0
+    );
+    g.remove_worker("m", w.id).unwrap();
+    assert_eq!(
+        m.index
+            .as_ref()
+            .unwrap()
+            .read()
+            .worker_len(WorkerRef::new(w.id, 0)),
+        0
+    );
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        m.index
+            .as_ref()
+            .unwrap()
+            .read()
+            .worker_len(WorkerRef::new(w.id, 0)),
+        0,
+        "a stopped subscriber must not refill the index"
+    );
+    let r = c
+        .post(format!("{}/v1/completions", gw.url()))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_ne!(worker_of(&r), first);
+    gw.shutdown().await;
+    for e in engines {
+        e.shutdown().await;
+    }
+}
