@@ -22,6 +22,12 @@ use kvgate_core::{BlockHasher, IndexConfig, PrefixIndex, StoredBlocks, Tier, Wor
 use support::mooncake::{scenario, StoredEvent};
 
 const BLOCK_SIZE: usize = 16;
+
+/// Engines evict a finished request's blocks tail first (vLLM frees them in reverse),
+/// so removals arrive leaf first; both indexes get them in that order.
+fn leaf_first(hashes: &[u64]) -> Vec<u64> {
+    hashes.iter().rev().copied().collect()
+}
 const WORKERS: u32 = 16;
 const ENTRIES: usize = 1_000_000;
 const QUERY_TOKENS: usize = 8192;
@@ -44,7 +50,8 @@ fn kv_apply(index: &mut PrefixIndex, ev: &StoredEvent) {
 
 fn dyn_stored(ev: &StoredEvent, id: u64) -> RouterEvent {
     // Dynamo's ingestion hashes the event's token ids into local block hashes.
-    let local = compute_block_hash_for_seq(&ev.tokens, BLOCK_SIZE as u32, BlockHashOptions::default());
+    let local =
+        compute_block_hash_for_seq(&ev.tokens, BLOCK_SIZE as u32, BlockHashOptions::default());
     RouterEvent::new(
         u64::from(ev.worker),
         KvCacheEvent {
@@ -74,7 +81,12 @@ fn dyn_removed(ev: &StoredEvent, id: u64) -> RouterEvent {
             event_id: id,
             dp_rank: 0,
             data: KvCacheEventData::Removed(KvCacheRemoveData {
-                block_hashes: ev.engine_hashes.iter().rev().map(|h| ExternalSequenceBlockHash(*h)).collect(),
+                block_hashes: ev
+                    .engine_hashes
+                    .iter()
+                    .rev()
+                    .map(|h| ExternalSequenceBlockHash(*h))
+                    .collect(),
             }),
         },
     )
@@ -83,11 +95,15 @@ fn dyn_removed(ev: &StoredEvent, id: u64) -> RouterEvent {
 fn benches(c: &mut Criterion) {
     // Fleet-wide consistent engine hashes: dynamo's radix tree requires them.
     let s = scenario(BLOCK_SIZE, WORKERS, ENTRIES, QUERY_TOKENS, true);
-    let mut kv = PrefixIndex::new(BlockHasher::new(BLOCK_SIZE as u32).expect("bs"), IndexConfig::default());
+    let mut kv = PrefixIndex::new(
+        BlockHasher::new(BLOCK_SIZE as u32).expect("bs"),
+        IndexConfig::default(),
+    );
     let mut dy = RadixTree::new();
     for (i, ev) in s.population.iter().enumerate() {
         kv_apply(&mut kv, ev);
-        dy.apply_event(dyn_stored(ev, i as u64)).expect("dynamo accepts the event");
+        dy.apply_event(dyn_stored(ev, i as u64))
+            .expect("dynamo accepts the event");
     }
     eprintln!(
         "kvgate entries {} / dynamo size {}; {} queries; churn {} blocks",
@@ -100,13 +116,22 @@ fn benches(c: &mut Criterion) {
     // Sanity: both see the same longest overlap for every query.
     for tokens in &s.queries {
         let ours = kv.overlaps(&hasher.block_keys(tokens)).longest;
-        let local = compute_block_hash_for_seq(tokens, BLOCK_SIZE as u32, BlockHashOptions::default());
-        let theirs = dy.find_matches(local, false).scores.values().copied().max().unwrap_or(0);
+        let local =
+            compute_block_hash_for_seq(tokens, BLOCK_SIZE as u32, BlockHashOptions::default());
+        let theirs = dy
+            .find_matches(local, false)
+            .scores
+            .values()
+            .copied()
+            .max()
+            .unwrap_or(0);
         assert_eq!(ours, theirs, "both indexes must agree on the overlap");
     }
 
     let mut g = c.benchmark_group("lookup_8k_tokens_1M_blocks_16_workers");
-    g.sample_size(30).warm_up_time(Duration::from_secs(1)).measurement_time(Duration::from_secs(4));
+    g.sample_size(30)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(4));
     let mut q = 0;
     g.bench_function("kvgate", |b| {
         b.iter(|| {
@@ -117,14 +142,20 @@ fn benches(c: &mut Criterion) {
     g.bench_function("dynamo", |b| {
         b.iter(|| {
             q = (q + 1) % s.queries.len();
-            let local = compute_block_hash_for_seq(&s.queries[q], BLOCK_SIZE as u32, BlockHashOptions::default());
+            let local = compute_block_hash_for_seq(
+                &s.queries[q],
+                BLOCK_SIZE as u32,
+                BlockHashOptions::default(),
+            );
             black_box(dy.find_matches(local, false))
         })
     });
     g.finish();
 
     let mut g = c.benchmark_group("events_store_then_remove");
-    g.sample_size(20).warm_up_time(Duration::from_secs(1)).measurement_time(Duration::from_secs(5));
+    g.sample_size(20)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(5));
     g.throughput(Throughput::Elements(2 * s.churn_blocks as u64));
     g.bench_function("kvgate", |b| {
         b.iter(|| {
@@ -132,7 +163,11 @@ fn benches(c: &mut Criterion) {
                 kv_apply(&mut kv, ev);
             }
             for ev in s.churn.iter().rev() {
-                kv.apply_removed(WorkerRef::new(WorkerId(ev.worker), 0), &ev.engine_hashes, Some(Tier::Device));
+                kv.apply_removed(
+                    WorkerRef::new(WorkerId(ev.worker), 0),
+                    &leaf_first(&ev.engine_hashes),
+                    Some(Tier::Device),
+                );
             }
         })
     });

@@ -17,6 +17,12 @@ use kvgate_core::{
 use support::mooncake::{scenario, Scenario, StoredEvent};
 
 const BLOCK_SIZE: usize = 16;
+
+/// Engines evict a finished request's blocks tail first (vLLM frees them in reverse),
+/// so removals arrive leaf first; both indexes get them in that order.
+fn leaf_first(hashes: &[u64]) -> Vec<u64> {
+    hashes.iter().rev().copied().collect()
+}
 const WORKERS: u32 = 16;
 const ENTRIES: usize = 1_000_000;
 const QUERY_TOKENS: usize = 8192;
@@ -111,7 +117,7 @@ fn benches(c: &mut Criterion) {
             for ev in s.churn.iter().rev() {
                 index.apply_removed(
                     WorkerRef::new(WorkerId(ev.worker), 0),
-                    &ev.engine_hashes,
+                    &leaf_first(&ev.engine_hashes),
                     Some(Tier::Device),
                 );
             }

@@ -5,10 +5,15 @@
 //! needs to reproduce an engine's own (seeded, algorithm-dependent) block hashes.
 //! It must not know about workers, tiers or engines.
 //!
-//! A block's key is `xxh3_64(tokens of the block, seed = parent key)`, with the root
-//! seed derived from the model-wide salt and the request's LoRA adapter name, so a key
-//! identifies the whole prefix up to and including its block. A trailing partial block
-//! is not a block and gets no key.
+//! A block's key is computed in two steps. First its *content hash*
+//! `c = xxh3_64(tokens of the block, seed = root)`, which does not depend on the parent
+//! (so the CPU hashes many blocks of a prompt in parallel); then the chain step
+//! `key = mix(parent key, c)`, where `mix(a, b)` is the folded 64×64→128-bit multiply
+//! of wyhash/rapidhash (`lo ^ hi` of `(a ^ K0) * (b ^ K1)`), one multiply of latency per
+//! block. The root seed is derived from the model-wide salt and the request's LoRA
+//! adapter name and is also the parent of the first block, so a key identifies the
+//! whole prefix up to and including its block. A trailing partial block is not a block
+//! and gets no key.
 
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
@@ -30,6 +35,17 @@ impl std::error::Error for ZeroBlockSize {}
 
 /// Domain separator so an empty salt still yields a fixed, non-zero root seed.
 const ROOT_DOMAIN: &[u8] = b"kvgate/block-key/v1";
+
+/// Chain step: the folded multiply of wyhash/rapidhash over the parent key and the
+/// block's content hash. The constants are the first digits of pi (as in rapidhash's
+/// secret), so neither input can be zero by accident of a zero key.
+#[inline(always)]
+fn mix(parent: u64, content: u64) -> u64 {
+    const K0: u64 = 0x243f_6a88_85a3_08d3;
+    const K1: u64 = 0x1319_8a2e_0370_7344;
+    let r = u128::from(parent ^ K0) * u128::from(content ^ K1);
+    (r as u64) ^ ((r >> 64) as u64)
+}
 
 /// Hashes token sequences into chained block keys for one block size and salt.
 ///
@@ -87,14 +103,20 @@ impl BlockHasher {
     /// Key of one block given its parent's key (`None` for the first block).
     #[inline]
     pub fn chain(&self, parent: Option<BlockKey>, block_tokens: &[u32]) -> BlockKey {
-        let seed = match parent {
+        let parent = match parent {
             Some(p) => p.0,
             None => self.root_seed,
         };
-        BlockKey(xxh3_64_with_seed(
+        BlockKey(mix(parent, self.content_hash(block_tokens)))
+    }
+
+    /// Hash of one block's tokens alone (salted by the root seed, not chained).
+    #[inline]
+    fn content_hash(&self, block_tokens: &[u32]) -> u64 {
+        xxh3_64_with_seed(
             bytemuck::cast_slice::<u32, u8>(block_tokens),
-            seed,
-        ))
+            self.root_seed,
+        )
     }
 
     /// Keys of every full block of `tokens`, from the start of the sequence.
@@ -112,13 +134,21 @@ impl BlockHasher {
         tokens: &[u32],
         out: &mut Vec<BlockKey>,
     ) -> Option<BlockKey> {
-        let mut last = parent;
+        // The content hashes do not depend on the chain, so the CPU overlaps them; only
+        // the one-multiply chain step is serial.
+        out.reserve(self.full_blocks(tokens.len()));
+        let mut last = parent.map_or(self.root_seed, |p| p.0);
+        let mut any = false;
         for block in tokens.chunks_exact(self.block_size as usize) {
-            let key = self.chain(last, block);
-            out.push(key);
-            last = Some(key);
+            last = mix(last, self.content_hash(block));
+            out.push(BlockKey(last));
+            any = true;
         }
-        last
+        if any {
+            Some(BlockKey(last))
+        } else {
+            parent
+        }
     }
 }
 

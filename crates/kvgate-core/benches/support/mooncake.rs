@@ -110,7 +110,11 @@ impl Fleet {
 
     /// Engine hashes of every full block of `tokens` on `worker` (opaque, seeded).
     pub fn engine_hashes(&self, worker: u32, tokens: &[u32]) -> Vec<u64> {
-        let seed_worker = if self.consistent_engine_hashes { 0 } else { worker };
+        let seed_worker = if self.consistent_engine_hashes {
+            0
+        } else {
+            worker
+        };
         let mut parent = 0x5eed_0000_u64 + u64::from(seed_worker);
         tokens
             .chunks_exact(self.block_size)

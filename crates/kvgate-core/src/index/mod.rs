@@ -11,8 +11,20 @@
 //! flat map answers prefix questions as well as a radix tree while keeping inserts and
 //! removals O(1) and independent of the order engines evict blocks in (a parent removed
 //! before its child simply ends the matched run earlier). Each entry carries bitsets of
-//! the slots (worker ranks) that hold it, so a lookup intersects holder sets with a
-//! few word operations per block.
+//! the slots (worker ranks) that hold it, its parent's key, and per slot the number of
+//! its children that slot holds.
+//!
+//! # Lookup by binary search
+//! A block can only be stored with a parent the same rank holds, so a rank normally
+//! holds a *closed prefix set*: if it holds a request's block `i` it holds blocks
+//! `0..=i`, and its run length is found by binary search over the request's keys
+//! (shared by all ranks: they are split at each probe), about `log2(blocks)` probes
+//! instead of one per matched block. Two per-rank counters say when that shortcut is
+//! exact: `orphans` (blocks the rank no longer holds although it still holds children
+//! of them, e.g. an engine removed a parent first: a *hole*) and `lower_only` (blocks
+//! held only on host/disk, which need a per-block tier count). A rank with either
+//! non-zero is answered by the exact linear walk; holes heal (and the rank returns to
+//! binary search) once the orphaned children are removed too, or on a clear.
 //!
 //! # Memory bound and eviction rule
 //! The index holds at most [`IndexConfig::max_blocks`] holder entries (one per block,
@@ -20,18 +32,23 @@
 //! own evictions; the cap is the backstop for lost removals. When an insert exceeds the
 //! cap, entries are evicted in the order they were last stored (oldest first), with a
 //! second chance (CLOCK) for blocks that a lookup matched since they were last looked
-//! at: those are moved to the back of the queue once. The eviction queue is only kept
-//! while the index is near its cap: it is built on demand (holders sorted by store
-//! stamp) when the cap is first exceeded, compacted whenever stale items outnumber live
-//! ones, and dropped again once the index falls below half the cap, so the common case
-//! (engines reporting their own evictions) pays nothing for it and no structure only
-//! grows.
+//! at: those are moved to the back of the queue once. Eviction removes leaves only: a
+//! rank's last entry for a block whose children that rank still holds is skipped, and
+//! goes back to the front of the queue when its last held child goes, so eviction
+//! never creates a hole (it trims branches from their tips, as engines do). The
+//! eviction queue is only kept while the index is near its cap: it is built on demand
+//! (holders sorted by store stamp) when the cap is first exceeded, compacted whenever
+//! stale items outnumber live ones, and dropped again once the index falls below half
+//! the cap, so the common case (engines reporting their own evictions) pays nothing for
+//! it and no structure only grows.
 
+mod evict;
+mod links;
 mod query;
 pub(crate) mod slot_set;
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 
 use rustc_hash::FxHashMap;
 use serde::Serialize;
@@ -46,7 +63,7 @@ use crate::ids::{Tier, WorkerId, WorkerRef};
 /// Limits of one model's index.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct IndexConfig {
-    /// Maximum number of (block, worker rank, tier) entries kept. About 100 bytes each.
+    /// Maximum number of (block, worker rank, tier) entries kept. About 120 bytes each.
     pub max_blocks: usize,
 }
 
@@ -157,6 +174,13 @@ struct Holder {
     tier: Tier,
 }
 
+/// How many children of a block one slot holds (only non-zero counts are kept).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct ChildCount {
+    slot: u16,
+    children: u32,
+}
+
 #[derive(Debug, Default)]
 struct BlockEntry {
     /// Slots holding the block at any tier.
@@ -164,12 +188,30 @@ struct BlockEntry {
     /// Slots holding it on the device tier.
     device: SlotSet,
     holders: SmallVec<[Holder; 2]>,
+    /// Per slot holding this block: how many of its children that slot holds.
+    children: SmallVec<[ChildCount; 1]>,
+    /// The parent block's key (chained keys determine it); meaningful if `has_parent`.
+    parent: u64,
+    has_parent: bool,
     /// Set by lookups that matched this block; gives it a second chance at eviction.
     hot: AtomicBool,
 }
 
 impl BlockEntry {
-    fn refresh_membership(&mut self, slot: u16) {
+    fn new(parent: Option<BlockKey>) -> Self {
+        Self {
+            parent: parent.map_or(0, |p| p.0),
+            has_parent: parent.is_some(),
+            ..Self::default()
+        }
+    }
+
+    fn parent(&self) -> Option<BlockKey> {
+        self.has_parent.then_some(BlockKey(self.parent))
+    }
+
+    /// Recomputes the slot's membership bits from its holders; returns (any, device).
+    fn refresh_membership(&mut self, slot: u16) -> (bool, bool) {
         let mut any = false;
         let mut device = false;
         for h in self.holders.iter().filter(|h| h.slot == slot) {
@@ -186,6 +228,48 @@ impl BlockEntry {
         } else {
             self.device.remove(slot);
         }
+        (any, device)
+    }
+
+    fn children_of(&self, slot: u16) -> u32 {
+        self.children
+            .iter()
+            .find(|c| c.slot == slot)
+            .map_or(0, |c| c.children)
+    }
+
+    /// Removes and returns the slot's child count.
+    fn take_children(&mut self, slot: u16) -> u32 {
+        match self.children.iter().position(|c| c.slot == slot) {
+            Some(i) => self.children.swap_remove(i).children,
+            None => 0,
+        }
+    }
+
+    fn add_children(&mut self, slot: u16, n: u32) {
+        if n == 0 {
+            return;
+        }
+        match self.children.iter_mut().find(|c| c.slot == slot) {
+            Some(c) => c.children += n,
+            None => self.children.push(ChildCount { slot, children: n }),
+        }
+    }
+
+    /// Decrements the slot's child count; returns the count left.
+    fn sub_child(&mut self, slot: u16) -> u32 {
+        match self.children.iter().position(|c| c.slot == slot) {
+            Some(i) => {
+                let c = &mut self.children[i];
+                c.children = c.children.saturating_sub(1);
+                let left = c.children;
+                if left == 0 {
+                    self.children.swap_remove(i);
+                }
+                left
+            }
+            None => 0,
+        }
     }
 }
 
@@ -194,6 +278,38 @@ struct SlotState {
     at: WorkerRef,
     engine_to_key: FxHashMap<u64, BlockKey>,
     entries: usize,
+    /// Blocks this slot does not hold although it holds children of them (holes), with
+    /// the number of such children. Empty: the slot holds closed prefix sets.
+    orphans: FxHashMap<BlockKey, u32>,
+    /// Blocks this slot holds at some tier but not on the device tier.
+    lower_only: usize,
+}
+
+impl SlotState {
+    fn new(at: WorkerRef) -> Self {
+        Self {
+            at,
+            engine_to_key: FxHashMap::default(),
+            entries: 0,
+            orphans: FxHashMap::default(),
+            lower_only: 0,
+        }
+    }
+
+    /// Whether binary search over a request's keys gives this slot's exact overlap.
+    fn searchable(&self) -> bool {
+        self.orphans.is_empty() && self.lower_only == 0
+    }
+
+    /// Accounts a change of the slot's membership of one block.
+    fn membership_changed(&mut self, before: (bool, bool), after: (bool, bool)) {
+        let lower = |(any, device): (bool, bool)| any && !device;
+        match (lower(before), lower(after)) {
+            (false, true) => self.lower_only += 1,
+            (true, false) => self.lower_only -= 1,
+            _ => {}
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -219,6 +335,10 @@ pub struct PrefixIndex {
     queue: VecDeque<QueueItem>,
     /// Whether `queue` is maintained (only near the cap).
     tracking: bool,
+    /// The last (slot, block) whose membership a removal ended, while no block has
+    /// been entered since: lets a root-first removal of a chain skip looking up the
+    /// parent it has just removed.
+    last_left: Option<(u16, BlockKey)>,
     next_stamp: u32,
     live: usize,
     stats: IndexStats,
@@ -235,6 +355,7 @@ impl PrefixIndex {
             free_slots: Vec::new(),
             queue: VecDeque::new(),
             tracking: false,
+            last_left: None,
             next_stamp: 0,
             live: 0,
             stats: IndexStats::default(),
@@ -365,7 +486,7 @@ impl PrefixIndex {
             .zip(blocks.token_ids.chunks_exact(block_size as usize))
         {
             let key = hasher.chain(parent, tokens);
-            if self.insert_holder(slot, key, *engine_hash, blocks.tier) {
+            if self.insert_holder(slot, key, parent, *engine_hash, blocks.tier) {
                 outcome.inserted += 1;
             } else {
                 outcome.duplicates += 1;
@@ -467,11 +588,7 @@ impl PrefixIndex {
             }
             None => return None,
         };
-        self.slots[slot as usize] = Some(SlotState {
-            at,
-            engine_to_key: FxHashMap::default(),
-            entries: 0,
-        });
+        self.slots[slot as usize] = Some(SlotState::new(at));
         self.slot_of.insert(at, slot);
         Some(slot)
     }
@@ -481,9 +598,17 @@ impl PrefixIndex {
         self.next_stamp
     }
 
-    /// Records that `slot` holds `key` at `tier` under `engine_hash`. Returns whether the
-    /// holder is new (false: a duplicate store, refreshed).
-    fn insert_holder(&mut self, slot: u16, key: BlockKey, engine_hash: u64, tier: Tier) -> bool {
+    /// Records that `slot` holds `key` (child of `parent`) at `tier` under
+    /// `engine_hash`. Returns whether the holder is new (false: a duplicate store,
+    /// refreshed).
+    fn insert_holder(
+        &mut self,
+        slot: u16,
+        key: BlockKey,
+        parent: Option<BlockKey>,
+        engine_hash: u64,
+        tier: Tier,
+    ) -> bool {
         // One map operation: record the new mapping and learn what it meant before.
         let previous = self
             .slot_mut(slot)
@@ -494,7 +619,14 @@ impl PrefixIndex {
             self.stats.removed_blocks += removed as u64;
         }
         let stamp = self.stamp();
-        let entry = self.blocks.entry(key).or_default();
+        let Some(state) = self.slots.get_mut(slot as usize).and_then(Option::as_mut) else {
+            return false;
+        };
+        let entry = self
+            .blocks
+            .entry(key)
+            .or_insert_with(|| BlockEntry::new(parent));
+        let before = (entry.any.contains(slot), entry.device.contains(slot));
         let mut stale_engine_hash = None;
         let is_new = match entry
             .holders
@@ -523,14 +655,31 @@ impl PrefixIndex {
                 true
             }
         };
-        let stale_unmapped = stale_engine_hash.filter(|old| {
-            !entry
-                .holders
-                .iter()
-                .any(|h| h.slot == slot && h.engine_hash == *old)
-        });
+        let mut entered_parent = None;
         if is_new {
             self.live += 1;
+            state.entries += 1;
+            state.membership_changed(before, (true, before.1 || tier == Tier::Device));
+            if !before.0 {
+                // The slot now holds the block: adopt children it held while it did not,
+                // and count the block as a child of its parent.
+                if !state.orphans.is_empty() {
+                    if let Some(n) = state.orphans.remove(&key) {
+                        entry.add_children(slot, n);
+                    }
+                }
+                entered_parent = entry.parent();
+                self.last_left = None;
+            }
+        }
+        if let Some(old) = stale_engine_hash {
+            let still_used = entry
+                .holders
+                .iter()
+                .any(|h| h.slot == slot && h.engine_hash == old);
+            if !still_used && state.engine_to_key.get(&old) == Some(&key) {
+                state.engine_to_key.remove(&old);
+            }
         }
         if self.tracking {
             self.queue.push_back(QueueItem {
@@ -540,21 +689,15 @@ impl PrefixIndex {
                 tier,
             });
         }
-        if let Some(state) = self.slot_mut(slot) {
-            if is_new {
-                state.entries += 1;
-            }
-            if let Some(old) = stale_unmapped {
-                if state.engine_to_key.get(&old) == Some(&key) {
-                    state.engine_to_key.remove(&old);
-                }
-            }
+        if let Some(parent) = entered_parent {
+            self.child_added(slot, parent);
         }
         is_new
     }
 
     /// Removes the holders of `key` that belong to `slot` and match `pred`; keeps the
-    /// slot's engine-hash map consistent and drops the entry when nobody holds it.
+    /// slot's engine-hash map, child counts and holes consistent and drops the entry
+    /// when nobody holds it.
     fn remove_holders(
         &mut self,
         slot: u16,
@@ -564,6 +707,7 @@ impl PrefixIndex {
         let Some(entry) = self.blocks.get_mut(&key) else {
             return 0;
         };
+        let before = (entry.any.contains(slot), entry.device.contains(slot));
         let mut gone: SmallVec<[u64; 2]> = SmallVec::new();
         entry.holders.retain(|h| {
             let drop = h.slot == slot && pred(h);
@@ -575,122 +719,73 @@ impl PrefixIndex {
         if gone.is_empty() {
             return 0;
         }
-        entry.refresh_membership(slot);
-        let still_mapped: SmallVec<[bool; 2]> = gone
-            .iter()
-            .map(|eh| {
-                entry
-                    .holders
-                    .iter()
-                    .any(|h| h.slot == slot && h.engine_hash == *eh)
-            })
-            .collect();
+        let after = entry.refresh_membership(slot);
+        let Some(state) = self.slots.get_mut(slot as usize).and_then(Option::as_mut) else {
+            return 0;
+        };
+        let mut left_parent = None;
+        if before.0 && !after.0 {
+            // The slot no longer holds the block: children it still holds become
+            // orphans (a hole), and the parent loses a child.
+            let children = entry.take_children(slot);
+            if children > 0 {
+                state.orphans.insert(key, children);
+            }
+            left_parent = entry.parent();
+        }
+        let left = before.0 && !after.0;
+        state.membership_changed(before, after);
+        for eh in &gone {
+            let mapped = entry
+                .holders
+                .iter()
+                .any(|h| h.slot == slot && h.engine_hash == *eh);
+            if !mapped && state.engine_to_key.get(eh) == Some(&key) {
+                state.engine_to_key.remove(eh);
+            }
+        }
         if entry.holders.is_empty() {
             self.blocks.remove(&key);
         }
         let removed = gone.len();
         self.live -= removed;
-        if let Some(state) = self.slot_mut(slot) {
-            state.entries -= removed;
-            for (eh, mapped) in gone.iter().zip(still_mapped) {
-                if !mapped && state.engine_to_key.get(eh) == Some(&key) {
-                    state.engine_to_key.remove(eh);
-                }
-            }
+        state.entries -= removed;
+        if let Some(parent) = left_parent {
+            self.child_removed(slot, parent);
+        }
+        if left {
+            self.last_left = Some((slot, key));
         }
         removed
     }
 
     fn clear_slot(&mut self, slot: u16) -> usize {
         let keys: Vec<BlockKey> = match self.slot_mut(slot) {
-            Some(state) => state.engine_to_key.drain().map(|(_, k)| k).collect(),
+            Some(state) => {
+                // Every block of the slot goes, so its child counts and holes do too.
+                state.orphans = FxHashMap::default();
+                state.lower_only = 0;
+                state.entries = 0;
+                state.engine_to_key.drain().map(|(_, k)| k).collect()
+            }
             None => return 0,
         };
         let mut removed = 0;
         for key in keys {
-            removed += self.remove_holders(slot, key, |_| true);
+            let Some(entry) = self.blocks.get_mut(&key) else {
+                continue;
+            };
+            let n = entry.holders.len();
+            entry.holders.retain(|h| h.slot != slot);
+            removed += n - entry.holders.len();
+            entry.refresh_membership(slot);
+            entry.take_children(slot);
+            if entry.holders.is_empty() {
+                self.blocks.remove(&key);
+            }
         }
+        self.live -= removed;
         removed
-    }
-
-    /// Evicts entries until the cap holds. Returns how many were evicted.
-    fn enforce_cap(&mut self) -> usize {
-        if self.live <= self.config.max_blocks {
-            if self.tracking && self.live < self.config.max_blocks / 2 {
-                self.tracking = false;
-                self.queue = VecDeque::new();
-            }
-            return 0;
-        }
-        if !self.tracking {
-            self.start_tracking();
-        }
-        let mut evicted = 0;
-        while self.live > self.config.max_blocks {
-            let Some(item) = self.queue.pop_front() else {
-                break;
-            };
-            let Some(entry) = self.blocks.get(&item.key) else {
-                continue;
-            };
-            let current = entry
-                .holders
-                .iter()
-                .any(|h| h.slot == item.slot && h.tier == item.tier && h.stamp == item.stamp);
-            if !current {
-                continue;
-            }
-            if entry.hot.swap(false, Ordering::Relaxed) {
-                let stamp = self.stamp();
-                if let Some(entry) = self.blocks.get_mut(&item.key) {
-                    for h in entry.holders.iter_mut() {
-                        if h.slot == item.slot && h.tier == item.tier {
-                            h.stamp = stamp;
-                        }
-                    }
-                }
-                self.queue.push_back(QueueItem { stamp, ..item });
-                continue;
-            }
-            evicted += self.remove_holders(item.slot, item.key, |h| h.tier == item.tier);
-        }
-        self.stats.evicted_blocks += evicted as u64;
-        self.compact_queue();
-        evicted
-    }
-
-    /// Builds the eviction queue from every holder, oldest store first.
-    fn start_tracking(&mut self) {
-        let mut items: Vec<QueueItem> = Vec::with_capacity(self.live);
-        for (key, entry) in &self.blocks {
-            items.extend(entry.holders.iter().map(|h| QueueItem {
-                key: *key,
-                stamp: h.stamp,
-                slot: h.slot,
-                tier: h.tier,
-            }));
-        }
-        // Stamps wrap after 2^32 stores; order relative to the newest so a wrap only
-        // perturbs the order, never loses an item.
-        let newest = self.next_stamp;
-        items.sort_unstable_by_key(|i| std::cmp::Reverse(newest.wrapping_sub(i.stamp)));
-        self.queue = items.into();
-        self.tracking = true;
-    }
-
-    /// Drops stale queue items once they outnumber live entries.
-    fn compact_queue(&mut self) {
-        if self.queue.len() <= 2 * self.live + 1024 {
-            return;
-        }
-        let blocks = &self.blocks;
-        self.queue.retain(|item| {
-            blocks.get(&item.key).is_some_and(|e| {
-                e.holders
-                    .iter()
-                    .any(|h| h.slot == item.slot && h.tier == item.tier && h.stamp == item.stamp)
-            })
-        });
     }
 
     /// Length of the eviction queue (live plus stale items); exposed for memory checks.

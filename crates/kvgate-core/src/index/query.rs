@@ -59,26 +59,140 @@ struct Acc {
     disk: u32,
 }
 
+/// A node of the shared binary search: every slot of `set` (bits of one word) holds
+/// the request's block `lo` and none holds block `hi` (`hi == len`: past the end).
+#[derive(Clone, Copy)]
+struct Node {
+    lo: u32,
+    hi: u32,
+    set: u64,
+}
+
 impl PrefixIndex {
-    /// For the request's block keys (from [`crate::BlockHasher::block_keys`]), the number
-    /// of leading blocks each worker rank holds, per tier. Cost: one hash lookup per
-    /// matched block plus a few word operations; it stops at the first block nobody
-    /// still in the run holds.
+    /// For the request's block keys (from [`crate::BlockHasher::block_keys`], or any
+    /// contiguous window of such a chain), the number of leading blocks each worker
+    /// rank holds, per tier. Ranks that hold closed prefix sets on the device tier
+    /// (the normal case, see the module doc) are answered by one binary search shared
+    /// by all of them: about `log2(keys)` hash lookups per distinct run length. Other
+    /// ranks are answered by a walk that stops at the first block none of them holds.
     pub fn overlaps(&self, keys: &[BlockKey]) -> OverlapScores {
         let mut scores = OverlapScores::default();
         let Some(first) = keys.first().and_then(|k| self.entry(k)) else {
             return scores;
         };
-        let mut alive: SmallVec<[u64; 2]> = SmallVec::from_slice(first.any.words());
+        if !first.hot.load(Ordering::Relaxed) {
+            first.hot.store(true, Ordering::Relaxed);
+        }
         let mut accs: SmallVec<[Acc; 16]> = SmallVec::new();
-        // slot → position in `accs`.
+        let mut walk: SmallVec<[u64; 2]> = SmallVec::new();
+        for (w, &word) in first.any.words().iter().enumerate() {
+            let mut search = 0u64;
+            for_each_bit(w, word, |slot| {
+                if self.slot(slot).is_some_and(|s| s.searchable()) {
+                    search |= 1 << (slot % 64);
+                }
+            });
+            walk.push(word & !search);
+            if search != 0 {
+                self.search_runs(keys, w, search, &mut accs);
+            }
+        }
+        if walk.iter().any(|w| *w != 0) {
+            self.walk_runs(keys, walk, &mut accs);
+        }
+        accs.sort_unstable_by_key(|a| a.slot);
+        scores.per_ref.reserve(accs.len());
+        for acc in accs {
+            if acc.run == 0 {
+                continue;
+            }
+            let Some(at) = self.slot_ref(acc.slot) else {
+                continue;
+            };
+            scores.longest = scores.longest.max(acc.run);
+            scores.per_ref.push(Overlap {
+                at,
+                blocks: [acc.run - acc.host - acc.disk, acc.host, acc.disk],
+            });
+        }
+        scores
+    }
+
+    /// Run lengths of the slots in `set` (word `w`), which hold closed prefix sets on
+    /// the device tier only, by a binary search shared by all of them. The search goes
+    /// level by level so the lookups of one level are independent (the CPU overlaps
+    /// their cache misses). Marks the probed blocks that matched as recently used; the
+    /// last block of every run is among them.
+    fn search_runs(&self, keys: &[BlockKey], w: usize, set: u64, accs: &mut SmallVec<[Acc; 16]>) {
+        let len = keys.len() as u32;
+        let mut level: SmallVec<[Node; 16]> = SmallVec::new();
+        let mut next: SmallVec<[Node; 16]> = SmallVec::new();
+        level.push(Node {
+            lo: 0,
+            hi: len,
+            set,
+        });
+        while !level.is_empty() {
+            for node in level.drain(..) {
+                if node.hi - node.lo <= 1 {
+                    for_each_bit(w, node.set, |slot| {
+                        accs.push(Acc {
+                            slot,
+                            run: node.lo + 1,
+                            host: 0,
+                            disk: 0,
+                        })
+                    });
+                    continue;
+                }
+                let mid = node.lo + (node.hi - node.lo) / 2;
+                let held = match self.entry(&keys[mid as usize]) {
+                    Some(e) => {
+                        let held = e.any.words().get(w).copied().unwrap_or(0) & node.set;
+                        if held != 0 && !e.hot.load(Ordering::Relaxed) {
+                            e.hot.store(true, Ordering::Relaxed);
+                        }
+                        held
+                    }
+                    None => 0,
+                };
+                if held != 0 {
+                    next.push(Node {
+                        lo: mid,
+                        hi: node.hi,
+                        set: held,
+                    });
+                }
+                if node.set & !held != 0 {
+                    next.push(Node {
+                        lo: node.lo,
+                        hi: mid,
+                        set: node.set & !held,
+                    });
+                }
+            }
+            std::mem::swap(&mut level, &mut next);
+        }
+    }
+
+    /// Exact per-tier runs of the slots in `alive` (which all hold the first block):
+    /// walks the keys until none of them holds a block, marking matched blocks as
+    /// recently used.
+    fn walk_runs(
+        &self,
+        keys: &[BlockKey],
+        mut alive: SmallVec<[u64; 2]>,
+        out: &mut SmallVec<[Acc; 16]>,
+    ) {
+        let base = out.len();
+        // slot → position in `out`.
         let mut pos: SmallVec<[u16; 64]> = SmallVec::from_elem(u16::MAX, self.slots.len());
         for (w, word) in alive.iter().enumerate() {
             for_each_bit(w, *word, |slot| {
                 if let Some(p) = pos.get_mut(slot as usize) {
-                    *p = accs.len() as u16;
+                    *p = (out.len() - base) as u16;
                 }
-                accs.push(Acc {
+                out.push(Acc {
                     slot,
                     run: 0,
                     host: 0,
@@ -86,15 +200,11 @@ impl PrefixIndex {
                 });
             });
         }
+        let accs = &mut out[base..];
         let mut depth: u32 = 0;
-        for (i, key) in keys.iter().enumerate() {
-            let entry = if i == 0 {
-                first
-            } else {
-                match self.entry(key) {
-                    Some(e) => e,
-                    None => break,
-                }
+        for key in keys {
+            let Some(entry) = self.entry(key) else {
+                break;
             };
             let any = entry.any.words();
             let device = entry.device.words();
@@ -160,20 +270,5 @@ impl PrefixIndex {
                 }
             });
         }
-        scores.per_ref.reserve(accs.len());
-        for acc in accs {
-            if acc.run == 0 {
-                continue;
-            }
-            let Some(at) = self.slot_ref(acc.slot) else {
-                continue;
-            };
-            scores.longest = scores.longest.max(acc.run);
-            scores.per_ref.push(Overlap {
-                at,
-                blocks: [acc.run - acc.host - acc.disk, acc.host, acc.disk],
-            });
-        }
-        scores
     }
 }

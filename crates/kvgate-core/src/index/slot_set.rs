@@ -31,7 +31,7 @@ impl SlotSet {
         }
     }
 
-    #[cfg(test)]
+    #[inline]
     pub(crate) fn contains(&self, slot: u16) -> bool {
         let (w, b) = (slot as usize / 64, slot as usize % 64);
         self.words.get(w).is_some_and(|word| word & (1 << b) != 0)

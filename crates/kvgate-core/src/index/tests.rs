@@ -324,6 +324,213 @@ fn repeated_churn_does_not_grow_the_queue() {
     assert!(idx.queue_len() <= 1024 + 100, "queue {}", idx.queue_len());
 }
 
+fn searchable(idx: &PrefixIndex, a: WorkerRef) -> bool {
+    idx.slot_state(a).is_some_and(|s| s.searchable())
+}
+
+/// Recomputes the per-slot child counts, holes (orphans), lower-tier-only counts and
+/// entry counts from the holders and compares them with the maintained ones.
+fn assert_bookkeeping(idx: &PrefixIndex) {
+    for (slot, state) in idx.slots.iter().enumerate() {
+        let Some(state) = state else { continue };
+        let slot = slot as u16;
+        let held: BTreeSet<BlockKey> = idx
+            .blocks
+            .iter()
+            .filter(|(_, e)| e.any.contains(slot))
+            .map(|(k, _)| *k)
+            .collect();
+        let mut children: BTreeMap<BlockKey, u32> = BTreeMap::new();
+        for key in &held {
+            if let Some(p) = idx.blocks[key].parent() {
+                *children.entry(p).or_default() += 1;
+            }
+        }
+        for key in &held {
+            assert_eq!(
+                idx.blocks[key].children_of(slot),
+                children.get(key).copied().unwrap_or(0),
+                "child count of {key:?} in slot {slot}"
+            );
+        }
+        let orphans: BTreeMap<BlockKey, u32> = children
+            .into_iter()
+            .filter(|(k, _)| !held.contains(k))
+            .collect();
+        let maintained: BTreeMap<BlockKey, u32> =
+            state.orphans.iter().map(|(k, n)| (*k, *n)).collect();
+        assert_eq!(maintained, orphans, "orphans of slot {slot}");
+        let lower = held
+            .iter()
+            .filter(|k| !idx.blocks[*k].device.contains(slot))
+            .count();
+        assert_eq!(
+            state.lower_only, lower,
+            "lower-tier-only blocks of slot {slot}"
+        );
+        let entries: usize = idx
+            .blocks
+            .values()
+            .map(|e| e.holders.iter().filter(|h| h.slot == slot).count())
+            .sum();
+        assert_eq!(state.entries, entries, "entries of slot {slot}");
+    }
+}
+
+#[test]
+fn hole_falls_back_to_the_exact_walk_and_heals() {
+    let mut idx = index(1000);
+    let tokens = [1, 2, 3, 4, 5, 6, 7, 8];
+    store(
+        &mut idx,
+        at(0, 0),
+        &[10, 11, 12, 13],
+        None,
+        &tokens,
+        Tier::Device,
+    )
+    .unwrap();
+    assert!(searchable(&idx, at(0, 0)));
+    assert_eq!(run_of(&idx, &tokens, 0), [4, 0, 0]);
+    // The engine drops a parent first: blocks 2 and 3 are still held but unreachable.
+    idx.apply_removed(at(0, 0), &[11], Some(Tier::Device));
+    assert!(!searchable(&idx, at(0, 0)), "a hole forces the exact walk");
+    assert_eq!(run_of(&idx, &tokens, 0), [1, 0, 0]);
+    assert_bookkeeping(&idx);
+    // Re-storing the parent adopts its held children: the run is whole again.
+    store(
+        &mut idx,
+        at(0, 0),
+        &[11],
+        Some(10),
+        &tokens[2..4],
+        Tier::Device,
+    )
+    .unwrap();
+    assert!(searchable(&idx, at(0, 0)));
+    assert_eq!(run_of(&idx, &tokens, 0), [4, 0, 0]);
+    // Removing the orphaned children heals a hole too.
+    idx.apply_removed(at(0, 0), &[11], None);
+    idx.apply_removed(at(0, 0), &[13], None);
+    assert!(!searchable(&idx, at(0, 0)));
+    idx.apply_removed(at(0, 0), &[12], None);
+    assert!(searchable(&idx, at(0, 0)));
+    assert_eq!(run_of(&idx, &tokens, 0), [1, 0, 0]);
+    assert_bookkeeping(&idx);
+    // A clear resets everything.
+    idx.apply_removed(at(0, 0), &[10], None);
+    store(
+        &mut idx,
+        at(0, 0),
+        &[10, 11, 12],
+        None,
+        &tokens[..6],
+        Tier::Device,
+    )
+    .unwrap();
+    idx.apply_removed(at(0, 0), &[10], None);
+    assert!(!searchable(&idx, at(0, 0)));
+    idx.clear(at(0, 0));
+    assert!(searchable(&idx, at(0, 0)));
+    assert_bookkeeping(&idx);
+}
+
+#[test]
+fn binary_search_is_shared_by_ranks_with_different_runs() {
+    let mut idx = index(10_000);
+    let tokens: Vec<u32> = (0..64).collect();
+    let hashes: Vec<u64> = (0..32).collect();
+    // Worker w holds the first 2 * w + 1 blocks (worker 15 holds all 32... capped).
+    for w in 0..16u32 {
+        let n = (2 * w as usize + 1).min(32);
+        store(
+            &mut idx,
+            at(w, 0),
+            &hashes[..n],
+            None,
+            &tokens[..n * BS as usize],
+            Tier::Device,
+        )
+        .unwrap();
+    }
+    let keys = idx.hasher().block_keys(&tokens);
+    let scores = idx.overlaps(&keys);
+    for w in 0..16u32 {
+        let n = (2 * w + 1).min(32);
+        assert_eq!(
+            scores.best_for(WorkerId(w)).map(|o| o.blocks),
+            Some([n, 0, 0])
+        );
+        // Any window of the chain gives the same answer as the linear definition.
+        let from = 3usize;
+        let window = idx.overlaps(&keys[from..]);
+        let expected = n.saturating_sub(from as u32);
+        assert_eq!(
+            window.best_for(WorkerId(w)).map_or(0, |o| o.total()),
+            expected
+        );
+    }
+    assert_eq!(scores.longest, 31);
+}
+
+#[test]
+fn eviction_takes_leaves_first_and_never_leaves_a_hole() {
+    let mut idx = index(5);
+    let tokens: Vec<u32> = (0..10).collect();
+    store(
+        &mut idx,
+        at(0, 0),
+        &[10, 11, 12, 13, 14],
+        None,
+        &tokens,
+        Tier::Device,
+    )
+    .unwrap();
+    // Newer root blocks exceed the cap: the chain's tip goes, not its (older) root,
+    // and then its new tip.
+    store(&mut idx, at(0, 0), &[20], None, &[50, 50], Tier::Device).unwrap();
+    store(&mut idx, at(0, 0), &[21], None, &[51, 51], Tier::Device).unwrap();
+    assert_eq!(idx.len(), 5);
+    assert_eq!(idx.stats().evicted_blocks, 2);
+    assert_eq!(run_of(&idx, &tokens, 0), [3, 0, 0]);
+    assert_eq!(run_of(&idx, &[50, 50], 0), [1, 0, 0]);
+    assert_eq!(run_of(&idx, &[51, 51], 0), [1, 0, 0]);
+    assert!(searchable(&idx, at(0, 0)));
+    assert_bookkeeping(&idx);
+}
+
+#[test]
+fn lower_tier_slots_use_the_walk_and_return_to_search() {
+    let mut idx = index(1000);
+    let tokens = [1, 2, 3, 4, 5, 6];
+    store(
+        &mut idx,
+        at(0, 0),
+        &[10, 11, 12],
+        None,
+        &tokens,
+        Tier::Device,
+    )
+    .unwrap();
+    store(
+        &mut idx,
+        at(0, 0),
+        &[12],
+        Some(11),
+        &tokens[4..],
+        Tier::Host,
+    )
+    .unwrap();
+    assert!(searchable(&idx, at(0, 0)), "device copy still present");
+    idx.apply_removed(at(0, 0), &[12], Some(Tier::Device));
+    assert!(!searchable(&idx, at(0, 0)));
+    assert_eq!(run_of(&idx, &tokens, 0), [2, 1, 0]);
+    idx.apply_removed(at(0, 0), &[12], None);
+    assert!(searchable(&idx, at(0, 0)));
+    assert_eq!(run_of(&idx, &tokens, 0), [2, 0, 0]);
+    assert_bookkeeping(&idx);
+}
+
 // ---------------------------------------------------------------------------
 // Property test against a reference model.
 
@@ -458,6 +665,102 @@ fn engine_hash(w: u32, seq: usize, b: usize) -> u64 {
     key.0.rotate_left(7) ^ u64::from(w).wrapping_mul(0x9E37_79B9_7F4A_7C15)
 }
 
+/// Applies one operation to the index and to the model.
+fn apply_op(idx: &mut PrefixIndex, model: &mut Model, op: Op) {
+    match op {
+        Op::Store {
+            w,
+            r,
+            seq,
+            start,
+            len,
+            tier,
+            bogus_parent,
+        } => {
+            let tokens = sequence(seq);
+            let end = (start + len).min(8);
+            if start >= end {
+                return;
+            }
+            let hashes: Vec<u64> = (start..end).map(|b| engine_hash(w, seq, b)).collect();
+            let parent = if bogus_parent {
+                Some(12345)
+            } else if start > 0 {
+                Some(engine_hash(w, seq, start - 1))
+            } else {
+                None
+            };
+            let toks = &tokens[start * BS as usize..end * BS as usize];
+            let _ = store(idx, at(w, r), &hashes, parent, toks, tier);
+            model.store(at(w, r), &hashes, parent, toks, tier);
+        }
+        Op::Remove {
+            w,
+            r,
+            seq,
+            block,
+            tier,
+            bogus,
+        } => {
+            let eh = if bogus {
+                999_999
+            } else {
+                engine_hash(w, seq, block)
+            };
+            idx.apply_removed(at(w, r), &[eh], tier);
+            model.remove(at(w, r), &[eh], tier);
+        }
+        Op::Clear { w, r } => {
+            idx.clear(at(w, r));
+            model.holders.remove(&at(w, r));
+        }
+        Op::RemoveWorker { w } => {
+            idx.remove_worker(WorkerId(w));
+            model.holders.retain(|a, _| a.worker != WorkerId(w));
+        }
+    }
+}
+
+/// Under a cap the index holds a subset of the model (evictions), and its lookups are
+/// exact for what it does hold: a model rebuilt from its own holdings agrees.
+fn assert_exact_subset(idx: &PrefixIndex, model: &Model, cap: usize) -> Result<(), TestCaseError> {
+    prop_assert!(idx.len() <= cap);
+    let mut own = Model::default();
+    for w in 0..3 {
+        for r in 0..2 {
+            let a = at(w, r);
+            let held = idx.worker_blocks(a);
+            let model_blocks: BTreeSet<(BlockKey, Tier)> = model.blocks(a).into_iter().collect();
+            for b in &held {
+                prop_assert!(
+                    model_blocks.contains(b),
+                    "{:?} holds {:?} the model does not",
+                    a,
+                    b
+                );
+            }
+            own.holders
+                .insert(a, held.into_iter().map(|b| (b, 0)).collect());
+        }
+    }
+    for w in 0..3 {
+        for r in 0..2 {
+            let a = at(w, r);
+            for seq in 0..4 {
+                let keys = hasher().block_keys(&sequence(seq));
+                let got = idx
+                    .overlaps(&keys)
+                    .per_ref
+                    .iter()
+                    .find(|o| o.at == a)
+                    .map_or([0; 3], |o| o.blocks);
+                prop_assert_eq!(got, own.overlap(a, &keys), "worker {:?} seq {}", a, seq);
+            }
+        }
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
     #[test]
@@ -465,31 +768,8 @@ proptest! {
         let mut idx = index(1_000_000);
         let mut model = Model::default();
         for op in ops {
-            match op {
-                Op::Store { w, r, seq, start, len, tier, bogus_parent } => {
-                    let tokens = sequence(seq);
-                    let end = (start + len).min(8);
-                    if start >= end { continue; }
-                    let hashes: Vec<u64> = (start..end).map(|b| engine_hash(w, seq, b)).collect();
-                    let parent = if bogus_parent { Some(12345) } else if start > 0 { Some(engine_hash(w, seq, start - 1)) } else { None };
-                    let toks = &tokens[start * BS as usize..end * BS as usize];
-                    let _ = store(&mut idx, at(w, r), &hashes, parent, toks, tier);
-                    model.store(at(w, r), &hashes, parent, toks, tier);
-                }
-                Op::Remove { w, r, seq, block, tier, bogus } => {
-                    let eh = if bogus { 999_999 } else { engine_hash(w, seq, block) };
-                    idx.apply_removed(at(w, r), &[eh], tier);
-                    model.remove(at(w, r), &[eh], tier);
-                }
-                Op::Clear { w, r } => {
-                    idx.clear(at(w, r));
-                    model.holders.remove(&at(w, r));
-                }
-                Op::RemoveWorker { w } => {
-                    idx.remove_worker(WorkerId(w));
-                    model.holders.retain(|a, _| a.worker != WorkerId(w));
-                }
-            }
+            apply_op(&mut idx, &mut model, op);
+            assert_bookkeeping(&idx);
         }
         let mut total = 0;
         for w in 0..3 {
@@ -505,5 +785,30 @@ proptest! {
             }
         }
         prop_assert_eq!(idx.len(), total);
+    }
+
+    #[test]
+    fn lookups_stay_exact_under_a_small_cap(ops in prop::collection::vec(op_strategy(), 1..60), cap in 1..12usize) {
+        let mut idx = index(cap);
+        let mut model = Model::default();
+        for op in ops {
+            apply_op(&mut idx, &mut model, op);
+            assert_bookkeeping(&idx);
+            assert_exact_subset(&idx, &model, cap)?;
+        }
+    }
+
+    /// Without engine removals, no hole can appear: eviction only takes leaves.
+    #[test]
+    fn eviction_never_creates_holes(ops in prop::collection::vec(op_strategy(), 1..60), cap in 1..12usize) {
+        let mut idx = index(cap);
+        let mut model = Model::default();
+        for op in ops.into_iter().filter(|op| !matches!(op, Op::Remove { .. })) {
+            apply_op(&mut idx, &mut model, op);
+            for state in idx.slots.iter().flatten() {
+                prop_assert!(state.orphans.is_empty(), "eviction left a hole");
+            }
+            assert_exact_subset(&idx, &model, cap)?;
+        }
     }
 }
