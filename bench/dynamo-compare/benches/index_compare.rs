@@ -157,15 +157,20 @@ fn benches(c: &mut Criterion) {
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(5));
     g.throughput(Throughput::Elements(2 * s.churn_blocks as u64));
+    let removals: Vec<Vec<u64>> = s
+        .churn
+        .iter()
+        .map(|ev| leaf_first(&ev.engine_hashes))
+        .collect();
     g.bench_function("kvgate", |b| {
         b.iter(|| {
             for ev in &s.churn {
                 kv_apply(&mut kv, ev);
             }
-            for ev in s.churn.iter().rev() {
+            for (ev, hashes) in s.churn.iter().zip(&removals).rev() {
                 kv.apply_removed(
                     WorkerRef::new(WorkerId(ev.worker), 0),
-                    &leaf_first(&ev.engine_hashes),
+                    hashes,
                     Some(Tier::Device),
                 );
             }

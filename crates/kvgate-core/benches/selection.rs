@@ -109,15 +109,20 @@ fn benches(c: &mut Criterion) {
         })
     });
     g.throughput(Throughput::Elements(2 * s.churn_blocks as u64));
+    let removals: Vec<Vec<u64>> = s
+        .churn
+        .iter()
+        .map(|ev| leaf_first(&ev.engine_hashes))
+        .collect();
     g.bench_function("apply_stored_then_removed_on_1M_index", |b| {
         b.iter(|| {
             for ev in &s.churn {
                 apply(&mut index, ev);
             }
-            for ev in s.churn.iter().rev() {
+            for (ev, hashes) in s.churn.iter().zip(&removals).rev() {
                 index.apply_removed(
                     WorkerRef::new(WorkerId(ev.worker), 0),
-                    &leaf_first(&ev.engine_hashes),
+                    hashes,
                     Some(Tier::Device),
                 );
             }
