@@ -87,6 +87,7 @@ const NS_USER_TURN: u64 = 3;
 const NS_ASSISTANT_TURN: u64 = 4;
 const NS_UNIQUE: u64 = 5;
 const NS_ARRIVALS: u64 = 6;
+const NS_USERS: u64 = 7;
 
 impl WorkloadConfig {
     fn tokens(&self, ns: u64, a: u64, b: u64, len: usize) -> Vec<u32> {
@@ -143,12 +144,15 @@ impl WorkloadConfig {
             .map(|g| self.tokens(NS_SYSTEM, g, 0, self.prefix_tokens))
             .collect();
         let arrivals = self.arrivals(self.requests, 0);
+        // Users arrive in random order (seeded): a fixed rotation of users would line up
+        // with round_robin's rotation and hand it a perfectly cache-affine placement.
+        let mut who = SplitMix64::keyed(self.seed, NS_USERS);
         arrivals
             .into_iter()
             .enumerate()
             .map(|(i, arrival)| {
                 let i = i as u64;
-                let user = i % users;
+                let user = who.below(users);
                 let group = (user % groups) as usize;
                 let mut prompt = systems[group].clone();
                 prompt.extend(self.tokens(NS_SUFFIX, i, 0, self.suffix_tokens.max(1)));
