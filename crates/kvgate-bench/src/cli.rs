@@ -510,6 +510,22 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
             out_dir.display()
         );
     }
+    // The demo is the front door: a request that errors means something is broken.
+    let with_errors: Vec<String> = summary
+        .rows
+        .iter()
+        .filter_map(|r| {
+            let errors = r.report.as_ref()?.errors;
+            (errors > 0).then(|| format!("{} ({errors} errors)", r.label))
+        })
+        .collect();
+    if !with_errors.is_empty() {
+        bail!(
+            "demo requests failed: {} (logs in {}/logs)",
+            with_errors.join(", "),
+            out_dir.display()
+        );
+    }
     Ok(())
 }
 
