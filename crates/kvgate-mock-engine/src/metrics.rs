@@ -75,9 +75,16 @@ pub fn render(model: &str, s: &SimSnapshot) -> String {
         "{{engine=\"0\",finished_reason=\"length\",model_name=\"{}\"}}",
         escape(model)
     );
-    let _ = writeln!(out, "# HELP vllm:request_success_total Count of successfully processed requests.");
+    let _ = writeln!(
+        out,
+        "# HELP vllm:request_success_total Count of successfully processed requests."
+    );
     let _ = writeln!(out, "# TYPE vllm:request_success_total counter");
-    let _ = writeln!(out, "vllm:request_success_total{success_labels} {:?}", c.finished as f64);
+    let _ = writeln!(
+        out,
+        "vllm:request_success_total{success_labels} {:?}",
+        c.finished as f64
+    );
     out
 }
 

@@ -513,10 +513,16 @@ impl PrefixIndex {
             self.stats.unknown_removals += outcome.unknown as u64;
             return outcome;
         };
-        for &engine_hash in engine_hashes {
-            let key = self
-                .slot(slot)
-                .and_then(|s| s.engine_to_key.get(&engine_hash).copied());
+        // Resolve every hash first: the lookups are independent, so their cache misses
+        // overlap instead of each one stalling the dependent work below.
+        let keys: SmallVec<[Option<BlockKey>; 64]> = match self.slot(slot) {
+            Some(s) => engine_hashes
+                .iter()
+                .map(|eh| s.engine_to_key.get(eh).copied())
+                .collect(),
+            None => SmallVec::from_elem(None, engine_hashes.len()),
+        };
+        for (&engine_hash, key) in engine_hashes.iter().zip(keys) {
             let removed = match key {
                 Some(key) => self.remove_holders(slot, key, |h| {
                     h.engine_hash == engine_hash && tier.is_none_or(|t| h.tier == t)
