@@ -19,7 +19,7 @@ use crate::template::TemplateSet;
 use crate::{count_non_text_parts, RequestKind, RoutingTokens, TokenizeError};
 
 /// Requests with at least this many bytes of text are tokenized on tokio's blocking
-/// pool instead of the async worker. Measured (docs/BENCHMARKS-tokenize.md): a 1k-token
+/// pool instead of the async worker. Measured (docs/BENCHMARKS.md, Tokenization): a 1k-token
 /// chat (~4 KiB) takes ~0.2 ms, an 8k one ~1.6 ms, so 16 KiB (~4k tokens) caps inline
 /// work below ~1 ms while `spawn_blocking`'s fixed cost (~10-20 µs) stays negligible.
 pub const SPAWN_BLOCKING_MIN_BYTES: usize = 16 * 1024;

@@ -13,6 +13,9 @@ fn readme_yaml_example_parses_and_validates() {
     let kv = &config.models[0];
     assert_eq!(kv.policy, PolicyKind::KvAware);
     assert_eq!(kv.workers.len(), 2);
-    assert_eq!(kv.workers[0].kv_events.as_deref(), Some("tcp://10.0.0.11:5557"));
+    assert_eq!(
+        kv.workers[0].kv_events.as_deref(),
+        Some("tcp://10.0.0.11:5557")
+    );
     assert_eq!(config.models[1].workers[1].url, "http://10.0.0.22:8000");
 }
