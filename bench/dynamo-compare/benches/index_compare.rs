@@ -18,35 +18,14 @@ use dynamo_kv_router::protocols::{
     compute_block_hash_for_seq, BlockHashOptions, ExternalSequenceBlockHash, KvCacheEvent,
     KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, KvCacheStoredBlockData, RouterEvent,
 };
-use kvgate_core::{BlockHasher, IndexConfig, PrefixIndex, StoredBlocks, Tier, WorkerId, WorkerRef};
+use kvgate_core::{BlockHasher, IndexConfig, PrefixIndex, Tier, WorkerId, WorkerRef};
 use support::mooncake::{scenario, StoredEvent};
 
 const BLOCK_SIZE: usize = 16;
 
-/// Engines evict a finished request's blocks tail first (vLLM frees them in reverse),
-/// so removals arrive leaf first; both indexes get them in that order.
-fn leaf_first(hashes: &[u64]) -> Vec<u64> {
-    hashes.iter().rev().copied().collect()
-}
 const WORKERS: u32 = 16;
 const ENTRIES: usize = 1_000_000;
 const QUERY_TOKENS: usize = 8192;
-
-fn kv_apply(index: &mut PrefixIndex, ev: &StoredEvent) {
-    index
-        .apply_stored(
-            WorkerRef::new(WorkerId(ev.worker), 0),
-            &StoredBlocks {
-                engine_hashes: &ev.engine_hashes,
-                parent_engine_hash: ev.parent,
-                token_ids: &ev.tokens,
-                block_size: BLOCK_SIZE as u32,
-                tier: Tier::Device,
-                lora_name: None,
-            },
-        )
-        .expect("consistent workload");
-}
 
 fn dyn_stored(ev: &StoredEvent, id: u64) -> RouterEvent {
     // Dynamo's ingestion hashes the event's token ids into local block hashes.
@@ -101,7 +80,7 @@ fn benches(c: &mut Criterion) {
     );
     let mut dy = RadixTree::new();
     for (i, ev) in s.population.iter().enumerate() {
-        kv_apply(&mut kv, ev);
+        ev.apply_to(&mut kv);
         dy.apply_event(dyn_stored(ev, i as u64))
             .expect("dynamo accepts the event");
     }
@@ -157,15 +136,11 @@ fn benches(c: &mut Criterion) {
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(5));
     g.throughput(Throughput::Elements(2 * s.churn_blocks as u64));
-    let removals: Vec<Vec<u64>> = s
-        .churn
-        .iter()
-        .map(|ev| leaf_first(&ev.engine_hashes))
-        .collect();
+    let removals: Vec<Vec<u64>> = s.churn.iter().map(StoredEvent::leaf_first).collect();
     g.bench_function("kvgate", |b| {
         b.iter(|| {
             for ev in &s.churn {
-                kv_apply(&mut kv, ev);
+                ev.apply_to(&mut kv);
             }
             for (ev, hashes) in s.churn.iter().zip(&removals).rev() {
                 kv.apply_removed(

@@ -11,37 +11,16 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use kvgate_core::policy::{KvAwareConfig, KvAwarePolicy};
 use kvgate_core::{
-    BlockHasher, FleetView, IndexConfig, Ledger, PrefixIndex, RouteRequest, RoutingPolicy,
-    StoredBlocks, Tier, WorkerId, WorkerRef,
+    BlockHasher, FleetView, IndexConfig, Ledger, PrefixIndex, RouteRequest, RoutingPolicy, Tier,
+    WorkerId, WorkerRef,
 };
 use support::mooncake::{scenario, Scenario, StoredEvent};
 
 const BLOCK_SIZE: usize = 16;
 
-/// Engines evict a finished request's blocks tail first (vLLM frees them in reverse),
-/// so removals arrive leaf first; both indexes get them in that order.
-fn leaf_first(hashes: &[u64]) -> Vec<u64> {
-    hashes.iter().rev().copied().collect()
-}
 const WORKERS: u32 = 16;
 const ENTRIES: usize = 1_000_000;
 const QUERY_TOKENS: usize = 8192;
-
-fn apply(index: &mut PrefixIndex, ev: &StoredEvent) {
-    index
-        .apply_stored(
-            WorkerRef::new(WorkerId(ev.worker), 0),
-            &StoredBlocks {
-                engine_hashes: &ev.engine_hashes,
-                parent_engine_hash: ev.parent,
-                token_ids: &ev.tokens,
-                block_size: BLOCK_SIZE as u32,
-                tier: Tier::Device,
-                lora_name: None,
-            },
-        )
-        .expect("workload events are consistent");
-}
 
 fn populated(s: &Scenario) -> PrefixIndex {
     let mut index = PrefixIndex::new(
@@ -49,7 +28,7 @@ fn populated(s: &Scenario) -> PrefixIndex {
         IndexConfig::default(),
     );
     for ev in &s.population {
-        apply(&mut index, ev);
+        ev.apply_to(&mut index);
     }
     index
 }
@@ -109,15 +88,11 @@ fn benches(c: &mut Criterion) {
         })
     });
     g.throughput(Throughput::Elements(2 * s.churn_blocks as u64));
-    let removals: Vec<Vec<u64>> = s
-        .churn
-        .iter()
-        .map(|ev| leaf_first(&ev.engine_hashes))
-        .collect();
+    let removals: Vec<Vec<u64>> = s.churn.iter().map(StoredEvent::leaf_first).collect();
     g.bench_function("apply_stored_then_removed_on_1M_index", |b| {
         b.iter(|| {
             for ev in &s.churn {
-                apply(&mut index, ev);
+                ev.apply_to(&mut index);
             }
             for (ev, hashes) in s.churn.iter().zip(&removals).rev() {
                 index.apply_removed(

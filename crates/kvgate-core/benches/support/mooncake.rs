@@ -13,6 +13,7 @@
 
 use std::collections::HashSet;
 
+use kvgate_core::{PrefixIndex, StoredBlocks, Tier, WorkerId, WorkerRef};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 pub const TRACE_BLOCK_TOKENS: usize = 512;
@@ -206,5 +207,30 @@ pub fn scenario(
         churn,
         churn_blocks,
         queries,
+    }
+}
+
+impl StoredEvent {
+    /// Applies this `BlockStored` to a kvgate index, as event ingestion would.
+    pub fn apply_to(&self, index: &mut PrefixIndex) {
+        index
+            .apply_stored(
+                WorkerRef::new(WorkerId(self.worker), 0),
+                &StoredBlocks {
+                    engine_hashes: &self.engine_hashes,
+                    parent_engine_hash: self.parent,
+                    token_ids: &self.tokens,
+                    block_size: index.block_size(),
+                    tier: Tier::Device,
+                    lora_name: None,
+                },
+            )
+            .expect("workload events are consistent");
+    }
+
+    /// Its blocks in the order an engine removes them: leaf first (vLLM frees a
+    /// finished request's blocks in reverse, so the tail is evicted first).
+    pub fn leaf_first(&self) -> Vec<u64> {
+        self.engine_hashes.iter().rev().copied().collect()
     }
 }
