@@ -288,6 +288,8 @@ pub struct CompareArgs {
     /// Routers, comma-separated: kvgate policies (kv_aware, round_robin, ...) and peers
     /// (vllm-router:kv_aware, vllm-router:cache_aware, sglang-router:cache_aware).
     /// Default: every kvgate policy and the three peer rows (skipped when not installed).
+    /// A row may carry its own options: `kv_aware@overlap-weight=2@temperature=0.1`
+    /// appends `--overlap-weight 2 --temperature 0.1` to that row's command line only.
     #[arg(long, value_delimiter = ',')]
     pub routers: Vec<String>,
     /// Row the ratio column compares against.

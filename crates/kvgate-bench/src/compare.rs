@@ -88,7 +88,7 @@ pub async fn compare(cfg: &CompareConfig, requests: &[Request]) -> anyhow::Resul
         eprintln!("kvgate bench compare: {label} ...");
         let row = match run_one(cfg, spec, requests, &logs).await {
             Ok(report) => {
-                let path = reports_dir.join(format!("{}.json", label.replace(':', "-")));
+                let path = reports_dir.join(format!("{}.json", spec.file_stem()));
                 std::fs::write(&path, serde_json::to_vec_pretty(&report)?)
                     .with_context(|| format!("cannot write {}", path.display()))?;
                 eprint!("{}", report.render_table());
@@ -161,8 +161,7 @@ async fn run_one(
     requests: &[Request],
     logs: &Path,
 ) -> Result<Report, RunError> {
-    let stem = spec.label().replace(':', "-");
-    let log_dir = logs.join(&stem);
+    let log_dir = logs.join(spec.file_stem());
     // A fresh fleet per router: cold caches, fresh event sequence numbers.
     let mut fleet = Fleet::start(&cfg.engine, &log_dir)
         .await

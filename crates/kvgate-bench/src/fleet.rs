@@ -95,6 +95,15 @@ impl Fleet {
         Ok(Self { children, addrs })
     }
 
+    /// A fleet of already-known addresses with no child processes (for command-line tests).
+    #[cfg(test)]
+    pub(crate) fn from_addrs(addrs: Vec<EngineAddr>) -> Self {
+        Self {
+            children: Vec::new(),
+            addrs,
+        }
+    }
+
     /// The engines' addresses, in start order.
     pub fn addrs(&self) -> &[EngineAddr] {
         &self.addrs

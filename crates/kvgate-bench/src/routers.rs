@@ -1,8 +1,10 @@
 //! Routers under test: kvgate (one row per policy) and, when installed, the peer routers
 //! vllm-router and sglang-router, all started as child processes in front of a fleet.
 //!
-//! Owns each router's command line and readiness check. A peer that is not installed is
-//! a skipped row, not a failure. It must not send benchmark traffic or start engines.
+//! Owns each router's command line and readiness check, and the router-spec syntax
+//! (`kv_aware`, `vllm-router:cache_aware`, `kv_aware@overlap-weight=2`). A peer that is
+//! not installed is a skipped row, not a failure. It must not send benchmark traffic or
+//! start engines.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -21,32 +23,127 @@ pub const KVGATE_POLICIES: &[&str] = &[
     "kv_aware",
 ];
 
+/// A router's policy plus the per-row options of its spec.
+///
+/// Written `POLICY[@FLAG[=VALUE]]...`: every `@flag=value` becomes `--flag value` (and a
+/// bare `@flag` becomes `--flag`) appended to that row's command line only, after the
+/// global `--kvgate-arg`s. `kv_aware@overlap-weight=2` runs `kvgate serve --policy
+/// kv_aware ... --overlap-weight 2`; the row keeps the whole spec as its label so rows
+/// with the same policy stay apart.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicySpec {
+    /// The policy name passed as `--policy`.
+    pub name: String,
+    /// Per-row `(flag, value)` options, flag without leading dashes, in spec order.
+    pub options: Vec<(String, Option<String>)>,
+}
+
+impl PolicySpec {
+    /// Parse `kv_aware` or `kv_aware@overlap-weight=2@temperature=0.1`.
+    pub fn parse(s: &str) -> anyhow::Result<Self> {
+        let mut parts = s.split('@');
+        let name = parts.next().unwrap_or("").trim();
+        if name.is_empty() {
+            bail!("router spec {s:?} has no policy");
+        }
+        let mut options = Vec::new();
+        for opt in parts {
+            let (flag, value) = match opt.split_once('=') {
+                Some((f, v)) => (f.trim(), Some(v.trim().to_string())),
+                None => (opt.trim(), None),
+            };
+            let flag = flag.trim_start_matches('-');
+            let valid = !flag.is_empty()
+                && flag
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+            if !valid {
+                bail!("router spec {s:?}: option {opt:?} is not FLAG or FLAG=VALUE");
+            }
+            if value.as_deref() == Some("") {
+                bail!("router spec {s:?}: option {flag:?} has an empty value");
+            }
+            options.push((flag.to_string(), value));
+        }
+        Ok(Self {
+            name: name.to_string(),
+            options,
+        })
+    }
+
+    /// The options as command-line arguments: `["--overlap-weight", "2", ...]`.
+    pub fn extra_args(&self) -> Vec<String> {
+        let mut args = Vec::with_capacity(self.options.len() * 2);
+        for (flag, value) in &self.options {
+            args.push(format!("--{flag}"));
+            if let Some(v) = value {
+                args.push(v.clone());
+            }
+        }
+        args
+    }
+}
+
+impl std::fmt::Display for PolicySpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.name)?;
+        for (flag, value) in &self.options {
+            match value {
+                Some(v) => write!(f, "@{flag}={v}")?,
+                None => write!(f, "@{flag}")?,
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A bare policy name, without options (`RouterSpec::Kvgate("kv_aware".into())`).
+impl From<&str> for PolicySpec {
+    fn from(name: &str) -> Self {
+        Self {
+            name: name.to_string(),
+            options: Vec::new(),
+        }
+    }
+}
+
+/// A bare policy name, without options.
+impl From<String> for PolicySpec {
+    fn from(name: String) -> Self {
+        Self {
+            name,
+            options: Vec::new(),
+        }
+    }
+}
+
 /// One router configuration under test.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RouterSpec {
     /// `kvgate serve --policy <policy>`.
-    Kvgate(String),
+    Kvgate(PolicySpec),
     /// `vllm-router --policy <policy>` (pip install vllm-router).
-    VllmRouter(String),
+    VllmRouter(PolicySpec),
     /// `sglang-router launch --policy <policy>` (pip install sglang-router).
-    SglangRouter(String),
+    SglangRouter(PolicySpec),
 }
 
 impl RouterSpec {
-    /// Parse `kv_aware`, `kvgate:kv_aware`, `vllm-router:cache_aware`, `sglang-router:cache_aware`.
+    /// Parse `kv_aware`, `kvgate:kv_aware`, `vllm-router:cache_aware`,
+    /// `sglang-router:cache_aware`, each optionally followed by per-row options
+    /// (`kv_aware@overlap-weight=2`, see [`PolicySpec`]).
     pub fn parse(s: &str) -> anyhow::Result<Self> {
         let s = s.trim();
         let (router, policy) = match s.split_once(':') {
             Some((r, p)) => (r, p),
             None => ("kvgate", s),
         };
-        if policy.is_empty() {
-            bail!("router spec {s:?} has no policy");
-        }
+        let policy =
+            PolicySpec::parse(policy).map_err(|e| anyhow::anyhow!("router spec {s:?}: {e:#}"))?;
         match router {
-            "kvgate" => Ok(Self::Kvgate(policy.into())),
-            "vllm-router" | "vllm_router" => Ok(Self::VllmRouter(policy.into())),
-            "sglang-router" | "sglang_router" => Ok(Self::SglangRouter(policy.into())),
+            "kvgate" => Ok(Self::Kvgate(policy)),
+            "vllm-router" | "vllm_router" => Ok(Self::VllmRouter(policy)),
+            "sglang-router" | "sglang_router" => Ok(Self::SglangRouter(policy)),
             other => bail!("unknown router {other:?} (kvgate, vllm-router, sglang-router)"),
         }
     }
@@ -63,17 +160,23 @@ impl RouterSpec {
         v
     }
 
-    /// Row label: `kv_aware` for kvgate, `vllm-router:kv_aware` for peers.
+    /// Row label: `kv_aware` for kvgate, `vllm-router:kv_aware` for peers, with the
+    /// row's options when it has any (`kv_aware@overlap-weight=2`).
     pub fn label(&self) -> String {
         match self {
-            Self::Kvgate(p) => p.clone(),
+            Self::Kvgate(p) => p.to_string(),
             Self::VllmRouter(p) => format!("vllm-router:{p}"),
             Self::SglangRouter(p) => format!("sglang-router:{p}"),
         }
     }
 
-    /// The policy name.
+    /// The policy name (without options).
     pub fn policy(&self) -> &str {
+        &self.policy_spec().name
+    }
+
+    /// The policy with its per-row options.
+    pub fn policy_spec(&self) -> &PolicySpec {
         match self {
             Self::Kvgate(p) | Self::VllmRouter(p) | Self::SglangRouter(p) => p,
         }
@@ -88,8 +191,19 @@ impl RouterSpec {
         }
     }
 
-    fn file_stem(&self) -> String {
-        self.label().replace(':', "-")
+    /// The label as a file name: anything but `[A-Za-z0-9._-]` becomes `-`
+    /// (`vllm-router-kv_aware`, `kv_aware-overlap-weight-2`).
+    pub fn file_stem(&self) -> String {
+        self.label()
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                    c
+                } else {
+                    '-'
+                }
+            })
+            .collect()
     }
 }
 
@@ -143,7 +257,7 @@ pub fn command_line(
                 "--model".into(),
                 ctx.model.clone(),
                 "--policy".into(),
-                policy.clone(),
+                policy.name.clone(),
                 "--block-size".into(),
                 ctx.block_size.to_string(),
                 "--remote-tokenize".into(),
@@ -159,6 +273,7 @@ pub fn command_line(
                 ]);
             }
             args.extend(ctx.kvgate_extra_args.iter().cloned());
+            args.extend(policy.extra_args());
             Some((ctx.kvgate_bin.clone(), args))
         }
         RouterSpec::VllmRouter(policy) => {
@@ -171,11 +286,11 @@ pub fn command_line(
                 "--prometheus-port".into(),
                 metrics_port.to_string(),
                 "--policy".into(),
-                policy.clone(),
+                policy.name.clone(),
                 "--worker-urls".into(),
             ];
             args.extend(workers);
-            if policy == "kv_aware" {
+            if policy.name == "kv_aware" {
                 for a in fleet.addrs() {
                     args.extend([
                         "--kv-event-source".into(),
@@ -193,6 +308,7 @@ pub fn command_line(
                     ctx.model.clone(),
                 ]);
             }
+            args.extend(policy.extra_args());
             Some((bin, args))
         }
         RouterSpec::SglangRouter(policy) => {
@@ -206,10 +322,11 @@ pub fn command_line(
                 "--prometheus-port".into(),
                 metrics_port.to_string(),
                 "--policy".into(),
-                policy.clone(),
+                policy.name.clone(),
                 "--worker-urls".into(),
             ];
             args.extend(workers);
+            args.extend(policy.extra_args());
             Some((bin, args))
         }
     }
@@ -256,6 +373,7 @@ pub async fn start(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fleet::EngineAddr;
 
     #[test]
     fn parses_specs() {
@@ -275,6 +393,91 @@ mod tests {
         );
         assert!(RouterSpec::parse("nginx:rr").is_err());
         assert!(RouterSpec::parse("kvgate:").is_err());
+    }
+
+    fn ctx() -> RouterContext {
+        RouterContext {
+            kvgate_bin: PathBuf::from("/bin/kvgate"),
+            model: "m".into(),
+            block_size: 16,
+            log_dir: PathBuf::from("/tmp"),
+            startup_timeout: Duration::from_secs(1),
+            kvgate_extra_args: vec!["--temperature".into(), "0".into()],
+        }
+    }
+
+    fn fleet() -> Fleet {
+        Fleet::from_addrs(vec![EngineAddr {
+            url: "http://127.0.0.1:1".into(),
+            kv_events: "tcp://127.0.0.1:2".into(),
+            replay: "tcp://127.0.0.1:3".into(),
+        }])
+    }
+
+    #[test]
+    fn per_row_options_parse_and_keep_the_label() {
+        let spec = RouterSpec::parse("kv_aware@overlap-weight=2").unwrap();
+        assert_eq!(spec.policy(), "kv_aware");
+        assert_eq!(spec.label(), "kv_aware@overlap-weight=2");
+        assert_eq!(spec.file_stem(), "kv_aware-overlap-weight-2");
+        assert_ne!(spec, RouterSpec::parse("kv_aware").unwrap());
+        let multi = RouterSpec::parse("kvgate:kv_aware@--overlap-weight=4@temperature=0.1")
+            .unwrap()
+            .policy_spec()
+            .extra_args();
+        assert_eq!(
+            multi,
+            ["--overlap-weight", "4", "--temperature", "0.1"].map(String::from)
+        );
+        let peer = RouterSpec::parse("vllm-router:kv_aware@router-temperature=0.5").unwrap();
+        assert_eq!(peer.label(), "vllm-router:kv_aware@router-temperature=0.5");
+        assert_eq!(peer.policy(), "kv_aware");
+        assert_eq!(
+            RouterSpec::parse("kv_aware@disable-retries")
+                .unwrap()
+                .policy_spec()
+                .extra_args(),
+            ["--disable-retries"].map(String::from)
+        );
+        for bad in [
+            "@overlap-weight=2",
+            "kv_aware@",
+            "kv_aware@=2",
+            "kv_aware@w=",
+            "kv_aware@a b=1",
+        ] {
+            assert!(RouterSpec::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn per_row_options_reach_only_their_row() {
+        let (ctx, fleet) = (ctx(), fleet());
+        let (_, weighted) = command_line(
+            &RouterSpec::parse("kv_aware@overlap-weight=2").unwrap(),
+            &ctx,
+            &fleet,
+            8000,
+            9000,
+        )
+        .unwrap();
+        let policy_at = weighted.iter().position(|a| a == "--policy").unwrap();
+        assert_eq!(weighted[policy_at + 1], "kv_aware");
+        // Global --kvgate-arg first, the row's own options last (so they win).
+        assert_eq!(
+            weighted[weighted.len() - 4..],
+            ["--temperature", "0", "--overlap-weight", "2"].map(String::from)
+        );
+        let (_, plain) = command_line(
+            &RouterSpec::parse("kv_aware").unwrap(),
+            &ctx,
+            &fleet,
+            8000,
+            9000,
+        )
+        .unwrap();
+        assert!(!plain.iter().any(|a| a == "--overlap-weight"), "{plain:?}");
+        assert_eq!(plain.len() + 2, weighted.len());
     }
 
     #[test]
