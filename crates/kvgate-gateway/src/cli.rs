@@ -61,7 +61,7 @@ pub struct ServeArgs {
     /// A LoRA adapter name served by the workers (repeat).
     #[arg(long = "lora-adapter", value_name = "NAME")]
     pub lora_adapters: Vec<String>,
-    /// kv_aware: weight of prefill work against decode work.
+    /// kv_aware: weight of prefill work against decode work [default: 4].
     #[arg(long)]
     pub overlap_weight: Option<f64>,
     /// kv_aware: softmax temperature (0 = pick the lowest cost).
