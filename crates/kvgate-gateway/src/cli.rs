@@ -64,6 +64,14 @@ pub struct ServeArgs {
     /// kv_aware: weight of prefill work against decode work [default: 4].
     #[arg(long)]
     pub overlap_weight: Option<f64>,
+    /// kv_aware: weight of the prefill already queued on a worker against this
+    /// request's own uncached blocks [default: 1].
+    #[arg(long)]
+    pub prefill_queue_weight: Option<f64>,
+    /// kv_aware: seconds a routing decision counts as cached on its worker until the
+    /// engine's KV events confirm it (0 = off) [default: 10].
+    #[arg(long)]
+    pub pending_credit_secs: Option<f64>,
     /// kv_aware: softmax temperature (0 = pick the lowest cost).
     #[arg(long)]
     pub temperature: Option<f64>,
@@ -207,6 +215,12 @@ impl ServeArgs {
         };
         if let Some(w) = self.overlap_weight {
             m.kv_aware.overlap_weight = w;
+        }
+        if let Some(q) = self.prefill_queue_weight {
+            m.kv_aware.prefill_queue_weight = q;
+        }
+        if let Some(p) = self.pending_credit_secs {
+            m.kv_aware.pending_credit_secs = p;
         }
         if let Some(t) = self.temperature {
             m.kv_aware.temperature = t;

@@ -7,6 +7,7 @@
 //! I/O. Internal state (round-robin cursor, RNG, session ring, affinity memory) sits
 //! behind interior mutability so one policy instance serves concurrent requests.
 
+mod decision_memory;
 mod kv_aware;
 mod least_loaded;
 mod prefix_affinity;

@@ -7,21 +7,18 @@
 //! TTL and the oldest are dropped beyond a cap. Like SGLang's cache_aware router but on
 //! token blocks instead of text, so it sees exactly the prefixes the engine caches.
 
-use std::collections::VecDeque;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use parking_lot::Mutex;
 use rand::rngs::SmallRng;
-use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
-use smallvec::SmallVec;
 
+use super::decision_memory::DecisionMemory;
 use super::scoring::{argmin_random_tie, load_lines, rng};
 use super::{
     Decision, FleetView, PolicyKind, RouteRequest, RoutingPolicy, SelectError, WorkerScore,
     DEFAULT_AFFINITY_TTL,
 };
-use crate::hashing::BlockKey;
 use crate::ids::WorkerId;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -67,109 +64,10 @@ mod secs {
     }
 }
 
-#[derive(Debug, Default)]
-struct Memory {
-    map: FxHashMap<BlockKey, SmallVec<[(WorkerId, Instant); 2]>>,
-    queue: VecDeque<(BlockKey, WorkerId, Instant)>,
-    entries: usize,
-}
-
-impl Memory {
-    /// Leading remembered blocks per candidate (same order as `candidates`).
-    fn runs(
-        &self,
-        keys: &[BlockKey],
-        candidates: &[WorkerId],
-        now: Instant,
-        ttl: Duration,
-    ) -> Vec<u32> {
-        let mut runs = vec![0u32; candidates.len()];
-        let mut alive: Vec<bool> = vec![true; candidates.len()];
-        for key in keys {
-            let Some(holders) = self.map.get(key) else {
-                break;
-            };
-            let mut any = false;
-            for (i, w) in candidates.iter().enumerate() {
-                if !alive[i] {
-                    continue;
-                }
-                let fresh = holders
-                    .iter()
-                    .any(|(h, t)| h == w && now.saturating_duration_since(*t) <= ttl);
-                if fresh {
-                    runs[i] += 1;
-                    any = true;
-                } else {
-                    alive[i] = false;
-                }
-            }
-            if !any {
-                break;
-            }
-        }
-        runs
-    }
-
-    fn record(&mut self, keys: &[BlockKey], worker: WorkerId, now: Instant) {
-        for key in keys {
-            let holders = self.map.entry(*key).or_default();
-            match holders.iter_mut().find(|(w, _)| *w == worker) {
-                Some(h) => h.1 = now,
-                None => {
-                    holders.push((worker, now));
-                    self.entries += 1;
-                }
-            }
-            self.queue.push_back((*key, worker, now));
-        }
-    }
-
-    fn forget(&mut self, key: BlockKey, worker: WorkerId, stamp: Option<Instant>) {
-        if let Some(holders) = self.map.get_mut(&key) {
-            let before = holders.len();
-            holders.retain(|(w, t)| !(*w == worker && stamp.is_none_or(|s| *t == s)));
-            self.entries -= before - holders.len();
-            if holders.is_empty() {
-                self.map.remove(&key);
-            }
-        }
-    }
-
-    /// Drops expired entries and the oldest beyond `cap`, then compacts the queue once
-    /// stale items (superseded by a later record of the same block and worker)
-    /// outnumber live entries, so neither structure only grows.
-    fn trim(&mut self, now: Instant, ttl: Duration, cap: usize) {
-        while let Some(&(key, worker, t)) = self.queue.front() {
-            let expired = now.saturating_duration_since(t) > ttl;
-            if !expired && self.entries <= cap {
-                break;
-            }
-            self.queue.pop_front();
-            // A no-op for a stale item: only the current stamp removes the entry.
-            self.forget(key, worker, Some(t));
-        }
-        if self.queue.len() > 2 * self.entries + 1024 {
-            let map = &self.map;
-            self.queue.retain(|(k, w, t)| {
-                map.get(k)
-                    .is_some_and(|h| h.iter().any(|(hw, ht)| hw == w && ht == t))
-            });
-        }
-    }
-
-    fn forget_worker(&mut self, worker: WorkerId) {
-        let keys: Vec<BlockKey> = self.map.keys().copied().collect();
-        for key in keys {
-            self.forget(key, worker, None);
-        }
-    }
-}
-
 #[derive(Debug)]
 pub struct PrefixAffinityPolicy {
     config: PrefixAffinityConfig,
-    memory: Mutex<Memory>,
+    memory: Mutex<DecisionMemory>,
     rng: Mutex<SmallRng>,
 }
 
@@ -177,7 +75,7 @@ impl PrefixAffinityPolicy {
     pub fn new(config: PrefixAffinityConfig, seed: Option<u64>) -> Self {
         Self {
             config,
-            memory: Mutex::new(Memory::default()),
+            memory: Mutex::new(DecisionMemory::default()),
             rng: rng(seed),
         }
     }

@@ -302,10 +302,13 @@ fn kv_aware_sends_a_prompt_to_the_worker_holding_its_prefix() {
     let keys = index.hasher().block_keys(&prompt);
     let policy = KvAwarePolicy::new(KvAwareConfig::default(), Some(1));
     let ws = workers(4);
-    for _ in 0..20 {
+    for i in 0..20 {
         let d = select(&policy, Some(&keys), 1024, None, &ws, &ledger, Some(&index)).unwrap();
         assert_eq!(d.worker, WorkerId(2));
-        assert_eq!(d.predicted_cached_tokens, 800);
+        if i == 0 {
+            // Later rounds also credit this very prompt, just sent there.
+            assert_eq!(d.predicted_cached_tokens, 800);
+        }
         let line = d.scores.iter().find(|s| s.worker == WorkerId(1)).unwrap();
         assert_eq!(line.overlap_blocks, [10, 0, 0]);
     }
@@ -572,4 +575,72 @@ fn prefix_affinity_memory_is_bounded_and_expires() {
         10,
         "only the fresh request remains"
     );
+}
+
+/// A follow-up that arrives before the engine has published events for the previous
+/// request (its prefill is still queued) must still find the worker that request went
+/// to: kv_aware credits its own recent decisions until the events arrive.
+#[test]
+fn kv_aware_credits_its_own_recent_decisions_before_events_arrive() {
+    let ledger = Ledger::new(BS);
+    let index = new_index();
+    // With the DESIGN weights, waiting behind the holder's queue and recomputing the
+    // prefix elsewhere tie, and the holder's decode load breaks the tie away from it; a
+    // queue weight below 1 prefers the holder, and then only the credit can find it.
+    let locality = KvAwareConfig {
+        prefill_queue_weight: 0.5,
+        ..Default::default()
+    };
+    let policy = KvAwarePolicy::new(locality.clone(), Some(3));
+    let ws = workers(4);
+    let first: Vec<u32> = (0..4096).collect();
+    let keys = index.hasher().block_keys(&first);
+    let d = select(&policy, Some(&keys), 4096, None, &ws, &ledger, Some(&index)).unwrap();
+    let _booking = ledger.book(
+        d.worker,
+        BookingSpec {
+            prompt_tokens: 4096,
+            cached_tokens: 0,
+            expected_output_tokens: Some(64),
+        },
+        Instant::now(),
+    );
+    // Next turn: the whole first prompt plus a little more, no events yet.
+    let mut next = first.clone();
+    next.extend(90_000..90_256);
+    let next_keys = index.hasher().block_keys(&next);
+    let d2 = select(
+        &policy,
+        Some(&next_keys),
+        next.len() as u32,
+        None,
+        &ws,
+        &ledger,
+        Some(&index),
+    )
+    .unwrap();
+    assert_eq!(
+        d2.worker, d.worker,
+        "follow-up goes where its prefix is being computed"
+    );
+    assert_eq!(d2.predicted_cached_tokens, 4096);
+    // Without the credit (TTL 0) it would go to an idle worker.
+    let forgetful = KvAwarePolicy::new(
+        KvAwareConfig {
+            pending_credit_secs: 0.0,
+            ..locality
+        },
+        Some(3),
+    );
+    let d3 = select(
+        &forgetful,
+        Some(&next_keys),
+        next.len() as u32,
+        None,
+        &ws,
+        &ledger,
+        Some(&index),
+    )
+    .unwrap();
+    assert_ne!(d3.worker, d.worker);
 }
