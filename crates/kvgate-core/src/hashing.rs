@@ -135,20 +135,15 @@ impl BlockHasher {
         out: &mut Vec<BlockKey>,
     ) -> Option<BlockKey> {
         // The content hashes do not depend on the chain, so the CPU overlaps them; only
-        // the one-multiply chain step is serial.
+        // the one-multiply chain step in `chain` is serial.
         out.reserve(self.full_blocks(tokens.len()));
-        let mut last = parent.map_or(self.root_seed, |p| p.0);
-        let mut any = false;
+        let mut last = parent;
         for block in tokens.chunks_exact(self.block_size as usize) {
-            last = mix(last, self.content_hash(block));
-            out.push(BlockKey(last));
-            any = true;
+            let key = self.chain(last, block);
+            out.push(key);
+            last = Some(key);
         }
-        if any {
-            Some(BlockKey(last))
-        } else {
-            parent
-        }
+        last
     }
 }
 
