@@ -4,7 +4,6 @@
 //! block without the block's parent (see the eviction rule in `mod.rs`).
 
 use std::collections::VecDeque;
-use std::sync::atomic::Ordering;
 
 use super::{PrefixIndex, QueueItem};
 
@@ -31,7 +30,7 @@ impl PrefixIndex {
             };
             let mut current = false;
             let mut slot_holders = 0;
-            for h in entry.holders.iter().filter(|h| h.slot == item.slot) {
+            for h in entry.holders().filter(|h| h.slot == item.slot) {
                 slot_holders += 1;
                 current |= h.tier == item.tier && h.stamp == item.stamp;
             }
@@ -43,10 +42,10 @@ impl PrefixIndex {
                 // back to the front of the queue when its last held child goes.
                 continue;
             }
-            if entry.hot.swap(false, Ordering::Relaxed) {
+            if entry.take_hot() {
                 let stamp = self.stamp();
                 if let Some(entry) = self.blocks.get_mut(&item.key) {
-                    for h in entry.holders.iter_mut() {
+                    for h in entry.holders_mut() {
                         if h.slot == item.slot && h.tier == item.tier {
                             h.stamp = stamp;
                         }
@@ -65,9 +64,9 @@ impl PrefixIndex {
     /// Builds the eviction queue from every holder, oldest store first.
     fn start_tracking(&mut self) {
         let mut items: Vec<QueueItem> = Vec::with_capacity(self.live);
-        for (key, entry) in &self.blocks {
-            items.extend(entry.holders.iter().map(|h| QueueItem {
-                key: *key,
+        for entry in self.blocks.iter() {
+            items.extend(entry.holders().map(|h| QueueItem {
+                key: entry.key(),
                 stamp: h.stamp,
                 slot: h.slot,
                 tier: h.tier,
@@ -89,8 +88,7 @@ impl PrefixIndex {
         let blocks = &self.blocks;
         self.queue.retain(|item| {
             blocks.get(&item.key).is_some_and(|e| {
-                e.holders
-                    .iter()
+                e.holders()
                     .any(|h| h.slot == item.slot && h.tier == item.tier && h.stamp == item.stamp)
             })
         });

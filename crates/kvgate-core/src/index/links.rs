@@ -13,7 +13,7 @@ impl PrefixIndex {
     /// `slot` started holding a child of `parent`.
     pub(super) fn child_added(&mut self, slot: u16, parent: BlockKey) {
         if let Some(p) = self.blocks.get_mut(&parent) {
-            if p.any.contains(slot) {
+            if p.holds(slot) {
                 p.add_children(slot, 1);
                 return;
             }
@@ -33,11 +33,11 @@ impl PrefixIndex {
             self.blocks.get_mut(&parent)
         };
         if let Some(p) = held {
-            if p.any.contains(slot) {
+            if p.holds(slot) {
                 if p.sub_child(slot) == 0 && self.tracking {
                     self.next_stamp = self.next_stamp.wrapping_add(1);
                     let stamp = self.next_stamp;
-                    for h in p.holders.iter_mut().filter(|h| h.slot == slot) {
+                    for h in p.holders_mut().filter(|h| h.slot == slot) {
                         h.stamp = stamp;
                         self.queue.push_front(QueueItem {
                             key: parent,

@@ -7,12 +7,15 @@
 //! only read [`PrefixIndex::overlaps`].
 //!
 //! # Layout
-//! A flat hash map `BlockKey → BlockEntry`. Because a key is chained with its parent, a
-//! flat map answers prefix questions as well as a radix tree while keeping inserts and
-//! removals O(1) and independent of the order engines evict blocks in (a parent removed
-//! before its child simply ends the matched run earlier). Each entry carries bitsets of
-//! the slots (worker ranks) that hold it, its parent's key, and per slot the number of
-//! its children that slot holds.
+//! A flat hash table of block entries keyed by `BlockKey` (`block_table.rs`). Because a
+//! key is chained with its parent, a flat table answers prefix questions as well as a
+//! radix tree while keeping inserts and removals O(1) and independent of the order
+//! engines evict blocks in (a parent removed before its child simply ends the matched
+//! run earlier). Each entry (`entry.rs`) carries bitsets of the slots (worker ranks)
+//! that hold it, its holders, its parent's key, and per slot the number of its children
+//! that slot holds; the common case fits in one 64-byte cache line, so the event path
+//! pays one cache miss per block in this table. Events look a chunk of blocks up before
+//! applying them, so those misses overlap instead of stalling one after another.
 //!
 //! # Lookup by binary search
 //! A block can only be stored with a parent the same rank holds, so a rank normally
@@ -42,20 +45,22 @@
 //! the cap, so the common case (engines reporting their own evictions) pays nothing for
 //! it and no structure only grows.
 
+mod block_table;
+mod entry;
 mod evict;
 mod links;
 mod query;
-pub(crate) mod slot_set;
+pub(crate) mod slot_bits;
 
 use std::collections::VecDeque;
-use std::sync::atomic::AtomicBool;
 
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 use smallvec::SmallVec;
 
+use block_table::BlockTable;
+use entry::{BlockEntry, Holder};
 pub use query::{Overlap, OverlapScores};
-use slot_set::SlotSet;
 
 use crate::hashing::{BlockHasher, BlockKey};
 use crate::ids::{Tier, WorkerId, WorkerRef};
@@ -63,7 +68,10 @@ use crate::ids::{Tier, WorkerId, WorkerRef};
 /// Limits of one model's index.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct IndexConfig {
-    /// Maximum number of (block, worker rank, tier) entries kept. About 120 bytes each.
+    /// Maximum number of (block, worker rank, tier) entries kept. Memory: a 64-byte
+    /// entry per distinct block and 16 bytes per entry in the engine-hash map, each up
+    /// to twice that with hash-table slack, plus a small spill allocation for blocks
+    /// held by several ranks.
     pub max_blocks: usize,
 }
 
@@ -166,113 +174,6 @@ pub struct IndexStats {
     pub workers_removed: u64,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Holder {
-    engine_hash: u64,
-    stamp: u32,
-    slot: u16,
-    tier: Tier,
-}
-
-/// How many children of a block one slot holds (only non-zero counts are kept).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct ChildCount {
-    slot: u16,
-    children: u32,
-}
-
-#[derive(Debug, Default)]
-struct BlockEntry {
-    /// Slots holding the block at any tier.
-    any: SlotSet,
-    /// Slots holding it on the device tier.
-    device: SlotSet,
-    holders: SmallVec<[Holder; 2]>,
-    /// Per slot holding this block: how many of its children that slot holds.
-    children: SmallVec<[ChildCount; 1]>,
-    /// The parent block's key (chained keys determine it); meaningful if `has_parent`.
-    parent: u64,
-    has_parent: bool,
-    /// Set by lookups that matched this block; gives it a second chance at eviction.
-    hot: AtomicBool,
-}
-
-impl BlockEntry {
-    fn new(parent: Option<BlockKey>) -> Self {
-        Self {
-            parent: parent.map_or(0, |p| p.0),
-            has_parent: parent.is_some(),
-            ..Self::default()
-        }
-    }
-
-    fn parent(&self) -> Option<BlockKey> {
-        self.has_parent.then_some(BlockKey(self.parent))
-    }
-
-    /// Recomputes the slot's membership bits from its holders; returns (any, device).
-    fn refresh_membership(&mut self, slot: u16) -> (bool, bool) {
-        let mut any = false;
-        let mut device = false;
-        for h in self.holders.iter().filter(|h| h.slot == slot) {
-            any = true;
-            device |= h.tier == Tier::Device;
-        }
-        if any {
-            self.any.insert(slot);
-        } else {
-            self.any.remove(slot);
-        }
-        if device {
-            self.device.insert(slot);
-        } else {
-            self.device.remove(slot);
-        }
-        (any, device)
-    }
-
-    fn children_of(&self, slot: u16) -> u32 {
-        self.children
-            .iter()
-            .find(|c| c.slot == slot)
-            .map_or(0, |c| c.children)
-    }
-
-    /// Removes and returns the slot's child count.
-    fn take_children(&mut self, slot: u16) -> u32 {
-        match self.children.iter().position(|c| c.slot == slot) {
-            Some(i) => self.children.swap_remove(i).children,
-            None => 0,
-        }
-    }
-
-    fn add_children(&mut self, slot: u16, n: u32) {
-        if n == 0 {
-            return;
-        }
-        match self.children.iter_mut().find(|c| c.slot == slot) {
-            Some(c) => c.children += n,
-            None => self.children.push(ChildCount { slot, children: n }),
-        }
-    }
-
-    /// Decrements the slot's child count; returns the count left.
-    fn sub_child(&mut self, slot: u16) -> u32 {
-        match self.children.iter().position(|c| c.slot == slot) {
-            Some(i) => {
-                let c = &mut self.children[i];
-                c.children = c.children.saturating_sub(1);
-                let left = c.children;
-                if left == 0 {
-                    self.children.swap_remove(i);
-                }
-                left
-            }
-            None => 0,
-        }
-    }
-}
-
 #[derive(Debug)]
 struct SlotState {
     at: WorkerRef,
@@ -320,6 +221,9 @@ struct QueueItem {
     tier: Tier,
 }
 
+/// Blocks of an event looked up together before they are applied (see `warm`).
+const PIPELINE: usize = 32;
+
 /// Maximum number of worker ranks one index tracks at once.
 pub const MAX_SLOTS: usize = u16::MAX as usize;
 
@@ -328,7 +232,7 @@ pub const MAX_SLOTS: usize = u16::MAX as usize;
 pub struct PrefixIndex {
     hasher: BlockHasher,
     config: IndexConfig,
-    blocks: FxHashMap<BlockKey, BlockEntry>,
+    blocks: BlockTable,
     slots: Vec<Option<SlotState>>,
     slot_of: FxHashMap<WorkerRef, u16>,
     free_slots: Vec<u16>,
@@ -349,7 +253,7 @@ impl PrefixIndex {
         Self {
             hasher,
             config,
-            blocks: FxHashMap::default(),
+            blocks: BlockTable::default(),
             slots: Vec::new(),
             slot_of: FxHashMap::default(),
             free_slots: Vec::new(),
@@ -418,8 +322,7 @@ impl PrefixIndex {
             if let Some(entry) = self.blocks.get(key) {
                 out.extend(
                     entry
-                        .holders
-                        .iter()
+                        .holders()
                         .filter(|h| h.slot == slot)
                         .map(|h| (*key, h.tier)),
                 );
@@ -480,18 +383,28 @@ impl PrefixIndex {
         };
         let hasher = self.hasher.for_lora(blocks.lora_name);
         let mut outcome = StoreOutcome::default();
-        for (engine_hash, tokens) in blocks
+        let mut keys: SmallVec<[BlockKey; PIPELINE]> = SmallVec::new();
+        for (hashes, tokens) in blocks
             .engine_hashes
-            .iter()
-            .zip(blocks.token_ids.chunks_exact(block_size as usize))
+            .chunks(PIPELINE)
+            .zip(blocks.token_ids.chunks(PIPELINE * block_size as usize))
         {
-            let key = hasher.chain(parent, tokens);
-            if self.insert_holder(slot, key, parent, *engine_hash, blocks.tier) {
-                outcome.inserted += 1;
-            } else {
-                outcome.duplicates += 1;
+            keys.clear();
+            let mut last = parent;
+            for block in tokens.chunks_exact(block_size as usize) {
+                let key = hasher.chain(last, block);
+                keys.push(key);
+                last = Some(key);
             }
-            parent = Some(key);
+            self.warm(slot, hashes, &keys);
+            for (engine_hash, &key) in hashes.iter().zip(&keys) {
+                if self.insert_holder(slot, key, parent, *engine_hash, blocks.tier) {
+                    outcome.inserted += 1;
+                } else {
+                    outcome.duplicates += 1;
+                }
+                parent = Some(key);
+            }
         }
         self.stats.stored_blocks += outcome.inserted as u64;
         self.stats.duplicate_stores += outcome.duplicates as u64;
@@ -518,7 +431,14 @@ impl PrefixIndex {
         let keys: SmallVec<[Option<BlockKey>; 64]> = match self.slot(slot) {
             Some(s) => engine_hashes
                 .iter()
-                .map(|eh| s.engine_to_key.get(eh).copied())
+                .map(|eh| {
+                    let key = s.engine_to_key.get(eh).copied();
+                    if let Some(k) = key {
+                        // Touch the entry too, so its miss overlaps the others'.
+                        std::hint::black_box(self.blocks.contains_key(&k));
+                    }
+                    key
+                })
                 .collect(),
             None => SmallVec::from_elem(None, engine_hashes.len()),
         };
@@ -568,6 +488,22 @@ impl PrefixIndex {
         }
         self.stats.workers_removed += 1;
         removed
+    }
+
+    /// Looks up a chunk's engine hashes and keys before they are applied. The lookups
+    /// are independent, so the CPU overlaps their cache misses; the dependent updates
+    /// that follow then find the lines in cache.
+    fn warm(&self, slot: u16, engine_hashes: &[u64], keys: &[BlockKey]) {
+        let mut found = 0usize;
+        if let Some(state) = self.slot(slot) {
+            for eh in engine_hashes {
+                found += usize::from(state.engine_to_key.contains_key(eh));
+            }
+        }
+        for key in keys {
+            found += usize::from(self.blocks.contains_key(key));
+        }
+        std::hint::black_box(found);
     }
 
     fn slot(&self, slot: u16) -> Option<&SlotState> {
@@ -628,39 +564,31 @@ impl PrefixIndex {
         let Some(state) = self.slots.get_mut(slot as usize).and_then(Option::as_mut) else {
             return false;
         };
-        let entry = self
-            .blocks
-            .entry(key)
-            .or_insert_with(|| BlockEntry::new(parent));
-        let before = (entry.any.contains(slot), entry.device.contains(slot));
+        let entry = self.blocks.get_or_insert(key, parent);
+        let before = (entry.holds(slot), entry.holds_on_device(slot));
         let mut stale_engine_hash = None;
-        let is_new = match entry
-            .holders
-            .iter_mut()
+        let mut refreshed = false;
+        if let Some(h) = entry
+            .holders_mut()
             .find(|h| h.slot == slot && h.tier == tier)
         {
-            Some(h) => {
-                if h.engine_hash != engine_hash {
-                    stale_engine_hash = Some(h.engine_hash);
-                    h.engine_hash = engine_hash;
-                }
-                h.stamp = stamp;
-                false
+            if h.engine_hash != engine_hash {
+                stale_engine_hash = Some(h.engine_hash);
+                h.engine_hash = engine_hash;
             }
-            None => {
-                entry.holders.push(Holder {
-                    engine_hash,
-                    stamp,
-                    slot,
-                    tier,
-                });
-                entry.any.insert(slot);
-                if tier == Tier::Device {
-                    entry.device.insert(slot);
-                }
-                true
-            }
-        };
+            h.stamp = stamp;
+            refreshed = true;
+        }
+        let is_new = !refreshed;
+        if is_new {
+            entry.push_holder(Holder {
+                engine_hash,
+                stamp,
+                slot,
+                tier,
+            });
+            entry.mark(slot, tier == Tier::Device);
+        }
         let mut entered_parent = None;
         if is_new {
             self.live += 1;
@@ -680,8 +608,7 @@ impl PrefixIndex {
         }
         if let Some(old) = stale_engine_hash {
             let still_used = entry
-                .holders
-                .iter()
+                .holders()
                 .any(|h| h.slot == slot && h.engine_hash == old);
             if !still_used && state.engine_to_key.get(&old) == Some(&key) {
                 state.engine_to_key.remove(&old);
@@ -713,15 +640,9 @@ impl PrefixIndex {
         let Some(entry) = self.blocks.get_mut(&key) else {
             return 0;
         };
-        let before = (entry.any.contains(slot), entry.device.contains(slot));
+        let before = (entry.holds(slot), entry.holds_on_device(slot));
         let mut gone: SmallVec<[u64; 2]> = SmallVec::new();
-        entry.holders.retain(|h| {
-            let drop = h.slot == slot && pred(h);
-            if drop {
-                gone.push(h.engine_hash);
-            }
-            !drop
-        });
+        entry.remove_holders(|h| h.slot == slot && pred(h), |h| gone.push(h.engine_hash));
         if gone.is_empty() {
             return 0;
         }
@@ -743,14 +664,13 @@ impl PrefixIndex {
         state.membership_changed(before, after);
         for eh in &gone {
             let mapped = entry
-                .holders
-                .iter()
+                .holders()
                 .any(|h| h.slot == slot && h.engine_hash == *eh);
             if !mapped && state.engine_to_key.get(eh) == Some(&key) {
                 state.engine_to_key.remove(eh);
             }
         }
-        if entry.holders.is_empty() {
+        if !entry.has_holders() {
             self.blocks.remove(&key);
         }
         let removed = gone.len();
@@ -781,12 +701,10 @@ impl PrefixIndex {
             let Some(entry) = self.blocks.get_mut(&key) else {
                 continue;
             };
-            let n = entry.holders.len();
-            entry.holders.retain(|h| h.slot != slot);
-            removed += n - entry.holders.len();
+            entry.remove_holders(|h| h.slot == slot, |_| removed += 1);
             entry.refresh_membership(slot);
             entry.take_children(slot);
-            if entry.holders.is_empty() {
+            if !entry.has_holders() {
                 self.blocks.remove(&key);
             }
         }

@@ -2,12 +2,10 @@
 //! holds, per tier. Owns the result types; must not mutate the index beyond setting
 //! the "recently matched" hint used by eviction.
 
-use std::sync::atomic::Ordering;
-
 use serde::Serialize;
 use smallvec::SmallVec;
 
-use super::slot_set::for_each_bit;
+use super::slot_bits::for_each_bit;
 use super::PrefixIndex;
 use crate::hashing::BlockKey;
 use crate::ids::{Tier, WorkerId, WorkerRef};
@@ -80,12 +78,11 @@ impl PrefixIndex {
         let Some(first) = keys.first().and_then(|k| self.entry(k)) else {
             return scores;
         };
-        if !first.hot.load(Ordering::Relaxed) {
-            first.hot.store(true, Ordering::Relaxed);
-        }
+        first.touch();
         let mut accs: SmallVec<[Acc; 16]> = SmallVec::new();
         let mut walk: SmallVec<[u64; 2]> = SmallVec::new();
-        for (w, &word) in first.any.words().iter().enumerate() {
+        for w in 0..first.words() {
+            let word = first.any_word(w);
             let mut search = 0u64;
             for_each_bit(w, word, |slot| {
                 if self.slot(slot).is_some_and(|s| s.searchable()) {
@@ -148,9 +145,9 @@ impl PrefixIndex {
                 let mid = node.lo + (node.hi - node.lo) / 2;
                 let held = match self.entry(&keys[mid as usize]) {
                     Some(e) => {
-                        let held = e.any.words().get(w).copied().unwrap_or(0) & node.set;
-                        if held != 0 && !e.hot.load(Ordering::Relaxed) {
-                            e.hot.store(true, Ordering::Relaxed);
+                        let held = e.any_word(w) & node.set;
+                        if held != 0 {
+                            e.touch();
                         }
                         held
                     }
@@ -206,14 +203,12 @@ impl PrefixIndex {
             let Some(entry) = self.entry(key) else {
                 break;
             };
-            let any = entry.any.words();
-            let device = entry.device.words();
             let mut still_alive = false;
             for (w, alive_word) in alive.iter_mut().enumerate() {
                 if *alive_word == 0 {
                     continue;
                 }
-                let held = any.get(w).copied().unwrap_or(0);
+                let held = entry.any_word(w);
                 let dropped = *alive_word & !held;
                 if dropped != 0 {
                     for_each_bit(w, dropped, |slot| {
@@ -230,12 +225,11 @@ impl PrefixIndex {
                     continue;
                 }
                 still_alive = true;
-                let lower = *alive_word & !device.get(w).copied().unwrap_or(0);
+                let lower = *alive_word & !entry.device_word(w);
                 if lower != 0 {
                     for_each_bit(w, lower, |slot| {
                         let best = entry
-                            .holders
-                            .iter()
+                            .holders()
                             .filter(|h| h.slot == slot)
                             .map(|h| h.tier)
                             .min()
@@ -255,9 +249,7 @@ impl PrefixIndex {
             if !still_alive {
                 break;
             }
-            if !entry.hot.load(Ordering::Relaxed) {
-                entry.hot.store(true, Ordering::Relaxed);
-            }
+            entry.touch();
             depth += 1;
         }
         for (w, word) in alive.iter().enumerate() {

@@ -324,6 +324,10 @@ fn repeated_churn_does_not_grow_the_queue() {
     assert!(idx.queue_len() <= 1024 + 100, "queue {}", idx.queue_len());
 }
 
+fn entry_of<'a>(idx: &'a PrefixIndex, key: &BlockKey) -> &'a super::BlockEntry {
+    idx.blocks.get(key).expect("held block has an entry")
+}
+
 fn searchable(idx: &PrefixIndex, a: WorkerRef) -> bool {
     idx.slot_state(a).is_some_and(|s| s.searchable())
 }
@@ -337,18 +341,18 @@ fn assert_bookkeeping(idx: &PrefixIndex) {
         let held: BTreeSet<BlockKey> = idx
             .blocks
             .iter()
-            .filter(|(_, e)| e.any.contains(slot))
-            .map(|(k, _)| *k)
+            .filter(|e| e.holds(slot))
+            .map(|e| e.key())
             .collect();
         let mut children: BTreeMap<BlockKey, u32> = BTreeMap::new();
         for key in &held {
-            if let Some(p) = idx.blocks[key].parent() {
+            if let Some(p) = entry_of(idx, key).parent() {
                 *children.entry(p).or_default() += 1;
             }
         }
         for key in &held {
             assert_eq!(
-                idx.blocks[key].children_of(slot),
+                entry_of(idx, key).children_of(slot),
                 children.get(key).copied().unwrap_or(0),
                 "child count of {key:?} in slot {slot}"
             );
@@ -362,7 +366,7 @@ fn assert_bookkeeping(idx: &PrefixIndex) {
         assert_eq!(maintained, orphans, "orphans of slot {slot}");
         let lower = held
             .iter()
-            .filter(|k| !idx.blocks[*k].device.contains(slot))
+            .filter(|k| !entry_of(idx, k).holds_on_device(slot))
             .count();
         assert_eq!(
             state.lower_only, lower,
@@ -370,8 +374,8 @@ fn assert_bookkeeping(idx: &PrefixIndex) {
         );
         let entries: usize = idx
             .blocks
-            .values()
-            .map(|e| e.holders.iter().filter(|h| h.slot == slot).count())
+            .iter()
+            .map(|e| e.holders().filter(|h| h.slot == slot).count())
             .sum();
         assert_eq!(state.entries, entries, "entries of slot {slot}");
     }
@@ -761,11 +765,36 @@ fn assert_exact_subset(idx: &PrefixIndex, model: &Model, cap: usize) -> Result<(
     Ok(())
 }
 
+/// An index where `n` other worker ranks already hold the first two blocks of the test
+/// sequences, so the ranks under test get slot numbers from `n` on (slots past 63 live
+/// in an entry's wide part) and share entries with many holders.
+fn index_with_bystanders(n: u32) -> PrefixIndex {
+    let mut idx = index(1_000_000);
+    for i in 0..n {
+        let seq = (i % 4) as usize;
+        let hashes = [5_000_000 + u64::from(i) * 2, 5_000_001 + u64::from(i) * 2];
+        let tokens = sequence(seq);
+        store(
+            &mut idx,
+            at(1000 + i, 0),
+            &hashes,
+            None,
+            &tokens[..2 * BS as usize],
+            Tier::Device,
+        )
+        .expect("bystander store");
+    }
+    idx
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
     #[test]
-    fn index_matches_reference_model(ops in prop::collection::vec(op_strategy(), 1..60)) {
-        let mut idx = index(1_000_000);
+    fn index_matches_reference_model(
+        ops in prop::collection::vec(op_strategy(), 1..60),
+        bystanders in prop::sample::select(vec![0u32, 63, 130]),
+    ) {
+        let mut idx = index_with_bystanders(bystanders);
         let mut model = Model::default();
         for op in ops {
             apply_op(&mut idx, &mut model, op);
@@ -784,7 +813,7 @@ proptest! {
                 }
             }
         }
-        prop_assert_eq!(idx.len(), total);
+        prop_assert_eq!(idx.len(), total + 2 * bystanders as usize);
     }
 
     #[test]

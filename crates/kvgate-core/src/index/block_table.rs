@@ -1,0 +1,69 @@
+//! The prefix index's table of block entries: a hash table keyed by the block key the
+//! entry itself carries, so every bucket is one cache-line-aligned [`BlockEntry`].
+//! Owns storage and lookup only; what an entry means is `entry.rs`'s and `mod.rs`'s.
+
+use std::hash::BuildHasher;
+
+use hashbrown::hash_table::{Entry, HashTable};
+use rustc_hash::FxBuildHasher;
+
+use super::entry::BlockEntry;
+use crate::hashing::BlockKey;
+
+#[derive(Debug, Default)]
+pub(super) struct BlockTable {
+    table: HashTable<BlockEntry>,
+}
+
+#[inline]
+fn hash(key: BlockKey) -> u64 {
+    FxBuildHasher.hash_one(key.0)
+}
+
+impl BlockTable {
+    #[inline]
+    pub(super) fn get(&self, key: &BlockKey) -> Option<&BlockEntry> {
+        self.table.find(hash(*key), |e| e.key() == *key)
+    }
+
+    #[inline]
+    pub(super) fn get_mut(&mut self, key: &BlockKey) -> Option<&mut BlockEntry> {
+        self.table.find_mut(hash(*key), |e| e.key() == *key)
+    }
+
+    #[inline]
+    pub(super) fn contains_key(&self, key: &BlockKey) -> bool {
+        self.get(key).is_some()
+    }
+
+    /// The entry of `key`, created with `parent` when absent.
+    #[inline]
+    pub(super) fn get_or_insert(
+        &mut self,
+        key: BlockKey,
+        parent: Option<BlockKey>,
+    ) -> &mut BlockEntry {
+        match self
+            .table
+            .entry(hash(key), |e| e.key() == key, |e| hash(e.key()))
+        {
+            Entry::Occupied(o) => o.into_mut(),
+            Entry::Vacant(v) => v.insert(BlockEntry::new(key, parent)).into_mut(),
+        }
+    }
+
+    #[inline]
+    pub(super) fn remove(&mut self, key: &BlockKey) {
+        if let Ok(o) = self.table.find_entry(hash(*key), |e| e.key() == *key) {
+            o.remove();
+        }
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.table.len()
+    }
+
+    pub(super) fn iter(&self) -> impl Iterator<Item = &BlockEntry> {
+        self.table.iter()
+    }
+}
