@@ -72,6 +72,17 @@ pub struct ServeArgs {
     /// engine's KV events confirm it (0 = off) [default: 10].
     #[arg(long)]
     pub pending_credit_secs: Option<f64>,
+    /// kv_aware: extra weight of the best-cached worker's lead over the runner-up
+    /// (0 = DESIGN cost only) [default: 16].
+    #[arg(long)]
+    pub locality_weight: Option<f64>,
+    /// kv_aware load bound: a worker more than this many requests in flight ahead of
+    /// the least loaded one... [default: 16]
+    #[arg(long)]
+    pub balance_abs_threshold: Option<u32>,
+    /// ...and more than this many times ahead is not eligible [default: 1.5].
+    #[arg(long)]
+    pub balance_rel_threshold: Option<f64>,
     /// kv_aware: softmax temperature (0 = pick the lowest cost).
     #[arg(long)]
     pub temperature: Option<f64>,
@@ -221,6 +232,15 @@ impl ServeArgs {
         }
         if let Some(p) = self.pending_credit_secs {
             m.kv_aware.pending_credit_secs = p;
+        }
+        if let Some(l) = self.locality_weight {
+            m.kv_aware.locality_weight = l;
+        }
+        if let Some(a) = self.balance_abs_threshold {
+            m.kv_aware.balance_abs_threshold = a;
+        }
+        if let Some(r) = self.balance_rel_threshold {
+            m.kv_aware.balance_rel_threshold = r;
         }
         if let Some(t) = self.temperature {
             m.kv_aware.temperature = t;

@@ -1,25 +1,39 @@
 //! kv_aware: overlap from the prefix index weighed against ledger load.
 //!
-//! Owns the cost model of DESIGN.md section 3, with B the block size:
+//! Owns the cost model of DESIGN.md section 3, with B the block size, extended by a
+//! locality term and a load bound:
 //!
 //! ```text
 //! cached_blocks(w)      = device + host_credit·host + disk_credit·disk   (leading run)
-//! new_prefill_blocks(w) = active_prefill_tokens(w)/B + (prompt_blocks − cached_blocks(w))
+//! advantage(w)          = its lead over the runner-up if w caches the most, else 0
+//! new_prefill_blocks(w) = prefill_queue_weight·active_prefill_tokens(w)/B
+//!                         + (prompt_blocks − cached_blocks(w))
+//!                         − locality_weight·advantage(w)
 //! cost(w)               = overlap_weight · new_prefill_blocks(w) + decode_blocks(w)
 //! ```
 //!
-//! The lowest cost wins (ties broken at random, so a cold miss does not always land
-//! on the same worker), or with `temperature > 0` a worker is sampled with probability
-//! ∝ exp(−normalized cost / temperature). Herding is prevented by the load terms: each
-//! request booked on the prefix holder raises its cost by its prefill and decode blocks,
-//! so once the holder's queue outweighs the cached prefix the others become cheaper.
+//! The lowest cost among the candidates that are not overloaded wins (ties broken at
+//! random, so a cold miss does not always land on the same worker), or with
+//! `temperature > 0` one is sampled with probability ∝ exp(−normalized cost /
+//! temperature). A candidate is overloaded when its requests in flight exceed the least
+//! loaded candidate's by more than `balance_abs_threshold` and by more than
+//! `balance_rel_threshold` times.
+//!
+//! Why the locality term: with the DESIGN cost alone, a request leaves its prefix holder
+//! as soon as the holder's queued prefill outweighs the cached prefix. That is the
+//! earliest start for this request, but the fleet then recomputes the prefix, and a
+//! conversation's turns scatter over workers, so its later turns find less. Counting
+//! the sole holder's lead `1 + locality_weight` times keeps conversations together
+//! (docs/BENCHMARKS.md measures it). A prefix that two or more candidates hold (a
+//! popular system prompt, once replicated) gives nobody a lead, so the DESIGN cost
+//! alone decides and the requests spread; replicating a hot prefix is a one-time cost
+//! that serves many later requests, while moving a conversation leaves its history
+//! dead. Herding on a prefix only one worker holds yet is bounded by the load bound:
+//! the holder stops being eligible once it is that far ahead.
 //!
 //! Decisions are also remembered for a few seconds (`pending_credit_secs`) and credited
 //! as device-cached on the chosen worker until the engine's KV events arrive, so a
-//! follow-up that arrives while its predecessor is still queued can find it. The
-//! queued-prefill term can be discounted (`prefill_queue_weight` < 1) to prefer waiting
-//! behind a prefix holder over recomputing the prefix elsewhere; docs/BENCHMARKS.md
-//! records the trade-off that keeps the default at 1.
+//! follow-up that arrives while its predecessor is still queued can find it.
 
 use std::time::Duration;
 
@@ -29,7 +43,9 @@ use serde::{Deserialize, Serialize};
 
 use super::decision_memory::DecisionMemory;
 use super::scoring::{argmin_random_tie, load_lines, rng, softmax_sample};
-use super::{Decision, FleetView, PolicyKind, RouteRequest, RoutingPolicy, SelectError};
+use super::{
+    Decision, FleetView, PolicyKind, RouteRequest, RoutingPolicy, SelectError, WorkerScore,
+};
 use crate::ids::Tier;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -48,6 +64,15 @@ pub struct KvAwareConfig {
     /// engine's KV events confirm it (a follow-up can arrive while the previous request's
     /// prefill is still queued, before any event). 0 disables the credit.
     pub pending_credit_secs: f64,
+    /// Extra weight of the lead in cached prefix that the best-cached candidate has over
+    /// the runner-up (0 = DESIGN section 3). Keeps a conversation on the worker holding its
+    /// history unless the load bound or a much shorter queue elsewhere says otherwise.
+    pub locality_weight: f64,
+    /// Load bound: a candidate whose requests in flight exceed the least loaded one's
+    /// by more than this...
+    pub balance_abs_threshold: u32,
+    /// ...and by more than this factor is not eligible.
+    pub balance_rel_threshold: f64,
     /// 0 = argmin; > 0 samples with a softmax at this temperature.
     pub temperature: f64,
     /// Credit for a block held in host memory (1.0 = as good as device).
@@ -62,12 +87,19 @@ impl Default for KvAwareConfig {
             overlap_weight: 4.0,
             prefill_queue_weight: 1.0,
             pending_credit_secs: 10.0,
+            locality_weight: 16.0,
+            balance_abs_threshold: 16,
+            balance_rel_threshold: 1.5,
             temperature: 0.0,
             host_credit: 0.5,
             disk_credit: 0.25,
         }
     }
 }
+
+/// Decisions are remembered every this many blocks (the credit is rounded down to a
+/// multiple): an 8,192-token prompt costs 32 map entries instead of 512.
+const PENDING_STRIDE_BLOCKS: usize = 16;
 
 /// Cap on remembered (block, worker) decisions awaiting confirmation by events.
 const PENDING_MAX_ENTRIES: usize = 1_000_000;
@@ -86,6 +118,22 @@ impl KvAwarePolicy {
             rng: rng(seed),
             pending: Mutex::new(DecisionMemory::default()),
         }
+    }
+}
+
+impl KvAwarePolicy {
+    /// Indices of the candidates within the load bound (never empty: the least loaded
+    /// candidate always is).
+    fn within_load_bound(&self, lines: &[WorkerScore]) -> Vec<usize> {
+        let min = lines.iter().map(|l| l.in_flight).min().unwrap_or(0);
+        let c = &self.config;
+        (0..lines.len())
+            .filter(|&i| {
+                let n = lines[i].in_flight;
+                n - min <= c.balance_abs_threshold
+                    || f64::from(n) <= c.balance_rel_threshold * f64::from(min)
+            })
+            .collect()
     }
 }
 
@@ -114,11 +162,15 @@ impl RoutingPolicy for KvAwarePolicy {
         let pending_runs = if pending_ttl.is_zero() {
             vec![0; view.candidates.len()]
         } else {
-            self.pending
-                .lock()
-                .runs(keys, view.candidates, req.now, pending_ttl)
+            self.pending.lock().checkpoint_runs(
+                keys,
+                view.candidates,
+                req.now,
+                pending_ttl,
+                PENDING_STRIDE_BLOCKS,
+            )
         };
-        let costs: Vec<f64> = lines
+        let cached: Vec<f64> = lines
             .iter_mut()
             .zip(&pending_runs)
             .map(|(line, pending)| {
@@ -131,31 +183,59 @@ impl RoutingPolicy for KvAwarePolicy {
                     line.overlap_blocks = [*pending, 0, 0];
                 }
                 let [device, host, disk] = line.overlap_blocks.map(f64::from);
-                let cached = device + c.host_credit * host + c.disk_credit * disk;
+                device + c.host_credit * host + c.disk_credit * disk
+            })
+            .collect();
+        // Only a unique leader has an advantage: its lead over the runner-up.
+        let (mut first, mut second) = (f64::NEG_INFINITY, f64::NEG_INFINITY);
+        for &x in &cached {
+            if x > first {
+                second = first;
+                first = x;
+            } else if x > second {
+                second = x;
+            }
+        }
+        let costs: Vec<f64> = lines
+            .iter_mut()
+            .zip(&cached)
+            .map(|(line, cached)| {
+                let advantage = if *cached >= first && second.is_finite() {
+                    cached - second
+                } else {
+                    0.0
+                };
                 let new_prefill = c.prefill_queue_weight * line.prefill_tokens as f64 / block_size
-                    + (prompt_blocks - cached).max(0.0);
+                    + (prompt_blocks - cached).max(0.0)
+                    - c.locality_weight * advantage;
                 let cost = c.overlap_weight * new_prefill + line.decode_blocks;
                 line.cost = Some(cost);
                 cost
             })
             .collect();
+        let eligible = self.within_load_bound(&lines);
         let i = {
             let mut rng = self.rng.lock();
-            if c.temperature > 0.0 {
-                softmax_sample(&costs, c.temperature, &mut *rng)
+            let eligible_costs: Vec<f64> = eligible.iter().map(|&i| costs[i]).collect();
+            let pick = if c.temperature > 0.0 {
+                softmax_sample(&eligible_costs, c.temperature, &mut *rng)
             } else {
-                argmin_random_tie(&costs, &mut *rng)
-            }
+                argmin_random_tie(&eligible_costs, &mut *rng)
+            };
+            eligible[pick]
         };
         let chosen = &lines[i];
         if !pending_ttl.is_zero() {
             let mut pending = self.pending.lock();
-            pending.record(keys, chosen.worker, req.now);
+            pending.record_checkpoints(keys, chosen.worker, req.now, PENDING_STRIDE_BLOCKS);
             pending.trim(req.now, pending_ttl, PENDING_MAX_ENTRIES);
         }
         let predicted_cached_tokens =
             chosen.overlap_blocks[Tier::Device.index()] * index.block_size();
-        let reason = if chosen.overlap_blocks.iter().any(|b| *b > 0) {
+        let best_cost = costs.iter().copied().fold(f64::INFINITY, f64::min);
+        let reason = if costs[i] > best_cost {
+            "load bound: the cheapest workers are overloaded"
+        } else if chosen.overlap_blocks.iter().any(|b| *b > 0) {
             "lowest cost: cached prefix outweighs load"
         } else {
             "lowest cost: no cached prefix, least work"

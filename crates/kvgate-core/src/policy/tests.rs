@@ -644,3 +644,88 @@ fn kv_aware_credits_its_own_recent_decisions_before_events_arrive() {
     .unwrap();
     assert_ne!(d3.worker, d.worker);
 }
+
+/// A conversation's next turn stays on the worker holding its history although that
+/// worker has another request's prefill queued; the DESIGN cost alone (locality weight
+/// 0) sends it to an idle worker that must recompute the whole history.
+#[test]
+fn kv_aware_keeps_a_conversation_on_its_holder_despite_a_queue() {
+    let ledger = Ledger::new(BS);
+    let mut index = new_index();
+    let history: Vec<u32> = (0..4096).collect();
+    engine_caches(&mut index, WorkerId(0), &history);
+    let _queued = ledger.book(
+        WorkerId(0),
+        BookingSpec {
+            prompt_tokens: 6000,
+            cached_tokens: 0,
+            expected_output_tokens: Some(64),
+        },
+        Instant::now(),
+    );
+    let mut turn = history.clone();
+    turn.extend(70_000..70_256);
+    let keys = index.hasher().block_keys(&turn);
+    let ws = workers(4);
+    let run = |config: KvAwareConfig| {
+        let policy = KvAwarePolicy::new(config, Some(5));
+        select(
+            &policy,
+            Some(&keys),
+            turn.len() as u32,
+            None,
+            &ws,
+            &ledger,
+            Some(&index),
+        )
+        .unwrap()
+    };
+    let d = run(KvAwareConfig::default());
+    assert_eq!(d.worker, WorkerId(0), "{:?}", d.scores);
+    assert_eq!(d.predicted_cached_tokens, 4096);
+    let design_only = run(KvAwareConfig {
+        locality_weight: 0.0,
+        ..Default::default()
+    });
+    assert_ne!(design_only.worker, WorkerId(0));
+}
+
+/// However large its cached lead, a worker too far ahead in requests in flight is not
+/// eligible; with a loose bound the same request goes to it.
+#[test]
+fn kv_aware_load_bound_overrides_a_cached_lead() {
+    let ledger = Ledger::new(BS);
+    let mut index = new_index();
+    let prompt: Vec<u32> = (0..2048).collect();
+    engine_caches(&mut index, WorkerId(0), &prompt);
+    let bookings: Vec<_> = (0..20)
+        .map(|_| {
+            let b = ledger.book(
+                WorkerId(0),
+                BookingSpec {
+                    prompt_tokens: 160,
+                    cached_tokens: 0,
+                    expected_output_tokens: Some(16),
+                },
+                Instant::now(),
+            );
+            b.prefill_done();
+            b
+        })
+        .collect();
+    let keys = index.hasher().block_keys(&prompt);
+    let ws = workers(3);
+    let pick = |config: KvAwareConfig| {
+        let policy = KvAwarePolicy::new(config, Some(2));
+        select(&policy, Some(&keys), 2048, None, &ws, &ledger, Some(&index)).unwrap()
+    };
+    let bounded = pick(KvAwareConfig::default());
+    assert_ne!(bounded.worker, WorkerId(0), "{:?}", bounded.scores);
+    assert!(bounded.reason.contains("load bound"), "{}", bounded.reason);
+    let loose = pick(KvAwareConfig {
+        balance_abs_threshold: 100,
+        ..Default::default()
+    });
+    assert_eq!(loose.worker, WorkerId(0));
+    drop(bookings);
+}
