@@ -567,19 +567,21 @@ impl PrefixIndex {
         let entry = self.blocks.get_or_insert(key, parent);
         let before = (entry.holds(slot), entry.holds_on_device(slot));
         let mut stale_engine_hash = None;
-        let mut refreshed = false;
-        if let Some(h) = entry
+        let is_new = match entry
             .holders_mut()
             .find(|h| h.slot == slot && h.tier == tier)
         {
-            if h.engine_hash != engine_hash {
-                stale_engine_hash = Some(h.engine_hash);
-                h.engine_hash = engine_hash;
+            Some(h) => {
+                if h.engine_hash != engine_hash {
+                    stale_engine_hash = Some(h.engine_hash);
+                    h.engine_hash = engine_hash;
+                }
+                h.stamp = stamp;
+                false
             }
-            h.stamp = stamp;
-            refreshed = true;
-        }
-        let is_new = !refreshed;
+            None => true,
+        };
+        let mut entered_parent = None;
         if is_new {
             entry.push_holder(Holder {
                 engine_hash,
@@ -588,9 +590,6 @@ impl PrefixIndex {
                 tier,
             });
             entry.mark(slot, tier == Tier::Device);
-        }
-        let mut entered_parent = None;
-        if is_new {
             self.live += 1;
             state.entries += 1;
             state.membership_changed(before, (true, before.1 || tier == Tier::Device));

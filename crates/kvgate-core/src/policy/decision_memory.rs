@@ -101,16 +101,15 @@ impl DecisionMemory {
         stride: usize,
     ) {
         let stride = stride.max(1);
-        let checkpoints: Vec<BlockKey> = keys
-            .iter()
-            .skip(stride - 1)
-            .step_by(stride)
-            .copied()
-            .collect();
-        self.record(&checkpoints, worker, now);
+        self.record(keys.iter().skip(stride - 1).step_by(stride), worker, now);
     }
 
-    pub(crate) fn record(&mut self, keys: &[BlockKey], worker: WorkerId, now: Instant) {
+    pub(crate) fn record<'k>(
+        &mut self,
+        keys: impl IntoIterator<Item = &'k BlockKey>,
+        worker: WorkerId,
+        now: Instant,
+    ) {
         for key in keys {
             let holders = self.map.entry(*key).or_default();
             match holders.iter_mut().find(|(w, _)| *w == worker) {

@@ -42,7 +42,7 @@ use rand::rngs::SmallRng;
 use serde::{Deserialize, Serialize};
 
 use super::decision_memory::DecisionMemory;
-use super::scoring::{argmin_random_tie, load_lines, rng, softmax_sample};
+use super::scoring::{argmin_random_tie, load_lines, rng, softmax_sample, too_far_ahead};
 use super::{
     Decision, FleetView, PolicyKind, RouteRequest, RoutingPolicy, SelectError, WorkerScore,
 };
@@ -129,9 +129,12 @@ impl KvAwarePolicy {
         let c = &self.config;
         (0..lines.len())
             .filter(|&i| {
-                let n = lines[i].in_flight;
-                n - min <= c.balance_abs_threshold
-                    || f64::from(n) <= c.balance_rel_threshold * f64::from(min)
+                !too_far_ahead(
+                    lines[i].in_flight,
+                    min,
+                    c.balance_abs_threshold,
+                    c.balance_rel_threshold,
+                )
             })
             .collect()
     }

@@ -14,7 +14,7 @@ use rand::rngs::SmallRng;
 use serde::{Deserialize, Serialize};
 
 use super::decision_memory::DecisionMemory;
-use super::scoring::{argmin_random_tie, load_lines, rng};
+use super::scoring::{argmin_random_tie, load_lines, rng, too_far_ahead};
 use super::{
     Decision, FleetView, PolicyKind, RouteRequest, RoutingPolicy, SelectError, WorkerScore,
     DEFAULT_AFFINITY_TTL,
@@ -97,8 +97,12 @@ impl PrefixAffinityPolicy {
     fn imbalanced(&self, lines: &[WorkerScore]) -> bool {
         let max = lines.iter().map(|s| s.in_flight).max().unwrap_or(0);
         let min = lines.iter().map(|s| s.in_flight).min().unwrap_or(0);
-        max - min > self.config.balance_abs_threshold
-            && f64::from(max) > self.config.balance_rel_threshold * f64::from(min)
+        too_far_ahead(
+            max,
+            min,
+            self.config.balance_abs_threshold,
+            self.config.balance_rel_threshold,
+        )
     }
 
     /// Number of remembered (block, worker) entries.

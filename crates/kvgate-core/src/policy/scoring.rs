@@ -42,6 +42,13 @@ pub(crate) fn work_blocks(s: &WorkerScore, block_size: u32) -> f64 {
     s.prefill_tokens as f64 / f64::from(block_size.max(1)) + s.decode_blocks
 }
 
+/// Whether a worker with `in_flight` requests is too far ahead of the least loaded
+/// candidate's `least`: by more than `abs` requests and by more than `rel` times. The
+/// balance rule shared by prefix_affinity and kv_aware's load bound.
+pub(crate) fn too_far_ahead(in_flight: u32, least: u32, abs: u32, rel: f64) -> bool {
+    in_flight.saturating_sub(least) > abs && f64::from(in_flight) > rel * f64::from(least)
+}
+
 /// Index of the minimum of `values`, ties (within a relative epsilon) broken uniformly
 /// at random. `values` must not be empty.
 pub(crate) fn argmin_random_tie(values: &[f64], rng: &mut impl Rng) -> usize {
