@@ -73,7 +73,7 @@ pub struct ServeArgs {
     #[arg(long)]
     pub pending_credit_secs: Option<f64>,
     /// kv_aware: extra weight of the best-cached worker's lead over the runner-up
-    /// (0 = DESIGN cost only) [default: 16].
+    /// (0 = DESIGN cost only) [default: 64].
     #[arg(long)]
     pub locality_weight: Option<f64>,
     /// kv_aware load bound: a worker more than this many requests in flight ahead of

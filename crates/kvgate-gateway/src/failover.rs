@@ -13,7 +13,7 @@ use axum::body::Body;
 use axum::response::Response;
 use bytes::Bytes;
 use http::{header, HeaderMap, StatusCode};
-use kvgate_core::{BookingSpec, WorkerId};
+use kvgate_core::{BookingSpec, Decision, WorkerId, WorkerScore};
 use smallvec::SmallVec;
 
 use crate::errors::ApiError;
@@ -85,6 +85,12 @@ pub async fn dispatch(
                 });
             }
         };
+        log_decision(
+            &model.name,
+            &worker.url,
+            &decision,
+            model.ledger.block_size(),
+        );
         let guard = model.ledger.book(
             worker.id,
             BookingSpec {
@@ -184,4 +190,118 @@ pub async fn dispatch(
         }
     }
     Err(last_err.unwrap_or_else(|| ApiError::internal("no attempt was made")))
+}
+
+/// One debug line per routing decision (target `kvgate::decision`): what the policy
+/// chose, why, and the chosen worker's overlap and load beside those of the best-cached
+/// candidate, so a fleet's routing can be audited from logs
+/// (`--log info,kvgate::decision=debug`).
+fn log_decision(model: &str, worker_url: &str, decision: &Decision, block_size: u32) {
+    if !tracing::enabled!(target: "kvgate::decision", tracing::Level::DEBUG) {
+        return;
+    }
+    let device = |s: &WorkerScore| s.overlap_blocks[0];
+    let Some(chosen) = decision.scores.iter().find(|s| s.worker == decision.worker) else {
+        return;
+    };
+    let best = decision
+        .scores
+        .iter()
+        .max_by_key(|s| (device(s), s.worker == decision.worker))
+        .unwrap_or(chosen);
+    let least_in_flight = decision
+        .scores
+        .iter()
+        .map(|s| s.in_flight)
+        .min()
+        .unwrap_or(0);
+    tracing::debug!(
+        target: "kvgate::decision",
+        model,
+        worker = worker_url,
+        policy = decision.policy.as_str(),
+        reason = decision.reason,
+        predicted_cached_tokens = decision.predicted_cached_tokens,
+        chosen_cached_tokens = device(chosen) * block_size,
+        chosen_in_flight = chosen.in_flight,
+        chosen_prefill_tokens = chosen.prefill_tokens,
+        chosen_decode_blocks = chosen.decode_blocks,
+        chosen_cost = chosen.cost,
+        best_cached_tokens = device(best) * block_size,
+        best_in_flight = best.in_flight,
+        best_prefill_tokens = best.prefill_tokens,
+        best_decode_blocks = best.decode_blocks,
+        best_cost = best.cost,
+        least_in_flight,
+        "routed"
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::sync::{Arc, Mutex};
+
+    use kvgate_core::PolicyKind;
+
+    use super::*;
+
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+
+    impl Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().expect("buffer").extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn score(worker: u32, device_blocks: u32, in_flight: u32) -> WorkerScore {
+        WorkerScore {
+            worker: WorkerId(worker),
+            overlap_blocks: [device_blocks, 0, 0],
+            in_flight,
+            prefill_tokens: u64::from(in_flight) * 1000,
+            decode_blocks: 0.0,
+            cost: Some(1.0),
+        }
+    }
+
+    /// The decision line names the chosen worker's cached tokens and load beside the
+    /// best-cached worker's, so a decision that left the holder shows in the log.
+    #[test]
+    fn decision_log_compares_the_choice_with_the_best_cached_worker() {
+        let decision = Decision {
+            worker: WorkerId(1),
+            policy: PolicyKind::KvAware,
+            predicted_cached_tokens: 32,
+            reason: "load bound: the cheapest workers are overloaded",
+            scores: vec![score(0, 128, 30), score(1, 2, 3), score(2, 0, 2)],
+        };
+        let out = Captured::default();
+        let writer = out.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_env_filter("kvgate::decision=debug")
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        tracing::subscriber::with_default(subscriber, || {
+            log_decision("m", "http://w1", &decision, 16)
+        });
+        let text = String::from_utf8(out.0.lock().expect("buffer").clone()).expect("utf-8");
+        for field in [
+            "worker=\"http://w1\"",
+            "chosen_cached_tokens=32",
+            "chosen_in_flight=3",
+            "best_cached_tokens=2048",
+            "best_in_flight=30",
+            "least_in_flight=2",
+            "load bound",
+        ] {
+            assert!(text.contains(field), "{field} missing from {text}");
+        }
+    }
 }

@@ -321,6 +321,13 @@ impl Observer {
                 m.cached_tokens_error
                     .with_label_values(&[model])
                     .observe(cached as f64 - predicted as f64);
+                tracing::debug!(
+                    target: "kvgate::decision",
+                    model,
+                    predicted_cached_tokens = predicted,
+                    reported_cached_tokens = cached,
+                    "engine usage"
+                );
             }
         }
         // Free the booking and the slots now, not whenever the body is dropped.

@@ -87,7 +87,7 @@ impl Default for KvAwareConfig {
             overlap_weight: 4.0,
             prefill_queue_weight: 1.0,
             pending_credit_secs: 10.0,
-            locality_weight: 16.0,
+            locality_weight: 64.0,
             balance_abs_threshold: 16,
             balance_rel_threshold: 1.5,
             temperature: 0.0,

@@ -729,3 +729,53 @@ fn kv_aware_load_bound_overrides_a_cached_lead() {
     assert_eq!(loose.worker, WorkerId(0));
     drop(bookings);
 }
+
+/// The case that cost the most hit rate on the Mooncake trace (docs/BENCHMARKS.md): a
+/// conversation with a short history (2,048 tokens) whose holder has long prompts queued
+/// (96k tokens over six requests, well inside the load bound). The default locality
+/// weight keeps the turn with its history; weight 16 sent it to an idle worker, which
+/// recomputes the history, and the conversation's copy on the holder goes dead.
+#[test]
+fn kv_aware_defaults_keep_a_short_history_behind_a_long_queue() {
+    let ledger = Ledger::new(BS);
+    let mut index = new_index();
+    let history: Vec<u32> = (0..2048).collect();
+    engine_caches(&mut index, WorkerId(0), &history);
+    let _queued: Vec<_> = (0..6)
+        .map(|_| {
+            ledger.book(
+                WorkerId(0),
+                BookingSpec {
+                    prompt_tokens: 16_000,
+                    cached_tokens: 0,
+                    expected_output_tokens: Some(64),
+                },
+                Instant::now(),
+            )
+        })
+        .collect();
+    let mut turn = history.clone();
+    turn.extend(70_000..70_512);
+    let keys = index.hasher().block_keys(&turn);
+    let ws = workers(4);
+    let run = |config: KvAwareConfig| {
+        let policy = KvAwarePolicy::new(config, Some(9));
+        select(
+            &policy,
+            Some(&keys),
+            turn.len() as u32,
+            None,
+            &ws,
+            &ledger,
+            Some(&index),
+        )
+        .unwrap()
+    };
+    let d = run(KvAwareConfig::default());
+    assert_eq!(d.worker, WorkerId(0), "{:?}", d.scores);
+    let weaker = run(KvAwareConfig {
+        locality_weight: 16.0,
+        ..Default::default()
+    });
+    assert_ne!(weaker.worker, WorkerId(0), "{:?}", weaker.scores);
+}
