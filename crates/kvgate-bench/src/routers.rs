@@ -278,18 +278,7 @@ pub fn command_line(
         }
         RouterSpec::VllmRouter(policy) => {
             let bin = which("vllm-router")?;
-            let mut args: Vec<String> = vec![
-                "--host".into(),
-                "127.0.0.1".into(),
-                "--port".into(),
-                port.to_string(),
-                "--prometheus-port".into(),
-                metrics_port.to_string(),
-                "--policy".into(),
-                policy.name.clone(),
-                "--worker-urls".into(),
-            ];
-            args.extend(workers);
+            let mut args = peer_args(&[], port, metrics_port, policy, workers);
             if policy.name == "kv_aware" {
                 for a in fleet.addrs() {
                     args.extend([
@@ -313,23 +302,37 @@ pub fn command_line(
         }
         RouterSpec::SglangRouter(policy) => {
             let bin = which("sglang-router")?;
-            let mut args: Vec<String> = vec![
-                "launch".into(),
-                "--host".into(),
-                "127.0.0.1".into(),
-                "--port".into(),
-                port.to_string(),
-                "--prometheus-port".into(),
-                metrics_port.to_string(),
-                "--policy".into(),
-                policy.name.clone(),
-                "--worker-urls".into(),
-            ];
-            args.extend(workers);
+            let mut args = peer_args(&["launch"], port, metrics_port, policy, workers);
             args.extend(policy.extra_args());
             Some((bin, args))
         }
     }
+}
+
+/// The arguments vllm-router and sglang-router share (they come from one code base):
+/// listen address, metrics port, policy and worker URLs, after `leading` (a
+/// subcommand).
+fn peer_args(
+    leading: &[&str],
+    port: u16,
+    metrics_port: u16,
+    policy: &PolicySpec,
+    workers: Vec<String>,
+) -> Vec<String> {
+    let mut args: Vec<String> = leading.iter().map(|a| a.to_string()).collect();
+    args.extend([
+        "--host".into(),
+        "127.0.0.1".into(),
+        "--port".into(),
+        port.to_string(),
+        "--prometheus-port".into(),
+        metrics_port.to_string(),
+        "--policy".into(),
+        policy.name.clone(),
+        "--worker-urls".into(),
+    ]);
+    args.extend(workers);
+    args
 }
 
 /// Start a router in front of `fleet` and wait until it answers.
@@ -374,6 +377,35 @@ pub async fn start(
 mod tests {
     use super::*;
     use crate::fleet::EngineAddr;
+
+    #[test]
+    fn peer_routers_get_address_metrics_policy_and_workers() {
+        let policy = PolicySpec {
+            name: "cache_aware".into(),
+            options: Vec::new(),
+        };
+        let workers = vec!["http://a".to_string(), "http://b".to_string()];
+        let sglang = peer_args(&["launch"], 9000, 9001, &policy, workers.clone());
+        assert_eq!(
+            sglang,
+            [
+                "launch",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "9000",
+                "--prometheus-port",
+                "9001",
+                "--policy",
+                "cache_aware",
+                "--worker-urls",
+                "http://a",
+                "http://b"
+            ]
+        );
+        let vllm = peer_args(&[], 9000, 9001, &policy, workers);
+        assert_eq!(vllm[..], sglang[1..]);
+    }
 
     #[test]
     fn parses_specs() {
