@@ -2,13 +2,14 @@
 //! preference for the prefix holder and its refusal to herd.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::*;
 use crate::hashing::BlockHasher;
 use crate::ids::{Tier, WorkerRef};
 use crate::index::{IndexConfig, PrefixIndex, StoredBlocks};
-use crate::ledger::{BookingSpec, Ledger};
+use crate::ledger::{BookingGuard, BookingSpec, Ledger};
 
 const BS: u32 = 16;
 
@@ -645,45 +646,72 @@ fn kv_aware_credits_its_own_recent_decisions_before_events_arrive() {
     assert_ne!(d3.worker, d.worker);
 }
 
+/// Four workers; worker 0 caches a conversation's history and has prompts of the given
+/// sizes queued (booked, prefill not done); the next turn adds 512 new tokens.
+struct QueuedHolder {
+    ledger: Arc<Ledger>,
+    index: PrefixIndex,
+    turn: Vec<u32>,
+    _queued: Vec<BookingGuard>,
+}
+
+impl QueuedHolder {
+    fn new(history_tokens: u32, queued_prompts: &[u32]) -> Self {
+        let ledger = Ledger::new(BS);
+        let mut index = new_index();
+        let history: Vec<u32> = (0..history_tokens).collect();
+        engine_caches(&mut index, WorkerId(0), &history);
+        let queued = queued_prompts
+            .iter()
+            .map(|&prompt_tokens| {
+                ledger.book(
+                    WorkerId(0),
+                    BookingSpec {
+                        prompt_tokens,
+                        cached_tokens: 0,
+                        expected_output_tokens: Some(64),
+                    },
+                    Instant::now(),
+                )
+            })
+            .collect();
+        let mut turn = history;
+        turn.extend(70_000..70_512);
+        Self {
+            ledger,
+            index,
+            turn,
+            _queued: queued,
+        }
+    }
+
+    /// Where kv_aware with `config` sends the next turn.
+    fn route(&self, config: KvAwareConfig) -> Decision {
+        let keys = self.index.hasher().block_keys(&self.turn);
+        let policy = KvAwarePolicy::new(config, Some(5));
+        select(
+            &policy,
+            Some(&keys),
+            self.turn.len() as u32,
+            None,
+            &workers(4),
+            &self.ledger,
+            Some(&self.index),
+        )
+        .unwrap()
+    }
+}
+
 /// A conversation's next turn stays on the worker holding its history although that
 /// worker has another request's prefill queued; the DESIGN cost alone (locality weight
 /// 0) sends it to an idle worker that must recompute the whole history.
 #[test]
 fn kv_aware_keeps_a_conversation_on_its_holder_despite_a_queue() {
-    let ledger = Ledger::new(BS);
-    let mut index = new_index();
-    let history: Vec<u32> = (0..4096).collect();
-    engine_caches(&mut index, WorkerId(0), &history);
-    let _queued = ledger.book(
-        WorkerId(0),
-        BookingSpec {
-            prompt_tokens: 6000,
-            cached_tokens: 0,
-            expected_output_tokens: Some(64),
-        },
-        Instant::now(),
-    );
-    let mut turn = history.clone();
-    turn.extend(70_000..70_256);
-    let keys = index.hasher().block_keys(&turn);
-    let ws = workers(4);
-    let run = |config: KvAwareConfig| {
-        let policy = KvAwarePolicy::new(config, Some(5));
-        select(
-            &policy,
-            Some(&keys),
-            turn.len() as u32,
-            None,
-            &ws,
-            &ledger,
-            Some(&index),
-        )
-        .unwrap()
-    };
-    let d = run(KvAwareConfig::default());
+    let fleet = QueuedHolder::new(4096, &[6000]);
+    let d = fleet.route(KvAwareConfig::default());
     assert_eq!(d.worker, WorkerId(0), "{:?}", d.scores);
     assert_eq!(d.predicted_cached_tokens, 4096);
-    let design_only = run(KvAwareConfig {
+    let design_only = fleet.route(KvAwareConfig {
         locality_weight: 0.0,
         ..Default::default()
     });
@@ -737,43 +765,10 @@ fn kv_aware_load_bound_overrides_a_cached_lead() {
 /// recomputes the history, and the conversation's copy on the holder goes dead.
 #[test]
 fn kv_aware_defaults_keep_a_short_history_behind_a_long_queue() {
-    let ledger = Ledger::new(BS);
-    let mut index = new_index();
-    let history: Vec<u32> = (0..2048).collect();
-    engine_caches(&mut index, WorkerId(0), &history);
-    let _queued: Vec<_> = (0..6)
-        .map(|_| {
-            ledger.book(
-                WorkerId(0),
-                BookingSpec {
-                    prompt_tokens: 16_000,
-                    cached_tokens: 0,
-                    expected_output_tokens: Some(64),
-                },
-                Instant::now(),
-            )
-        })
-        .collect();
-    let mut turn = history.clone();
-    turn.extend(70_000..70_512);
-    let keys = index.hasher().block_keys(&turn);
-    let ws = workers(4);
-    let run = |config: KvAwareConfig| {
-        let policy = KvAwarePolicy::new(config, Some(9));
-        select(
-            &policy,
-            Some(&keys),
-            turn.len() as u32,
-            None,
-            &ws,
-            &ledger,
-            Some(&index),
-        )
-        .unwrap()
-    };
-    let d = run(KvAwareConfig::default());
+    let fleet = QueuedHolder::new(2048, &[16_000; 6]);
+    let d = fleet.route(KvAwareConfig::default());
     assert_eq!(d.worker, WorkerId(0), "{:?}", d.scores);
-    let weaker = run(KvAwareConfig {
+    let weaker = fleet.route(KvAwareConfig {
         locality_weight: 16.0,
         ..Default::default()
     });
