@@ -47,14 +47,7 @@ async fn streaming_and_json_pass_through_byte_for_byte() {
     eventually("ledger drained", || gw.ledger_in_flight("m") == Some(0)).await;
 
     // Usage seen in the stream and in the JSON body feeds the accuracy metrics.
-    let metrics = c
-        .get(format!("{}/metrics", gw.url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = metrics_text(&c, &gw.url()).await;
     assert!(
         metrics.contains("kvgate_reported_prompt_tokens_total{model=\"m\"} 12"),
         "{metrics}"

@@ -96,14 +96,7 @@ async fn repeated_prompt_follows_its_cached_prefix() {
             "engine reported {cached} cached tokens: {v}"
         );
     }
-    let metrics = c
-        .get(format!("{}/metrics", gw.url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = metrics_text(&c, &gw.url()).await;
     assert!(
         metrics.contains("kvgate_reported_cached_tokens_total{model=\"m\"}"),
         "{metrics}"

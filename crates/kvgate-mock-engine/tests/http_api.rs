@@ -21,6 +21,10 @@ async fn engine(speedup: f64) -> RunningEngine {
     .unwrap()
 }
 
+async fn get(c: &reqwest::Client, url: String) -> reqwest::Response {
+    c.get(url).send().await.unwrap()
+}
+
 async fn post(e: &RunningEngine, path: &str, body: Value) -> (u16, Value) {
     let r = reqwest::Client::new()
         .post(format!("{}{path}", e.base_url()))
@@ -189,11 +193,8 @@ async fn auxiliary_endpoints_and_errors() {
         json!({"prompt": (0..40).collect::<Vec<u32>>(), "max_tokens": 1}),
     )
     .await;
-    let metrics = c
-        .get(format!("{base}/metrics"))
-        .send()
+    let metrics = get(&c, format!("{base}/metrics"))
         .await
-        .unwrap()
         .text()
         .await
         .unwrap();
@@ -210,11 +211,8 @@ async fn auxiliary_endpoints_and_errors() {
     assert!(
         metrics.contains("vllm:prefix_cache_queries_total{engine=\"0\",model_name=\"mock\"} 40.0")
     );
-    let load: Value = c
-        .get(format!("{base}/get_load"))
-        .send()
+    let load: Value = get(&c, format!("{base}/get_load"))
         .await
-        .unwrap()
         .json()
         .await
         .unwrap();
@@ -245,11 +243,8 @@ async fn client_disconnect_aborts_and_frees_blocks() {
         .unwrap();
     let first = r.chunk().await.unwrap().unwrap();
     assert!(first.starts_with(b"data: "));
-    let load: Value = c
-        .get(format!("{base}/get_load"))
-        .send()
+    let load: Value = get(&c, format!("{base}/get_load"))
         .await
-        .unwrap()
         .json()
         .await
         .unwrap();
@@ -257,11 +252,8 @@ async fn client_disconnect_aborts_and_frees_blocks() {
     drop(r);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
-        let load: Value = c
-            .get(format!("{base}/get_load"))
-            .send()
+        let load: Value = get(&c, format!("{base}/get_load"))
             .await
-            .unwrap()
             .json()
             .await
             .unwrap();

@@ -247,6 +247,17 @@ pub fn client() -> reqwest::Client {
         .unwrap()
 }
 
+/// The gateway's Prometheus text.
+pub async fn metrics_text(c: &reqwest::Client, gateway_url: &str) -> String {
+    c.get(format!("{gateway_url}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
 pub fn fixtures() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures")
 }
