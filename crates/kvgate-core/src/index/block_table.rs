@@ -4,7 +4,7 @@
 
 use std::hash::BuildHasher;
 
-use hashbrown::hash_table::{Entry, HashTable};
+use hashbrown::hash_table::{Entry, HashTable, OccupiedEntry};
 use rustc_hash::FxBuildHasher;
 
 use super::entry::BlockEntry;
@@ -50,6 +50,12 @@ impl BlockTable {
             Entry::Occupied(o) => o.into_mut(),
             Entry::Vacant(v) => v.insert(BlockEntry::new(key, parent)).into_mut(),
         }
+    }
+
+    /// The entry of `key` in a form that can also remove it, with a single lookup.
+    #[inline]
+    pub(super) fn find_entry(&mut self, key: &BlockKey) -> Option<OccupiedEntry<'_, BlockEntry>> {
+        self.table.find_entry(hash(*key), |e| e.key() == *key).ok()
     }
 
     #[inline]

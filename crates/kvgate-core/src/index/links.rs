@@ -5,8 +5,10 @@
 //! slot holds; it only follows the membership changes made in `mod.rs`.
 
 use std::collections::hash_map::Entry;
+use std::collections::VecDeque;
 
-use super::{PrefixIndex, QueueItem};
+use super::entry::BlockEntry;
+use super::{PrefixIndex, QueueItem, SlotState};
 use crate::hashing::BlockKey;
 
 impl PrefixIndex {
@@ -34,29 +36,53 @@ impl PrefixIndex {
         };
         if let Some(p) = held {
             if p.holds(slot) {
-                if p.sub_child(slot) == 0 && self.tracking {
-                    self.next_stamp = self.next_stamp.wrapping_add(1);
-                    let stamp = self.next_stamp;
-                    for h in p.holders_mut().filter(|h| h.slot == slot) {
-                        h.stamp = stamp;
-                        self.queue.push_front(QueueItem {
-                            key: parent,
-                            stamp,
-                            slot,
-                            tier: h.tier,
-                        });
-                    }
-                }
+                let queue = self.tracking.then_some(&mut self.queue);
+                held_block_lost_child(p, parent, slot, &mut self.next_stamp, queue);
                 return;
             }
         }
         if let Some(state) = self.slots.get_mut(slot as usize).and_then(Option::as_mut) {
-            if let Entry::Occupied(mut o) = state.orphans.entry(parent) {
-                *o.get_mut() -= 1;
-                if *o.get() == 0 {
-                    o.remove();
-                }
-            }
+            orphan_child_left(state, parent);
+        }
+    }
+}
+
+/// A slot stopped holding a child of `parent`, a block it holds (`p`). When that was
+/// its last held child and the eviction `queue` is kept, `parent` is now a leaf for the
+/// slot and goes back to the front of the queue.
+pub(super) fn held_block_lost_child(
+    p: &mut BlockEntry,
+    parent: BlockKey,
+    slot: u16,
+    next_stamp: &mut u32,
+    queue: Option<&mut VecDeque<QueueItem>>,
+) {
+    if p.sub_child(slot) > 0 {
+        return;
+    }
+    let Some(queue) = queue else {
+        return;
+    };
+    *next_stamp = next_stamp.wrapping_add(1);
+    let stamp = *next_stamp;
+    for h in p.holders_mut().filter(|h| h.slot == slot) {
+        h.stamp = stamp;
+        queue.push_front(QueueItem {
+            key: parent,
+            stamp,
+            slot,
+            tier: h.tier,
+        });
+    }
+}
+
+/// A slot stopped holding a child of `parent`, a block it does not hold: one orphan
+/// fewer under `parent`.
+pub(super) fn orphan_child_left(state: &mut SlotState, parent: BlockKey) {
+    if let Entry::Occupied(mut o) = state.orphans.entry(parent) {
+        *o.get_mut() -= 1;
+        if *o.get() == 0 {
+            o.remove();
         }
     }
 }

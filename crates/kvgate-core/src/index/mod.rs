@@ -15,7 +15,9 @@
 //! that hold it, its holders, its parent's key, and per slot the number of its children
 //! that slot holds; the common case fits in one 64-byte cache line, so the event path
 //! pays one cache miss per block in this table. Events look a chunk of blocks up before
-//! applying them, so those misses overlap instead of stalling one after another.
+//! applying them, so those misses overlap instead of stalling one after another, and a
+//! removal looks each entry up once: a leaf-first run (the order engines evict in)
+//! settles a parent's child count on the lookup that removes the parent itself.
 //!
 //! # Lookup by binary search
 //! A block can only be stored with a parent the same rank holds, so a rank normally
@@ -52,6 +54,7 @@ mod links;
 mod query;
 pub(crate) mod slot_bits;
 
+use std::collections::hash_map::Entry as HashMapEntry;
 use std::collections::VecDeque;
 
 use rustc_hash::FxHashMap;
@@ -60,6 +63,7 @@ use smallvec::SmallVec;
 
 use block_table::BlockTable;
 use entry::{BlockEntry, Holder};
+use links::{held_block_lost_child, orphan_child_left};
 pub use query::{Overlap, OverlapScores};
 
 use crate::hashing::{BlockHasher, BlockKey};
@@ -211,6 +215,15 @@ impl SlotState {
             _ => {}
         }
     }
+}
+
+/// What one `remove_holders_owing` did.
+#[derive(Clone, Copy, Debug, Default)]
+struct Removal {
+    removed: usize,
+    /// The parent that lost a child because the slot left this block; its child count
+    /// is still to be updated.
+    left_parent: Option<BlockKey>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -442,17 +455,37 @@ impl PrefixIndex {
                 .collect(),
             None => SmallVec::from_elem(None, engine_hashes.len()),
         };
-        for (&engine_hash, key) in engine_hashes.iter().zip(keys) {
-            let removed = match key {
-                Some(key) => self.remove_holders(slot, key, |h| {
-                    h.engine_hash == engine_hash && tier.is_none_or(|t| h.tier == t)
-                }),
-                None => 0,
+        // Engines usually remove a chain leaf first, so the block a removal takes a child
+        // from is the next one removed: that child count is then settled together with
+        // the next removal, on the entry it looks up anyway (`owed`).
+        let mut owed: Option<BlockKey> = None;
+        for (i, &engine_hash) in engine_hashes.iter().enumerate() {
+            let removal = match keys[i] {
+                Some(key) => self.remove_holders_owing(
+                    slot,
+                    key,
+                    |h| h.engine_hash == engine_hash && tier.is_none_or(|t| h.tier == t),
+                    owed.take_if(|o| *o == key).is_some(),
+                ),
+                None => Removal::default(),
             };
-            if removed == 0 {
+            if let Some(parent) = owed.take() {
+                self.child_removed(slot, parent);
+            }
+            if let Some(parent) = removal.left_parent {
+                if keys.get(i + 1).copied().flatten() == Some(parent) {
+                    owed = Some(parent);
+                } else {
+                    self.child_removed(slot, parent);
+                }
+            }
+            if removal.removed == 0 {
                 outcome.unknown += 1;
             }
-            outcome.removed += removed;
+            outcome.removed += removal.removed;
+        }
+        if let Some(parent) = owed {
+            self.child_removed(slot, parent);
         }
         self.stats.removed_blocks += outcome.removed as u64;
         self.stats.unknown_removals += outcome.unknown as u64;
@@ -636,18 +669,49 @@ impl PrefixIndex {
         key: BlockKey,
         pred: impl Fn(&Holder) -> bool,
     ) -> usize {
-        let Some(entry) = self.blocks.get_mut(&key) else {
-            return 0;
+        let removal = self.remove_holders_owing(slot, key, pred, false);
+        if let Some(parent) = removal.left_parent {
+            self.child_removed(slot, parent);
+        }
+        removal.removed
+    }
+
+    /// [`Self::remove_holders`] without the parent's child count, which is left to the
+    /// caller (`left_parent`); with `owed_child`, first does `child_removed(slot, key)`
+    /// on the entry it looks up anyway.
+    fn remove_holders_owing(
+        &mut self,
+        slot: u16,
+        key: BlockKey,
+        pred: impl Fn(&Holder) -> bool,
+        owed_child: bool,
+    ) -> Removal {
+        // One lookup serves the update and, when nobody holds the block any more, its
+        // removal.
+        let Some(mut found) = self.blocks.find_entry(&key) else {
+            if owed_child {
+                self.child_removed(slot, key);
+            }
+            return Removal::default();
         };
+        let entry = found.get_mut();
+        if owed_child {
+            if entry.holds(slot) {
+                let queue = self.tracking.then_some(&mut self.queue);
+                held_block_lost_child(entry, key, slot, &mut self.next_stamp, queue);
+            } else if let Some(state) = self.slots.get_mut(slot as usize).and_then(Option::as_mut) {
+                orphan_child_left(state, key);
+            }
+        }
         let before = (entry.holds(slot), entry.holds_on_device(slot));
         let mut gone: SmallVec<[u64; 2]> = SmallVec::new();
         entry.remove_holders(|h| h.slot == slot && pred(h), |h| gone.push(h.engine_hash));
         if gone.is_empty() {
-            return 0;
+            return Removal::default();
         }
         let after = entry.refresh_membership(slot);
         let Some(state) = self.slots.get_mut(slot as usize).and_then(Option::as_mut) else {
-            return 0;
+            return Removal::default();
         };
         let mut left_parent = None;
         if before.0 && !after.0 {
@@ -665,23 +729,27 @@ impl PrefixIndex {
             let mapped = entry
                 .holders()
                 .any(|h| h.slot == slot && h.engine_hash == *eh);
-            if !mapped && state.engine_to_key.get(eh) == Some(&key) {
-                state.engine_to_key.remove(eh);
+            if !mapped {
+                if let HashMapEntry::Occupied(o) = state.engine_to_key.entry(*eh) {
+                    if *o.get() == key {
+                        o.remove();
+                    }
+                }
             }
         }
         if !entry.has_holders() {
-            self.blocks.remove(&key);
+            found.remove();
         }
         let removed = gone.len();
         self.live -= removed;
         state.entries -= removed;
-        if let Some(parent) = left_parent {
-            self.child_removed(slot, parent);
-        }
         if left {
             self.last_left = Some((slot, key));
         }
-        removed
+        Removal {
+            removed,
+            left_parent,
+        }
     }
 
     fn clear_slot(&mut self, slot: u16) -> usize {

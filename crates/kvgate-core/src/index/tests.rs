@@ -620,11 +620,15 @@ enum Op {
         tier: Tier,
         bogus_parent: bool,
     },
+    /// Removes `len` consecutive blocks of a sequence in one event, leaf first (as
+    /// engines evict) or root first; `bogus` puts an unknown hash in the middle.
     Remove {
         w: u32,
         r: u32,
         seq: usize,
         block: usize,
+        len: usize,
+        leaf_first: bool,
         tier: Option<Tier>,
         bogus: bool,
     },
@@ -645,8 +649,8 @@ fn op_strategy() -> impl Strategy<Value = Op> {
     prop_oneof![
         6 => (0..3u32, 0..2u32, 0..4usize, 0..6usize, 1..4usize, tier_strategy(), prop::bool::weighted(0.05))
             .prop_map(|(w, r, seq, start, len, tier, bogus_parent)| Op::Store { w, r, seq, start, len, tier, bogus_parent }),
-        3 => (0..3u32, 0..2u32, 0..4usize, 0..8usize, prop::option::of(tier_strategy()), prop::bool::weighted(0.1))
-            .prop_map(|(w, r, seq, block, tier, bogus)| Op::Remove { w, r, seq, block, tier, bogus }),
+        3 => (0..3u32, 0..2u32, 0..4usize, 0..8usize, 1..4usize, prop::bool::weighted(0.7), prop::option::of(tier_strategy()), prop::bool::weighted(0.1))
+            .prop_map(|(w, r, seq, block, len, leaf_first, tier, bogus)| Op::Remove { w, r, seq, block, len, leaf_first, tier, bogus }),
         1 => (0..3u32, 0..2u32).prop_map(|(w, r)| Op::Clear { w, r }),
         1 => (0..3u32).prop_map(|w| Op::RemoveWorker { w }),
     ]
@@ -703,16 +707,21 @@ fn apply_op(idx: &mut PrefixIndex, model: &mut Model, op: Op) {
             r,
             seq,
             block,
+            len,
+            leaf_first,
             tier,
             bogus,
         } => {
-            let eh = if bogus {
-                999_999
-            } else {
-                engine_hash(w, seq, block)
-            };
-            idx.apply_removed(at(w, r), &[eh], tier);
-            model.remove(at(w, r), &[eh], tier);
+            let end = (block + len).min(8);
+            let mut hashes: Vec<u64> = (block..end).map(|b| engine_hash(w, seq, b)).collect();
+            if leaf_first {
+                hashes.reverse();
+            }
+            if bogus {
+                hashes.insert(hashes.len() / 2, 999_999);
+            }
+            idx.apply_removed(at(w, r), &hashes, tier);
+            model.remove(at(w, r), &hashes, tier);
         }
         Op::Clear { w, r } => {
             idx.clear(at(w, r));
