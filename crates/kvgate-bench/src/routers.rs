@@ -100,10 +100,7 @@ impl std::fmt::Display for PolicySpec {
 /// A bare policy name, without options (`RouterSpec::Kvgate("kv_aware".into())`).
 impl From<&str> for PolicySpec {
     fn from(name: &str) -> Self {
-        Self {
-            name: name.to_string(),
-            options: Vec::new(),
-        }
+        name.to_string().into()
     }
 }
 

@@ -174,27 +174,29 @@ impl BlockEntry {
     /// Word `w` of the set of slots holding the block at any tier.
     #[inline]
     pub(super) fn any_word(&self, w: usize) -> u64 {
-        if w == 0 {
-            self.any
-        } else {
-            self.wide
-                .as_deref()
-                .and_then(|x| x.any_hi.get(w - 1).copied())
-                .unwrap_or(0)
-        }
+        self.word(false, w)
     }
 
     /// Word `w` of the set of slots holding the block on the device tier.
     #[inline]
     pub(super) fn device_word(&self, w: usize) -> u64 {
+        self.word(true, w)
+    }
+
+    /// Word `w` of the device set or of the any-tier set (as in `set_bit`).
+    #[inline]
+    fn word(&self, device: bool, w: usize) -> u64 {
         if w == 0 {
-            self.device
-        } else {
-            self.wide
-                .as_deref()
-                .and_then(|x| x.device_hi.get(w - 1).copied())
-                .unwrap_or(0)
+            return if device { self.device } else { self.any };
         }
+        self.wide
+            .as_deref()
+            .and_then(|x| {
+                if device { &x.device_hi } else { &x.any_hi }
+                    .get(w - 1)
+                    .copied()
+            })
+            .unwrap_or(0)
     }
 
     /// Number of words of the slot sets (at least 1).

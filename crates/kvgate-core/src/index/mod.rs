@@ -457,24 +457,23 @@ impl PrefixIndex {
         };
         // Engines usually remove a chain leaf first, so the block a removal takes a child
         // from is the next one removed: that child count is then settled together with
-        // the next removal, on the entry it looks up anyway (`owed`).
-        let mut owed: Option<BlockKey> = None;
+        // the next removal, on the entry it looks up anyway (`owes_child`; it is only set
+        // when the next key is that parent).
+        let mut owes_child = false;
         for (i, &engine_hash) in engine_hashes.iter().enumerate() {
             let removal = match keys[i] {
                 Some(key) => self.remove_holders_owing(
                     slot,
                     key,
                     |h| h.engine_hash == engine_hash && tier.is_none_or(|t| h.tier == t),
-                    owed.take_if(|o| *o == key).is_some(),
+                    owes_child,
                 ),
                 None => Removal::default(),
             };
-            if let Some(parent) = owed.take() {
-                self.child_removed(slot, parent);
-            }
+            owes_child = false;
             if let Some(parent) = removal.left_parent {
                 if keys.get(i + 1).copied().flatten() == Some(parent) {
-                    owed = Some(parent);
+                    owes_child = true;
                 } else {
                     self.child_removed(slot, parent);
                 }
@@ -483,9 +482,6 @@ impl PrefixIndex {
                 outcome.unknown += 1;
             }
             outcome.removed += removal.removed;
-        }
-        if let Some(parent) = owed {
-            self.child_removed(slot, parent);
         }
         self.stats.removed_blocks += outcome.removed as u64;
         self.stats.unknown_removals += outcome.unknown as u64;

@@ -119,9 +119,7 @@ impl KvAwarePolicy {
             pending: Mutex::new(DecisionMemory::default()),
         }
     }
-}
 
-impl KvAwarePolicy {
     /// Indices of the candidates within the load bound (never empty: the least loaded
     /// candidate always is).
     fn within_load_bound(&self, lines: &[WorkerScore]) -> Vec<usize> {

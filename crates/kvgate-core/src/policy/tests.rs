@@ -610,16 +610,19 @@ fn kv_aware_credits_its_own_recent_decisions_before_events_arrive() {
     let mut next = first.clone();
     next.extend(90_000..90_256);
     let next_keys = index.hasher().block_keys(&next);
-    let d2 = select(
-        &policy,
-        Some(&next_keys),
-        next.len() as u32,
-        None,
-        &ws,
-        &ledger,
-        Some(&index),
-    )
-    .unwrap();
+    let route_next = |policy: &KvAwarePolicy| {
+        select(
+            policy,
+            Some(&next_keys),
+            next.len() as u32,
+            None,
+            &ws,
+            &ledger,
+            Some(&index),
+        )
+        .unwrap()
+    };
+    let d2 = route_next(&policy);
     assert_eq!(
         d2.worker, d.worker,
         "follow-up goes where its prefix is being computed"
@@ -633,17 +636,7 @@ fn kv_aware_credits_its_own_recent_decisions_before_events_arrive() {
         },
         Some(3),
     );
-    let d3 = select(
-        &forgetful,
-        Some(&next_keys),
-        next.len() as u32,
-        None,
-        &ws,
-        &ledger,
-        Some(&index),
-    )
-    .unwrap();
-    assert_ne!(d3.worker, d.worker);
+    assert_ne!(route_next(&forgetful).worker, d.worker);
 }
 
 /// Four workers; worker 0 caches a conversation's history and has prompts of the given
