@@ -9,6 +9,19 @@
 //! can leak it; [`Ledger::sweep_expired`] is the backstop for guards that were leaked
 //! anyway (e.g. a task that never finished), and counts what it frees. Freeing twice or
 //! freeing an unknown id is harmless.
+//!
+//! Two things the ledger learns from its bookings, for kv_aware:
+//! * **Prompts in prefill.** While a booking's prefill is pending, its prompt's block
+//!   keys (every [`PREFILL_CHECKPOINT_STRIDE`]-th one) are what that worker is computing
+//!   now, before any KV event can say so. [`Ledger::prefill_credits`] answers "how much
+//!   of this prompt is being prefilled on each candidate". The credit ends with the
+//!   evidence: at the first token (the engine has stored the blocks and published
+//!   their events, so the index takes over) or when the booking ends, whichever comes
+//!   first. It is never renewed by being read or by a later booking of the same prefix.
+//! * **Prediction accuracy.** When the engine reports how many prompt tokens it served
+//!   from cache, the guard passes that on and the ledger keeps, per worker, decayed sums
+//!   of predicted and reported cached tokens, and how much of the credited part came
+//!   true ([`WorkerAccuracy`]).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -17,7 +30,24 @@ use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 
+use smallvec::SmallVec;
+
+use crate::hashing::BlockKey;
 use crate::ids::WorkerId;
+
+/// A prompt in prefill is remembered by every this many block keys (positions
+/// `stride - 1`, `2·stride - 1`, …; a chained key stands for its whole prefix), so an
+/// 8,192-token prompt at block size 16 costs 32 map entries, and a credit is rounded
+/// down to a multiple of the stride.
+pub const PREFILL_CHECKPOINT_STRIDE: usize = 16;
+
+/// Weight of one more sample in the per-worker accuracy sums: older samples decay by
+/// `1 - 1/ACCURACY_WINDOW` per sample, so the sums describe about the last 64 responses.
+const ACCURACY_WINDOW: f64 = 64.0;
+
+/// Prior of the credit trust, in tokens credited and all realized: a worker starts fully
+/// trusted, and a handful of short credits cannot swing its trust.
+const CREDIT_TRUST_PRIOR_TOKENS: f64 = 2048.0;
 
 /// Floor of a booking's decode weight: a request that has run past its expected length
 /// still occupies its blocks until it ends.
@@ -27,8 +57,14 @@ const MIN_DECODE_WEIGHT: f64 = 0.1;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BookingSpec {
     pub prompt_tokens: u32,
-    /// Prompt tokens predicted to be served from the worker's prefix cache.
+    /// Prompt tokens predicted to be served from the worker's prefix cache (the whole
+    /// prediction: the indexed part plus the credited part as far as it is trusted).
     pub cached_tokens: u32,
+    /// Of the prediction, the tokens the prefix index showed cached on the worker.
+    pub indexed_tokens: u32,
+    /// Tokens credited beyond the index because another booking on this worker is
+    /// prefilling them (raw, before trust), 0 when no credit was given.
+    pub credited_tokens: u32,
     /// `max_tokens`, or a better hint of the output length, when known.
     pub expected_output_tokens: Option<u32>,
 }
@@ -43,6 +79,62 @@ pub struct WorkerLoad {
     pub decode_blocks: f64,
 }
 
+/// How well this router's predictions of cached tokens on one worker matched what the
+/// engine reported, over about the last [`ACCURACY_WINDOW`] responses that carried a
+/// report (sums decay per sample).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct WorkerAccuracy {
+    /// Responses that carried a cached-token report (not decayed).
+    pub samples: u64,
+    /// Decayed sum of predicted cached tokens.
+    pub predicted: f64,
+    /// Decayed sum of engine-reported cached tokens.
+    pub reported: f64,
+    /// Decayed sum of tokens credited beyond the index (prefill in progress).
+    pub credited: f64,
+    /// Decayed sum of the credited tokens the engine did serve from cache.
+    pub credit_realized: f64,
+}
+
+impl WorkerAccuracy {
+    /// Predicted over reported cached tokens (1 = honest; above 1 = over-predicting),
+    /// `None` until a report with cached tokens arrived.
+    pub fn ratio(&self) -> Option<f64> {
+        (self.reported > 0.0).then(|| self.predicted / self.reported)
+    }
+
+    /// The share of credited tokens that the engine turned out to serve from cache,
+    /// shrunk toward 1 by a prior worth [`CREDIT_TRUST_PRIOR_TOKENS`]: in `(0, 1]`.
+    pub fn credit_trust(&self) -> f64 {
+        (self.credit_realized + CREDIT_TRUST_PRIOR_TOKENS)
+            / (self.credited + CREDIT_TRUST_PRIOR_TOKENS)
+    }
+
+    fn record(&mut self, spec: &BookingSpec, reported: u32) {
+        let keep = 1.0 - 1.0 / ACCURACY_WINDOW;
+        let reported = reported.min(spec.prompt_tokens);
+        // The engine's report beyond what the index showed is what the credit bought.
+        let realized = reported
+            .saturating_sub(spec.indexed_tokens)
+            .min(spec.credited_tokens);
+        self.samples += 1;
+        self.predicted = self.predicted * keep + f64::from(spec.cached_tokens);
+        self.reported = self.reported * keep + f64::from(reported);
+        self.credited = self.credited * keep + f64::from(spec.credited_tokens);
+        self.credit_realized = self.credit_realized * keep + f64::from(realized);
+    }
+}
+
+/// What [`Ledger::prefill_credits`] says of one candidate.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PrefillCredit {
+    /// Leading blocks of the request that a booking on this worker is prefilling now
+    /// (a multiple of [`PREFILL_CHECKPOINT_STRIDE`]).
+    pub blocks: u32,
+    /// The worker's [`WorkerAccuracy::credit_trust`].
+    pub trust: f64,
+}
+
 /// Cumulative counters.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct LedgerStats {
@@ -53,7 +145,7 @@ pub struct LedgerStats {
     pub active: u64,
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Booking {
     worker: WorkerId,
     spec: BookingSpec,
@@ -62,6 +154,8 @@ struct Booking {
     /// Decode blocks this booking currently contributes to its worker.
     decode_blocks: f64,
     booked_at: Instant,
+    /// Checkpoint keys of the prompt while its prefill is pending (empty after).
+    prefilling: Box<[BlockKey]>,
 }
 
 #[derive(Debug, Default)]
@@ -69,7 +163,24 @@ struct Inner {
     next_id: u64,
     bookings: FxHashMap<u64, Booking>,
     loads: FxHashMap<WorkerId, WorkerLoad>,
+    /// Checkpoint key → bookings whose prompt is being prefilled and has that key.
+    prefilling: FxHashMap<BlockKey, SmallVec<[(WorkerId, u64); 2]>>,
+    accuracy: FxHashMap<WorkerId, WorkerAccuracy>,
     stats: LedgerStats,
+}
+
+impl Inner {
+    /// Ends a booking's prefill credit (first token, or the booking ended).
+    fn end_prefill_credit(&mut self, id: u64, keys: &[BlockKey]) {
+        for key in keys {
+            if let Some(holders) = self.prefilling.get_mut(key) {
+                holders.retain(|(_, b)| *b != id);
+                if holders.is_empty() {
+                    self.prefilling.remove(key);
+                }
+            }
+        }
+    }
 }
 
 /// Per-worker load booked by this router. Internally synchronized; share as `Arc`.
@@ -92,17 +203,29 @@ impl Ledger {
         self.block_size
     }
 
-    /// Books a request on `worker`. The returned guard frees the booking when dropped.
+    /// Books a request on `worker`; `prompt_keys` are the prompt's block keys (empty
+    /// when unknown), credited as "being prefilled on `worker`" until the first token.
+    /// The returned guard frees the booking when dropped.
     pub fn book(
         self: &Arc<Self>,
         worker: WorkerId,
         spec: BookingSpec,
+        prompt_keys: &[BlockKey],
         now: Instant,
     ) -> BookingGuard {
+        let cached_tokens = spec.cached_tokens.min(spec.prompt_tokens);
         let spec = BookingSpec {
-            cached_tokens: spec.cached_tokens.min(spec.prompt_tokens),
+            cached_tokens,
+            indexed_tokens: spec.indexed_tokens.min(cached_tokens),
+            credited_tokens: spec.credited_tokens.min(spec.prompt_tokens),
             ..spec
         };
+        let checkpoints: Box<[BlockKey]> = prompt_keys
+            .iter()
+            .skip(PREFILL_CHECKPOINT_STRIDE - 1)
+            .step_by(PREFILL_CHECKPOINT_STRIDE)
+            .copied()
+            .collect();
         let mut booking = Booking {
             worker,
             spec,
@@ -110,11 +233,15 @@ impl Ledger {
             output_tokens: 0,
             decode_blocks: 0.0,
             booked_at: now,
+            prefilling: checkpoints,
         };
         booking.decode_blocks = self.decode_blocks(&booking);
         let mut inner = self.inner.lock();
         inner.next_id += 1;
         let id = inner.next_id;
+        for key in booking.prefilling.iter() {
+            inner.prefilling.entry(*key).or_default().push((worker, id));
+        }
         let load = inner.loads.entry(worker).or_default();
         load.in_flight += 1;
         load.prefill_tokens += u64::from(spec.prompt_tokens - spec.cached_tokens);
@@ -142,26 +269,119 @@ impl Ledger {
         blocks * weight
     }
 
-    /// Marks the request's prefill done (its first token arrived). Idempotent.
-    pub fn prefill_done(&self, id: u64) {
+    /// Marks the request's prefill done (its first token arrived), which also ends its
+    /// prefill credit. Idempotent.
+    fn prefill_done(&self, id: u64) {
         let mut inner = self.inner.lock();
         let Inner {
             bookings, loads, ..
         } = &mut *inner;
-        if let Some(b) = bookings.get_mut(&id) {
-            if b.prefill_pending {
-                b.prefill_pending = false;
-                if let Some(load) = loads.get_mut(&b.worker) {
-                    load.prefill_tokens = load
-                        .prefill_tokens
-                        .saturating_sub(u64::from(b.spec.prompt_tokens - b.spec.cached_tokens));
-                }
-            }
+        let Some(b) = bookings.get_mut(&id) else {
+            return;
+        };
+        if !b.prefill_pending {
+            return;
+        }
+        b.prefill_pending = false;
+        if let Some(load) = loads.get_mut(&b.worker) {
+            load.prefill_tokens = load
+                .prefill_tokens
+                .saturating_sub(u64::from(b.spec.prompt_tokens - b.spec.cached_tokens));
+        }
+        let keys = std::mem::take(&mut b.prefilling);
+        inner.end_prefill_credit(id, &keys);
+    }
+
+    /// The engine reported `reported` prompt tokens served from cache for booking `id`.
+    fn engine_reported_cached(&self, id: u64, reported: u32) {
+        let mut inner = self.inner.lock();
+        let Inner {
+            bookings, accuracy, ..
+        } = &mut *inner;
+        if let Some(b) = bookings.get(&id) {
+            accuracy
+                .entry(b.worker)
+                .or_default()
+                .record(&b.spec, reported);
         }
     }
 
+    /// Per candidate (in `candidates` order): the leading blocks of `keys` that a booking
+    /// on it, made within `max_age` of `now`, is prefilling now, and how far the
+    /// worker's credits have come true. Probes the request's checkpoints from the
+    /// deepest down, so the cost is a few map lookups however many bookings exist.
+    pub fn prefill_credits(
+        &self,
+        keys: &[BlockKey],
+        candidates: &[WorkerId],
+        now: Instant,
+        max_age: Duration,
+    ) -> Vec<PrefillCredit> {
+        let inner = self.inner.lock();
+        let mut out: Vec<PrefillCredit> = candidates
+            .iter()
+            .map(|w| PrefillCredit {
+                blocks: 0,
+                trust: inner
+                    .accuracy
+                    .get(w)
+                    .map_or(1.0, WorkerAccuracy::credit_trust),
+            })
+            .collect();
+        if inner.prefilling.is_empty() {
+            return out;
+        }
+        let stride = PREFILL_CHECKPOINT_STRIDE;
+        let mut missing = candidates.len();
+        let mut p = (keys.len() / stride) * stride;
+        while p >= stride && missing > 0 {
+            if let Some(holders) = inner.prefilling.get(&keys[p - 1]) {
+                for (worker, id) in holders {
+                    let fresh = inner
+                        .bookings
+                        .get(id)
+                        .is_some_and(|b| now.saturating_duration_since(b.booked_at) <= max_age);
+                    if !fresh {
+                        continue;
+                    }
+                    if let Some(i) = candidates.iter().position(|w| w == worker) {
+                        if out[i].blocks == 0 {
+                            out[i].blocks = p as u32;
+                            missing -= 1;
+                        }
+                    }
+                }
+            }
+            p -= stride;
+        }
+        out
+    }
+
+    /// Prediction accuracy of one worker (default when nothing was reported yet).
+    pub fn accuracy(&self, worker: WorkerId) -> WorkerAccuracy {
+        self.inner
+            .lock()
+            .accuracy
+            .get(&worker)
+            .copied()
+            .unwrap_or_default()
+    }
+
+    /// Every worker with an accuracy record.
+    pub fn accuracies(&self) -> Vec<(WorkerId, WorkerAccuracy)> {
+        let inner = self.inner.lock();
+        let mut out: Vec<_> = inner.accuracy.iter().map(|(w, a)| (*w, *a)).collect();
+        out.sort_by_key(|(w, _)| *w);
+        out
+    }
+
+    /// Forgets a removed worker's accuracy record (its bookings end with their guards).
+    pub fn forget_worker(&self, worker: WorkerId) {
+        self.inner.lock().accuracy.remove(&worker);
+    }
+
     /// Records that the request has produced `output_tokens` tokens so far.
-    pub fn progress(&self, id: u64, output_tokens: u32) {
+    fn progress(&self, id: u64, output_tokens: u32) {
         let mut inner = self.inner.lock();
         let Inner {
             bookings, loads, ..
@@ -180,7 +400,8 @@ impl Ledger {
     }
 
     /// Frees a booking. Returns false when it was already freed or never existed.
-    pub fn free(&self, id: u64) -> bool {
+    /// Only the guard and the sweep free bookings.
+    fn free(&self, id: u64) -> bool {
         let mut inner = self.inner.lock();
         Self::free_locked(&mut inner, id)
     }
@@ -189,6 +410,7 @@ impl Ledger {
         let Some(b) = inner.bookings.remove(&id) else {
             return false;
         };
+        inner.end_prefill_credit(id, &b.prefilling);
         if let Some(load) = inner.loads.get_mut(&b.worker) {
             load.in_flight = load.in_flight.saturating_sub(1);
             if b.prefill_pending {
@@ -287,6 +509,12 @@ impl BookingGuard {
     pub fn progress(&self, output_tokens: u32) {
         self.ledger.progress(self.id, output_tokens);
     }
+
+    /// The engine reported `tokens` prompt tokens served from its prefix cache (the
+    /// response's `usage.prompt_tokens_details.cached_tokens`).
+    pub fn engine_reported_cached(&self, tokens: u32) {
+        self.ledger.engine_reported_cached(self.id, tokens);
+    }
 }
 
 impl Drop for BookingGuard {
@@ -304,6 +532,8 @@ mod tests {
         BookingSpec {
             prompt_tokens: prompt,
             cached_tokens: cached,
+            indexed_tokens: cached,
+            credited_tokens: 0,
             expected_output_tokens: expected,
         }
     }
@@ -312,7 +542,7 @@ mod tests {
     fn lifecycle_tracks_prefill_and_decode() {
         let ledger = Ledger::new(16);
         let now = Instant::now();
-        let g = ledger.book(WorkerId(1), spec(160, 32, Some(100)), now);
+        let g = ledger.book(WorkerId(1), spec(160, 32, Some(100)), &[], now);
         let l = ledger.load(WorkerId(1));
         assert_eq!((l.in_flight, l.prefill_tokens), (1, 128));
         assert!((l.decode_blocks - 10.0).abs() < 1e-9);
@@ -332,7 +562,7 @@ mod tests {
     #[test]
     fn freeing_twice_or_unknown_is_harmless() {
         let ledger = Ledger::new(16);
-        let g = ledger.book(WorkerId(0), spec(10, 0, None), Instant::now());
+        let g = ledger.book(WorkerId(0), spec(10, 0, None), &[], Instant::now());
         assert!(ledger.free(g.id()));
         assert!(!ledger.free(g.id()));
         assert!(!ledger.free(12345));
@@ -345,8 +575,13 @@ mod tests {
     fn sweep_frees_only_stale_bookings_and_counts_them() {
         let ledger = Ledger::new(16);
         let t0 = Instant::now();
-        let old = ledger.book(WorkerId(0), spec(10, 0, None), t0);
-        let fresh = ledger.book(WorkerId(0), spec(10, 0, None), t0 + Duration::from_secs(50));
+        let old = ledger.book(WorkerId(0), spec(10, 0, None), &[], t0);
+        let fresh = ledger.book(
+            WorkerId(0),
+            spec(10, 0, None),
+            &[],
+            t0 + Duration::from_secs(50),
+        );
         let swept = ledger.sweep_expired(t0 + Duration::from_secs(61), Duration::from_secs(60));
         assert_eq!(swept, 1);
         assert_eq!(ledger.stats().swept, 1);
@@ -354,6 +589,128 @@ mod tests {
         drop(old); // its guard drops later: harmless
         drop(fresh);
         assert_eq!(ledger.stats().active, 0);
+    }
+
+    /// Block keys of a prompt: shared across workers for the first 64 blocks.
+    fn keys(worker: u32, prompt: u32) -> Vec<BlockKey> {
+        (0..u64::from(prompt / 16))
+            .map(|i| {
+                BlockKey(if i < 64 {
+                    i
+                } else {
+                    (u64::from(worker) << 32) | i
+                })
+            })
+            .collect()
+    }
+
+    fn prefilling_blocks(ledger: &Ledger, keys: &[BlockKey], ws: &[WorkerId]) -> Vec<u32> {
+        ledger
+            .prefill_credits(keys, ws, Instant::now(), Duration::from_secs(60))
+            .iter()
+            .map(|c| c.blocks)
+            .collect()
+    }
+
+    /// A prompt is credited to its worker while its prefill is pending, and no longer
+    /// once the first token arrived: the engine's events take over from there.
+    #[test]
+    fn prefill_credit_lasts_until_the_first_token() {
+        let ledger = Ledger::new(16);
+        let ws = [WorkerId(0), WorkerId(1)];
+        let prompt = keys(0, 16 * 40);
+        let g = ledger.book(WorkerId(1), spec(16 * 40, 0, None), &prompt, Instant::now());
+        // 40 blocks: checkpoints at 16 and 32, so the credit is 32 blocks.
+        assert_eq!(prefilling_blocks(&ledger, &prompt, &ws), [0, 32]);
+        // A request sharing only the first 20 blocks is credited 16.
+        assert_eq!(prefilling_blocks(&ledger, &prompt[..20], &ws), [0, 16]);
+        g.prefill_done();
+        assert_eq!(prefilling_blocks(&ledger, &prompt, &ws), [0, 0]);
+        drop(g);
+        assert!(ledger.inner.lock().prefilling.is_empty());
+    }
+
+    /// Reading a credit or booking the same prefix again never extends an old credit:
+    /// each booking's credit ends with its own prefill, and a credit older than
+    /// `max_age` (a request stuck in a queue) counts for nothing.
+    #[test]
+    fn prefill_credit_is_never_renewed_by_use() {
+        let ledger = Ledger::new(16);
+        let ws = [WorkerId(0)];
+        let prompt = keys(0, 16 * 16);
+        let t0 = Instant::now();
+        let first = ledger.book(WorkerId(0), spec(256, 0, None), &prompt, t0);
+        let later = t0 + Duration::from_secs(5);
+        let at = |now: Instant| {
+            ledger.prefill_credits(&prompt, &ws, now, Duration::from_secs(10))[0].blocks
+        };
+        assert_eq!(at(later), 16);
+        assert_eq!(at(t0 + Duration::from_secs(11)), 0, "older than max_age");
+        let second = ledger.book(WorkerId(0), spec(256, 0, None), &prompt, later);
+        assert_eq!(
+            at(t0 + Duration::from_secs(11)),
+            16,
+            "the second booking's own credit"
+        );
+        second.prefill_done();
+        assert_eq!(
+            at(t0 + Duration::from_secs(11)),
+            0,
+            "the first one was not renewed"
+        );
+        drop(first);
+    }
+
+    /// The accuracy record compares predictions with the engine's reports, and the
+    /// credit trust falls to the share of credited tokens that came true.
+    #[test]
+    fn accuracy_tracks_predicted_against_reported_and_credit_trust() {
+        let ledger = Ledger::new(16);
+        let w = WorkerId(3);
+        assert_eq!(ledger.accuracy(w).ratio(), None);
+        assert!((ledger.accuracy(w).credit_trust() - 1.0).abs() < 1e-12);
+        for _ in 0..200 {
+            // Predicted 1,024 cached: 512 from the index, 512 credited; the engine
+            // served only the indexed 512 from cache.
+            let g = ledger.book(
+                w,
+                BookingSpec {
+                    prompt_tokens: 2048,
+                    cached_tokens: 1024,
+                    indexed_tokens: 512,
+                    credited_tokens: 512,
+                    expected_output_tokens: None,
+                },
+                &[],
+                Instant::now(),
+            );
+            g.engine_reported_cached(512);
+        }
+        let a = ledger.accuracy(w);
+        assert_eq!(a.samples, 200);
+        assert!((a.ratio().unwrap() - 2.0).abs() < 1e-9, "{a:?}");
+        assert!(
+            a.credit_trust() < 0.1,
+            "credits that never come true lose trust: {a:?}"
+        );
+        // Credits that come true restore it.
+        for _ in 0..400 {
+            let g = ledger.book(
+                w,
+                BookingSpec {
+                    prompt_tokens: 2048,
+                    cached_tokens: 1024,
+                    indexed_tokens: 512,
+                    credited_tokens: 512,
+                    expected_output_tokens: None,
+                },
+                &[],
+                Instant::now(),
+            );
+            g.engine_reported_cached(1024);
+        }
+        assert!(ledger.accuracy(w).credit_trust() > 0.99);
+        assert!((ledger.accuracy(w).ratio().unwrap() - 1.0).abs() < 0.01);
     }
 
     #[derive(Clone, Debug)]
@@ -395,7 +752,7 @@ mod tests {
             for op in ops {
                 match op {
                     Op::Book { worker, prompt, cached, expected } => guards.push(Some(
-                        ledger.book(WorkerId(worker), spec(prompt, cached, expected), Instant::now()),
+                        ledger.book(WorkerId(worker), spec(prompt, cached, expected), &keys(worker, prompt), Instant::now()),
                     )),
                     Op::Prefill(i) => if let Some(Some(g)) = guards.get(i) { g.prefill_done() },
                     Op::Progress(i, n) => if let Some(Some(g)) = guards.get(i) { g.progress(n) },
@@ -408,6 +765,7 @@ mod tests {
             }
             drop(guards);
             prop_assert_eq!(ledger.stats().active, 0);
+            prop_assert!(ledger.inner.lock().prefilling.is_empty(), "a prefill credit outlived its booking");
             for (_, load) in ledger.loads() {
                 prop_assert_eq!(load, WorkerLoad::default());
             }

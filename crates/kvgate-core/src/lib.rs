@@ -23,7 +23,9 @@ pub use index::{
     StoreOutcome, StoredBlocks,
 };
 
-pub use ledger::{BookingGuard, BookingSpec, Ledger, LedgerStats, WorkerLoad};
+pub use ledger::{
+    BookingGuard, BookingSpec, Ledger, LedgerStats, PrefillCredit, WorkerAccuracy, WorkerLoad,
+};
 pub use policy::{
     build_policy, Decision, FleetView, KvAwareConfig, PolicyConfig, PolicyKind,
     PrefixAffinityConfig, RouteRequest, RoutingPolicy, SelectError, SessionConfig, WorkerScore,

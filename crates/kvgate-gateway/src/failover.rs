@@ -13,7 +13,7 @@ use axum::body::Body;
 use axum::response::Response;
 use bytes::Bytes;
 use http::{header, HeaderMap, StatusCode};
-use kvgate_core::{BookingSpec, Decision, WorkerId, WorkerScore};
+use kvgate_core::{Decision, WorkerId, WorkerScore};
 use smallvec::SmallVec;
 
 use crate::errors::ApiError;
@@ -93,11 +93,8 @@ pub async fn dispatch(
         );
         let guard = model.ledger.book(
             worker.id,
-            BookingSpec {
-                prompt_tokens: p.prompt_tokens,
-                cached_tokens: decision.predicted_cached_tokens,
-                expected_output_tokens: p.max_tokens,
-            },
+            decision.booking(p.prompt_tokens, p.max_tokens),
+            p.keys.as_deref().unwrap_or_default(),
             Instant::now(),
         );
         let last = attempt + 1 == cfg.failover.max_attempts;
@@ -278,6 +275,8 @@ mod tests {
             worker: WorkerId(1),
             policy: PolicyKind::KvAware,
             predicted_cached_tokens: 32,
+            indexed_cached_tokens: 32,
+            credited_tokens: 0,
             reason: "load bound: the cheapest workers are overloaded",
             scores: vec![score(0, 128, 30), score(1, 2, 3), score(2, 0, 2)],
         };

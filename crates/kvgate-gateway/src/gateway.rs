@@ -235,6 +235,7 @@ impl Gateway {
             s.shutdown();
         }
         self.purge(m, &w, "removed");
+        m.ledger.forget_worker(id);
         self.events.forget(id);
         tracing::info!(model = %m.name, worker = %w.url, id = %id, "worker removed");
         Some(w)

@@ -32,6 +32,8 @@ pub struct Metrics {
     worker_prefill_tokens: IntGaugeVec,
     worker_decode_blocks: GaugeVec,
     worker_healthy: IntGaugeVec,
+    worker_prediction_ratio: GaugeVec,
+    worker_credit_trust: GaugeVec,
     ledger_active: IntGaugeVec,
     ledger_booked: IntGaugeVec,
     ledger_swept: IntGaugeVec,
@@ -56,6 +58,12 @@ fn igauge(
     labels: &[&str],
 ) -> prometheus::Result<IntGaugeVec> {
     let g = IntGaugeVec::new(Opts::new(name, help), labels)?;
+    r.register(Box::new(g.clone()))?;
+    Ok(g)
+}
+
+fn gauge(r: &Registry, name: &str, help: &str, labels: &[&str]) -> prometheus::Result<GaugeVec> {
+    let g = GaugeVec::new(Opts::new(name, help), labels)?;
     r.register(Box::new(g.clone()))?;
     Ok(g)
 }
@@ -106,12 +114,10 @@ impl Metrics {
             index_purged_entries: counter(&r, "kvgate_index_purged_entries_total", "Index entries purged for dead or removed workers", &["model"])?,
             worker_in_flight: igauge(&r, "kvgate_worker_in_flight", "Requests in flight per worker (ledger)", mw)?,
             worker_prefill_tokens: igauge(&r, "kvgate_worker_prefill_tokens", "Uncached prompt tokens waiting for prefill per worker (ledger)", mw)?,
-            worker_decode_blocks: {
-                let g = GaugeVec::new(Opts::new("kvgate_worker_decode_blocks", "Weighted decode KV blocks per worker (ledger)"), mw)?;
-                r.register(Box::new(g.clone()))?;
-                g
-            },
+            worker_decode_blocks: gauge(&r, "kvgate_worker_decode_blocks", "Weighted decode KV blocks per worker (ledger)", mw)?,
             worker_healthy: igauge(&r, "kvgate_worker_healthy", "1 when the worker's circuit breaker is closed", mw)?,
+            worker_prediction_ratio: gauge(&r, "kvgate_worker_cached_tokens_prediction_ratio", "Predicted over engine-reported cached prompt tokens per worker, over about the last 64 reports (1 = honest, above 1 = over-predicting)", mw)?,
+            worker_credit_trust: gauge(&r, "kvgate_worker_credit_trust", "Share of tokens credited to a worker for prompts in prefill that its engine then served from cache (kv_aware weighs its credit by this)", mw)?,
             ledger_active: igauge(&r, "kvgate_ledger_active_bookings", "Bookings currently held", &["model"])?,
             ledger_booked: igauge(&r, "kvgate_ledger_booked_total", "Bookings made since start", &["model"])?,
             ledger_swept: igauge(&r, "kvgate_ledger_swept_total", "Bookings freed by the TTL sweep (leaks caught)", &["model"])?,
@@ -139,7 +145,13 @@ impl Metrics {
         ] {
             g.reset();
         }
-        self.worker_decode_blocks.reset();
+        for g in [
+            &self.worker_decode_blocks,
+            &self.worker_prediction_ratio,
+            &self.worker_credit_trust,
+        ] {
+            g.reset();
+        }
         fill(&ScrapeGauges { m: self });
         let mut buf = Vec::with_capacity(16 * 1024);
         if let Err(err) = TextEncoder::new().encode(&self.registry.gather(), &mut buf) {
@@ -175,6 +187,22 @@ impl ScrapeGauges<'_> {
             .worker_healthy
             .with_label_values(&l)
             .set(i64::from(healthy));
+    }
+
+    /// How honest the predictions for one worker have been (nothing until its engine
+    /// reported cached tokens).
+    pub fn accuracy(&self, model: &str, worker: &str, a: &kvgate_core::WorkerAccuracy) {
+        let l = [model, worker];
+        if let Some(ratio) = a.ratio() {
+            self.m
+                .worker_prediction_ratio
+                .with_label_values(&l)
+                .set(ratio);
+        }
+        self.m
+            .worker_credit_trust
+            .with_label_values(&l)
+            .set(a.credit_trust());
     }
 
     pub fn ledger(&self, model: &str, stats: &kvgate_core::LedgerStats) {

@@ -311,6 +311,9 @@ impl Observer {
                     .inc_by(p);
             }
             if let Some(cached) = u.prompt_tokens_details.and_then(|d| d.cached_tokens) {
+                if let Some(g) = &life.guard {
+                    g.engine_reported_cached(cached.min(u64::from(u32::MAX)) as u32);
+                }
                 let predicted = u64::from(life.predicted_cached);
                 m.predicted_cached_tokens
                     .with_label_values(&[model])

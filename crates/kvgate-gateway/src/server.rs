@@ -334,6 +334,7 @@ async fn metrics(State(gw): State<Arc<Gateway>>) -> Response {
                 let workers = m.workers();
                 for w in workers.iter() {
                     g.worker(&m.name, &w.url, &m.ledger.load(w.id), !w.breaker.is_open());
+                    g.accuracy(&m.name, &w.url, &m.ledger.accuracy(w.id));
                 }
                 g.ledger(&m.name, &m.ledger.stats());
                 if let Some(index) = &m.index {

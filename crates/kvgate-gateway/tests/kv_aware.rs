@@ -1,6 +1,7 @@
 //! kv_aware end to end with simulated vLLM engines: KV events reach the index, a
 //! repeated prompt goes to the worker holding its prefix, and the engine confirms the
-//! cache hit; removing the worker purges its index entries.
+//! cache hit and the per-worker prediction ratio stays honest; removing the worker
+//! purges its index entries.
 
 mod common;
 
@@ -11,6 +12,14 @@ use kvgate_core::{PolicyKind, WorkerRef};
 use kvgate_gateway::{start, WorkerConfig};
 use kvgate_mock_engine::{spawn, EngineConfig};
 use serde_json::{json, Value};
+
+/// The value of the sample whose name and labels are exactly `series`.
+fn gauge_value(metrics: &str, series: &str) -> Option<f64> {
+    metrics.lines().find_map(|l| {
+        let rest = l.strip_prefix(series)?;
+        rest.trim().parse().ok()
+    })
+}
 
 #[tokio::test]
 async fn repeated_prompt_follows_its_cached_prefix() {
@@ -104,6 +113,23 @@ async fn repeated_prompt_follows_its_cached_prefix() {
     assert!(
         metrics.contains("kvgate_kv_events_blocks_stored_total"),
         "{metrics}"
+    );
+    // Prediction honesty per worker: predicted over reported cached tokens, and the
+    // credit trust, for the worker that served the repeats.
+    let ratio = gauge_value(
+        &metrics,
+        &format!("kvgate_worker_cached_tokens_prediction_ratio{{model=\"m\",worker=\"{first}\"}}"),
+    )
+    .unwrap_or_else(|| panic!("no prediction ratio for {first}: {metrics}"));
+    assert!((0.8..=1.25).contains(&ratio), "prediction ratio {ratio}");
+    let trust = gauge_value(
+        &metrics,
+        &format!("kvgate_worker_credit_trust{{model=\"m\",worker=\"{first}\"}}"),
+    )
+    .unwrap_or_else(|| panic!("no credit trust for {first}: {metrics}"));
+    assert!(
+        (0.0..=1.0).contains(&trust) && trust > 0.5,
+        "credit trust {trust}"
     );
 
     // Removing the worker purges what the index says it holds.

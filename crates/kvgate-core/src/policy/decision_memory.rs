@@ -1,7 +1,7 @@
 //! Memory of a policy's own routing decisions: which worker got which block keys, and
 //! when. Owns only that memory, bounded by a TTL and a cap on entries; it knows nothing
-//! about load or engines. prefix_affinity routes on it alone; kv_aware uses it to credit
-//! prefixes it has just sent somewhere whose KV events have not arrived yet.
+//! about load or engines. prefix_affinity routes on it alone (kv_aware credits prompts in
+//! prefill from the ledger instead, where the credit ends with its request).
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -54,54 +54,6 @@ impl DecisionMemory {
             }
         }
         runs
-    }
-
-    /// Leading remembered blocks per candidate when only checkpoints were recorded
-    /// (see [`Self::record_checkpoints`]): a remembered key at position `p` stands for
-    /// the whole chained prefix `0..=p`, so the deepest one found is the run. Probes
-    /// the request's checkpoint positions from the deepest down.
-    pub(crate) fn checkpoint_runs(
-        &self,
-        keys: &[BlockKey],
-        candidates: &[WorkerId],
-        now: Instant,
-        ttl: Duration,
-        stride: usize,
-    ) -> Vec<u32> {
-        let mut runs = vec![0u32; candidates.len()];
-        let mut missing = candidates.len();
-        let stride = stride.max(1);
-        let mut p = (keys.len() / stride) * stride;
-        while p >= stride && missing > 0 {
-            if let Some(holders) = self.map.get(&keys[p - 1]) {
-                for (h, t) in holders {
-                    if now.saturating_duration_since(*t) > ttl {
-                        continue;
-                    }
-                    if let Some(i) = candidates.iter().position(|w| w == h) {
-                        if runs[i] == 0 {
-                            runs[i] = p as u32;
-                            missing -= 1;
-                        }
-                    }
-                }
-            }
-            p -= stride;
-        }
-        runs
-    }
-
-    /// Records only every `stride`-th key (positions `stride - 1`, `2·stride - 1`, …):
-    /// enough for [`Self::checkpoint_runs`], at 1/stride of the cost.
-    pub(crate) fn record_checkpoints(
-        &mut self,
-        keys: &[BlockKey],
-        worker: WorkerId,
-        now: Instant,
-        stride: usize,
-    ) {
-        let stride = stride.max(1);
-        self.record(keys.iter().skip(stride - 1).step_by(stride), worker, now);
     }
 
     pub(crate) fn record<'k>(
@@ -161,25 +113,5 @@ impl DecisionMemory {
         for key in keys {
             self.forget(key, worker, None);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn checkpoint_runs_round_down_to_the_deepest_recorded_checkpoint() {
-        let keys: Vec<BlockKey> = (0..40u64).map(BlockKey).collect();
-        let mut m = DecisionMemory::default();
-        let now = Instant::now();
-        let ttl = Duration::from_secs(10);
-        m.record_checkpoints(&keys[..37], WorkerId(1), now, 16);
-        assert_eq!(m.entries, 2, "positions 15 and 31 only");
-        let ws = [WorkerId(0), WorkerId(1)];
-        assert_eq!(m.checkpoint_runs(&keys, &ws, now, ttl, 16), [0, 32]);
-        assert_eq!(m.checkpoint_runs(&keys[..20], &ws, now, ttl, 16), [0, 16]);
-        let later = now + Duration::from_secs(11);
-        assert_eq!(m.checkpoint_runs(&keys, &ws, later, ttl, 16), [0, 0]);
     }
 }

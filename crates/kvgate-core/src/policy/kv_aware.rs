@@ -31,9 +31,26 @@
 //! dead. Herding on a prefix only one worker holds yet is bounded by the load bound:
 //! the holder stops being eligible once it is that far ahead.
 //!
-//! Decisions are also remembered for a few seconds (`pending_credit_secs`) and credited
-//! as device-cached on the chosen worker until the engine's KV events arrive, so a
-//! follow-up that arrives while its predecessor is still queued can find it.
+//! A prompt still being prefilled on a worker (booked in the ledger, first token not
+//! seen yet) is credited as device-cached there, so a follow-up that arrives while its
+//! predecessor is still queued can find it ([`Ledger::prefill_credits`]). The credit
+//! cannot outlive its evidence: it ends at that request's first token, when the engine
+//! has stored the blocks and published their events (from then on the index alone
+//! says what the worker holds, evictions included), or when the request ends, and at
+//! the latest `pending_credit_secs` after booking. Nothing renews it; a new or purged
+//! worker, with an empty index and nothing in prefill, competes on load at once.
+//!
+//! The credit is a forecast, so it is weighed by the worker's credit trust: the share
+//! of tokens credited to it that the engine then reported as served from cache
+//! ([`WorkerAccuracy::credit_trust`]). Scaling the credit by that share makes it an
+//! unbiased estimate of what the credit will really save, given how this worker's
+//! recent credits turned out: a worker whose cache is thrashing (credited prefixes
+//! evicted before the request ran) stops attracting follow-ups on the strength of
+//! blocks it will not have, while a worker whose credits come true keeps full credit.
+//! The prior behind the trust keeps a few samples from swinging it.
+//!
+//! [`Ledger::prefill_credits`]: crate::ledger::Ledger::prefill_credits
+//! [`WorkerAccuracy::credit_trust`]: crate::ledger::WorkerAccuracy::credit_trust
 
 use std::time::Duration;
 
@@ -41,12 +58,12 @@ use parking_lot::Mutex;
 use rand::rngs::SmallRng;
 use serde::{Deserialize, Serialize};
 
-use super::decision_memory::DecisionMemory;
 use super::scoring::{argmin_random_tie, load_lines, rng, softmax_sample, too_far_ahead};
 use super::{
     Decision, FleetView, PolicyKind, RouteRequest, RoutingPolicy, SelectError, WorkerScore,
 };
 use crate::ids::Tier;
+use crate::ledger::PrefillCredit;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -60,9 +77,10 @@ pub struct KvAwareConfig {
     /// uncached blocks (1 = DESIGN section 3). Below 1, waiting behind a prefix holder's
     /// queue is preferred to recomputing the prefix elsewhere, which costs the fleet.
     pub prefill_queue_weight: f64,
-    /// How long a decision is credited as "being cached" on the chosen worker until the
-    /// engine's KV events confirm it (a follow-up can arrive while the previous request's
-    /// prefill is still queued, before any event). 0 disables the credit.
+    /// Longest time a prompt in prefill is credited as "being cached" on its worker (a
+    /// follow-up can arrive while the previous request's prefill is still queued, before
+    /// any event). The credit ends earlier, at that request's first token or end, in
+    /// any case. 0 disables the credit.
     pub pending_credit_secs: f64,
     /// Extra weight of the lead in cached prefix that the best-cached candidate has over
     /// the runner-up (0 = DESIGN section 3). Keeps a conversation on the worker holding its
@@ -97,18 +115,10 @@ impl Default for KvAwareConfig {
     }
 }
 
-/// Decisions are remembered every this many blocks (the credit is rounded down to a
-/// multiple): an 8,192-token prompt costs 32 map entries instead of 512.
-const PENDING_STRIDE_BLOCKS: usize = 16;
-
-/// Cap on remembered (block, worker) decisions awaiting confirmation by events.
-const PENDING_MAX_ENTRIES: usize = 1_000_000;
-
 #[derive(Debug)]
 pub struct KvAwarePolicy {
     config: KvAwareConfig,
     rng: Mutex<SmallRng>,
-    pending: Mutex<DecisionMemory>,
 }
 
 impl KvAwarePolicy {
@@ -116,7 +126,6 @@ impl KvAwarePolicy {
         Self {
             config,
             rng: rng(seed),
-            pending: Mutex::new(DecisionMemory::default()),
         }
     }
 
@@ -160,31 +169,40 @@ impl RoutingPolicy for KvAwarePolicy {
         let c = &self.config;
         let pending_ttl =
             Duration::try_from_secs_f64(c.pending_credit_secs.max(0.0)).unwrap_or(Duration::ZERO);
-        let pending_runs = if pending_ttl.is_zero() {
-            vec![0; view.candidates.len()]
+        let credits = if pending_ttl.is_zero() {
+            vec![
+                PrefillCredit {
+                    blocks: 0,
+                    trust: 1.0
+                };
+                view.candidates.len()
+            ]
         } else {
-            self.pending.lock().checkpoint_runs(
-                keys,
-                view.candidates,
-                req.now,
-                pending_ttl,
-                PENDING_STRIDE_BLOCKS,
-            )
+            view.ledger
+                .prefill_credits(keys, view.candidates, req.now, pending_ttl)
         };
+        let mut indexed_device = vec![0u32; lines.len()];
+        let mut credited = vec![0u32; lines.len()];
         let cached: Vec<f64> = lines
             .iter_mut()
-            .zip(&pending_runs)
-            .map(|(line, pending)| {
+            .zip(&credits)
+            .enumerate()
+            .map(|(i, (line, credit))| {
                 if let Some(o) = overlaps.best_for(line.worker) {
                     line.overlap_blocks = o.blocks;
                 }
-                // A prefix just sent to this worker counts as device-cached until its
-                // events arrive (the index then knows, including any eviction).
-                if *pending > line.overlap_blocks.iter().sum::<u32>() {
-                    line.overlap_blocks = [*pending, 0, 0];
-                }
+                indexed_device[i] = line.overlap_blocks[Tier::Device.index()];
                 let [device, host, disk] = line.overlap_blocks.map(f64::from);
-                device + c.host_credit * host + c.disk_credit * disk
+                let indexed = device + c.host_credit * host + c.disk_credit * disk;
+                // A prompt being prefilled on this worker counts as device-cached beyond
+                // what the index shows, as far as this worker's credits come true.
+                credited[i] = credit
+                    .blocks
+                    .saturating_sub(line.overlap_blocks.iter().sum::<u32>());
+                if credited[i] > 0 {
+                    line.overlap_blocks[Tier::Device.index()] += credited[i];
+                }
+                indexed + credit.trust * f64::from(credited[i])
             })
             .collect();
         // Only a unique leader has an advantage: its lead over the runner-up.
@@ -226,13 +244,11 @@ impl RoutingPolicy for KvAwarePolicy {
             eligible[pick]
         };
         let chosen = &lines[i];
-        if !pending_ttl.is_zero() {
-            let mut pending = self.pending.lock();
-            pending.record_checkpoints(keys, chosen.worker, req.now, PENDING_STRIDE_BLOCKS);
-            pending.trim(req.now, pending_ttl, PENDING_MAX_ENTRIES);
-        }
-        let predicted_cached_tokens =
-            chosen.overlap_blocks[Tier::Device.index()] * index.block_size();
+        let bs = index.block_size();
+        let indexed_cached_tokens = indexed_device[i] * bs;
+        let credited_tokens = credited[i] * bs;
+        let trusted_credit = (credits[i].trust * f64::from(credited_tokens)).round() as u32;
+        let predicted_cached_tokens = indexed_cached_tokens + trusted_credit;
         let best_cost = costs.iter().copied().fold(f64::INFINITY, f64::min);
         let reason = if costs[i] > best_cost {
             "load bound: the cheapest workers are overloaded"
@@ -245,6 +261,8 @@ impl RoutingPolicy for KvAwarePolicy {
             worker: chosen.worker,
             policy: PolicyKind::KvAware,
             predicted_cached_tokens,
+            indexed_cached_tokens,
+            credited_tokens,
             reason,
             scores: lines,
         })

@@ -66,6 +66,8 @@ impl RoutingPolicy for LeastLoadedPolicy {
             worker: view.candidates[i],
             policy: PolicyKind::LeastLoaded,
             predicted_cached_tokens: 0,
+            indexed_cached_tokens: 0,
+            credited_tokens: 0,
             reason: "less loaded of two random candidates",
             scores: lines,
         })

@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 use crate::hashing::BlockKey;
 use crate::ids::WorkerId;
 use crate::index::PrefixIndex;
-use crate::ledger::Ledger;
+use crate::ledger::{BookingSpec, Ledger};
 
 pub use kv_aware::{KvAwareConfig, KvAwarePolicy};
 pub use least_loaded::LeastLoadedPolicy;
@@ -200,8 +200,27 @@ pub struct Decision {
     pub policy: PolicyKind,
     /// Prompt tokens the policy expects the chosen worker to serve from its cache.
     pub predicted_cached_tokens: u32,
+    /// Of the prediction, the tokens the prefix index shows cached on the chosen worker
+    /// (for policies without an index, the whole prediction).
+    pub indexed_cached_tokens: u32,
+    /// Tokens credited on the chosen worker beyond the index because a booking there is
+    /// prefilling them (raw, before the worker's credit trust); 0 without a credit.
+    pub credited_tokens: u32,
     pub reason: &'static str,
     pub scores: Vec<WorkerScore>,
+}
+
+impl Decision {
+    /// The ledger booking for this decision.
+    pub fn booking(&self, prompt_tokens: u32, expected_output_tokens: Option<u32>) -> BookingSpec {
+        BookingSpec {
+            prompt_tokens,
+            cached_tokens: self.predicted_cached_tokens,
+            indexed_tokens: self.indexed_cached_tokens,
+            credited_tokens: self.credited_tokens,
+            expected_output_tokens,
+        }
+    }
 }
 
 /// Why no worker was chosen.

@@ -131,6 +131,8 @@ impl RoutingPolicy for PrefixAffinityPolicy {
                 worker: view.candidates[i],
                 policy: PolicyKind::PrefixAffinity,
                 predicted_cached_tokens: 0,
+                indexed_cached_tokens: 0,
+                credited_tokens: 0,
                 reason: "no routing tokens: least loaded",
                 scores: lines,
             });
@@ -171,6 +173,8 @@ impl RoutingPolicy for PrefixAffinityPolicy {
             worker,
             policy: PolicyKind::PrefixAffinity,
             predicted_cached_tokens: runs[i] * block_size,
+            indexed_cached_tokens: runs[i] * block_size,
+            credited_tokens: 0,
             reason,
             scores: lines,
         })

@@ -36,6 +36,8 @@ impl RoutingPolicy for RandomPolicy {
             worker: view.candidates[i],
             policy: PolicyKind::Random,
             predicted_cached_tokens: 0,
+            indexed_cached_tokens: 0,
+            credited_tokens: 0,
             reason: "uniform random",
             scores: load_lines(view),
         })

@@ -34,6 +34,8 @@ impl RoutingPolicy for RoundRobinPolicy {
             worker: view.candidates[i],
             policy: PolicyKind::RoundRobin,
             predicted_cached_tokens: 0,
+            indexed_cached_tokens: 0,
+            credited_tokens: 0,
             reason: "next in rotation",
             scores: load_lines(view),
         })

@@ -144,6 +144,8 @@ impl RoutingPolicy for SessionPolicy {
             worker,
             policy: PolicyKind::Session,
             predicted_cached_tokens: 0,
+            indexed_cached_tokens: 0,
+            credited_tokens: 0,
             reason,
             scores: lines,
         })

@@ -172,6 +172,7 @@ fn least_loaded_avoids_the_busy_worker() {
                     prompt_tokens: 1000,
                     ..Default::default()
                 },
+                &[],
                 now,
             )
         })
@@ -420,11 +421,8 @@ fn kv_aware_does_not_herd_on_a_shared_prefix() {
         .unwrap();
         let guard = ledger.book(
             d.worker,
-            BookingSpec {
-                prompt_tokens: prompt.len() as u32,
-                cached_tokens: d.predicted_cached_tokens,
-                expected_output_tokens: Some(200),
-            },
+            d.booking(prompt.len() as u32, Some(200)),
+            &keys,
             Instant::now(),
         );
         engine_caches(&mut index, d.worker, &prompt);
@@ -502,6 +500,7 @@ fn prefix_affinity_follows_its_own_decisions_until_load_is_imbalanced() {
                 prompt_tokens: 612,
                 ..Default::default()
             },
+            &[],
             Instant::now(),
         ));
     }
@@ -513,6 +512,7 @@ fn prefix_affinity_follows_its_own_decisions_until_load_is_imbalanced() {
                 prompt_tokens: 612,
                 ..Default::default()
             },
+            &[],
             Instant::now(),
         ));
     }
@@ -597,15 +597,7 @@ fn kv_aware_credits_its_own_recent_decisions_before_events_arrive() {
     let first: Vec<u32> = (0..4096).collect();
     let keys = index.hasher().block_keys(&first);
     let d = select(&policy, Some(&keys), 4096, None, &ws, &ledger, Some(&index)).unwrap();
-    let _booking = ledger.book(
-        d.worker,
-        BookingSpec {
-            prompt_tokens: 4096,
-            cached_tokens: 0,
-            expected_output_tokens: Some(64),
-        },
-        Instant::now(),
-    );
+    let _booking = ledger.book(d.worker, d.booking(4096, Some(64)), &keys, Instant::now());
     // Next turn: the whole first prompt plus a little more, no events yet.
     let mut next = first.clone();
     next.extend(90_000..90_256);
@@ -661,9 +653,10 @@ impl QueuedHolder {
                     WorkerId(0),
                     BookingSpec {
                         prompt_tokens,
-                        cached_tokens: 0,
                         expected_output_tokens: Some(64),
+                        ..Default::default()
                     },
+                    &[],
                     Instant::now(),
                 )
             })
@@ -725,9 +718,10 @@ fn kv_aware_load_bound_overrides_a_cached_lead() {
                 WorkerId(0),
                 BookingSpec {
                     prompt_tokens: 160,
-                    cached_tokens: 0,
                     expected_output_tokens: Some(16),
+                    ..Default::default()
                 },
+                &[],
                 Instant::now(),
             );
             b.prefill_done();
@@ -766,4 +760,123 @@ fn kv_aware_defaults_keep_a_short_history_behind_a_long_queue() {
         ..Default::default()
     });
     assert_ne!(weaker.worker, WorkerId(0), "{:?}", weaker.scores);
+}
+
+/// Issue 18's "a worker added under load gets nothing", in the core: one worker's cache
+/// thrashes (every prompt it computes is evicted before its events could show it in
+/// the index, so the index never holds the tenant's prompt), and kv_aware keeps
+/// routing the tenant's requests. A credit that each decision renewed kept that worker
+/// ahead forever; a credit that ends with its request's prefill leaves both workers at
+/// zero cached, so load decides and the idle, just-added worker takes its share.
+#[test]
+fn kv_aware_credit_ends_with_the_prefill_so_an_added_worker_gets_traffic() {
+    let ledger = Ledger::new(BS);
+    let index = new_index();
+    let policy = KvAwarePolicy::new(KvAwareConfig::default(), Some(9));
+    let tenant: Vec<u32> = (0..1536).collect();
+    let mut counts = [0usize; 2];
+    let mut running: std::collections::VecDeque<BookingGuard> = Default::default();
+    for i in 0..200u32 {
+        // Worker 1 joins after 20 requests.
+        let ws = if i < 20 { workers(1) } else { workers(2) };
+        let mut prompt = tenant.clone();
+        prompt.extend((0..64).map(|t| 100_000 + i * 100 + t));
+        let keys = index.hasher().block_keys(&prompt);
+        let d = select(
+            &policy,
+            Some(&keys),
+            prompt.len() as u32,
+            None,
+            &ws,
+            &ledger,
+            Some(&index),
+        )
+        .unwrap();
+        if i >= 20 {
+            counts[d.worker.0 as usize] += 1;
+        }
+        // Four in flight: each request's prefill is done before the next arrives.
+        let guard = ledger.book(
+            d.worker,
+            d.booking(prompt.len() as u32, Some(64)),
+            &keys,
+            Instant::now(),
+        );
+        guard.prefill_done();
+        running.push_back(guard);
+        if running.len() > 4 {
+            running.pop_front();
+        }
+    }
+    assert!(
+        counts[1] >= 180 / 4,
+        "the added worker got {} of 180 requests: {counts:?}",
+        counts[1]
+    );
+}
+
+/// Two workers are each prefilling the same prompt; worker 0's past credits never came
+/// true (the engine reported none of the credited tokens cached), worker 1's always
+/// did. The follow-up trusts worker 1's credit, and the prediction for a low-trust
+/// worker is scaled down while the raw credit stays visible in the decision.
+#[test]
+fn kv_aware_trusts_a_credit_as_far_as_the_workers_credits_came_true() {
+    let ledger = Ledger::new(BS);
+    let index = new_index();
+    let prompt: Vec<u32> = (0..2048).collect();
+    let keys = index.hasher().block_keys(&prompt);
+    for (worker, reported) in [(WorkerId(0), 0), (WorkerId(1), 2048)] {
+        for _ in 0..100 {
+            let g = ledger.book(
+                worker,
+                BookingSpec {
+                    prompt_tokens: 2048,
+                    cached_tokens: 2048,
+                    credited_tokens: 2048,
+                    ..Default::default()
+                },
+                &[],
+                Instant::now(),
+            );
+            g.engine_reported_cached(reported);
+        }
+    }
+    let spec = BookingSpec {
+        prompt_tokens: 2048,
+        expected_output_tokens: Some(16),
+        ..Default::default()
+    };
+    let _p0 = ledger.book(WorkerId(0), spec, &keys, Instant::now());
+    let _p1 = ledger.book(WorkerId(1), spec, &keys, Instant::now());
+    let mut longer = prompt.clone();
+    longer.extend(50_000..50_128);
+    let longer_keys = index.hasher().block_keys(&longer);
+    let policy = KvAwarePolicy::new(KvAwareConfig::default(), Some(4));
+    let d = select(
+        &policy,
+        Some(&longer_keys),
+        longer.len() as u32,
+        None,
+        &workers(2),
+        &ledger,
+        Some(&index),
+    )
+    .unwrap();
+    assert_eq!(d.worker, WorkerId(1), "{:?}", d.scores);
+    assert_eq!(d.credited_tokens, 2048);
+    assert_eq!(d.indexed_cached_tokens, 0);
+    assert!(d.predicted_cached_tokens > 2000, "{d:?}");
+    // Worker 0 alone: its credit is shown raw but predicted at its low trust.
+    let d0 = select(
+        &policy,
+        Some(&longer_keys),
+        longer.len() as u32,
+        None,
+        &[WorkerId(0)],
+        &ledger,
+        Some(&index),
+    )
+    .unwrap();
+    assert_eq!(d0.credited_tokens, 2048);
+    assert!(d0.predicted_cached_tokens < 200, "{d0:?}");
 }
