@@ -125,6 +125,60 @@ impl ApiError {
     }
 }
 
+impl ApiError {
+    /// 502: the worker was declared dead (health checks) while the request was on it.
+    pub fn worker_gone(worker: &str) -> Self {
+        Self::new(
+            StatusCode::BAD_GATEWAY,
+            "upstream_error",
+            "worker_down",
+            format!(
+                "worker {worker} was declared dead by health checks while serving this request"
+            ),
+        )
+    }
+
+    /// 504: the worker stopped sending within the total request timeout.
+    pub fn upstream_total_timeout() -> Self {
+        Self::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            "upstream_error",
+            "upstream_timeout",
+            "the request exceeded the gateway's total upstream timeout",
+        )
+    }
+
+    /// 502: the worker's stream broke after its first byte.
+    pub fn upstream_broken(detail: impl std::fmt::Display) -> Self {
+        Self::new(
+            StatusCode::BAD_GATEWAY,
+            "upstream_error",
+            "upstream_stream_broken",
+            format!("the worker's response broke off: {detail}"),
+        )
+    }
+
+    /// The error as one server-sent event (`data: {"error":{...}}` and a blank line),
+    /// the last thing a streaming client receives when its stream cannot finish.
+    pub fn sse_event(&self) -> bytes::Bytes {
+        let mut out = b"data: ".to_vec();
+        out.extend_from_slice(&self.json_body());
+        out.extend_from_slice(b"\n\n");
+        out.into()
+    }
+
+    fn json_body(&self) -> Vec<u8> {
+        let body = Body {
+            error: Inner {
+                message: &self.message,
+                kind: self.kind,
+                code: self.code,
+            },
+        };
+        serde_json::to_vec(&body).unwrap_or_else(|_| b"{}".to_vec())
+    }
+}
+
 impl std::fmt::Display for ApiError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{} ({}): {}", self.status, self.code, self.message)
@@ -148,14 +202,7 @@ struct Inner<'a> {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = Body {
-            error: Inner {
-                message: &self.message,
-                kind: self.kind,
-                code: self.code,
-            },
-        };
-        let bytes = serde_json::to_vec(&body).unwrap_or_else(|_| b"{}".to_vec());
+        let bytes = self.json_body();
         let mut resp = (self.status, bytes).into_response();
         let headers = resp.headers_mut();
         headers.insert(

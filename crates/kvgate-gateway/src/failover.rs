@@ -53,6 +53,30 @@ pub(crate) fn worker_ok(gw: &Gateway, model: &ModelState, worker: &Worker) {
     }
 }
 
+/// Counts a routed request that ended without an answer from the gateway (the client
+/// went away while it waited for a slot or a worker's first byte) as status 499, so
+/// every request that ends is in `kvgate_requests_total`, however it ends.
+struct CountedUnlessAnswered<'a> {
+    gw: &'a Gateway,
+    model: &'a ModelState,
+    worker: Option<Arc<Worker>>,
+    answered: bool,
+}
+
+impl Drop for CountedUnlessAnswered<'_> {
+    fn drop(&mut self) {
+        if self.answered {
+            return;
+        }
+        let worker = self.worker.as_ref().map_or("", |w| &*w.url);
+        self.gw
+            .metrics
+            .requests
+            .with_label_values(&[&*self.model.name, worker, self.model.kind().as_str(), "499"])
+            .inc();
+    }
+}
+
 /// Routes and forwards one request, with failover before the first byte.
 pub async fn dispatch(
     gw: &Arc<Gateway>,
@@ -62,8 +86,20 @@ pub async fn dispatch(
     p: Prepared,
 ) -> Result<Response, ApiError> {
     let started = tokio::time::Instant::now();
-    let mut global = gw.limiter.acquire().await?;
     let model = p.model.clone();
+    let mut unanswered = CountedUnlessAnswered {
+        gw,
+        model: &model,
+        worker: None,
+        answered: false,
+    };
+    let mut global = match gw.limiter.acquire().await {
+        Ok(g) => g,
+        Err(e) => {
+            unanswered.answered = true;
+            return Err(e);
+        }
+    };
     let policy = model.kind().as_str();
     let cfg = &gw.config;
     let auth = gw.forward_auth();
@@ -78,6 +114,7 @@ pub async fn dispatch(
         let (decision, worker, permit) = match pick(gw, &p, headers, &excluded).await {
             Ok(x) => x,
             Err(e) => {
+                unanswered.answered = true;
                 // After a failed attempt, "nobody left" means the attempts failed.
                 return Err(match last_err {
                     Some(prev) if e.status == StatusCode::SERVICE_UNAVAILABLE => prev,
@@ -85,6 +122,7 @@ pub async fn dispatch(
                 });
             }
         };
+        unanswered.worker = Some(worker.clone());
         log_decision(
             &model.name,
             &worker.url,
@@ -98,17 +136,20 @@ pub async fn dispatch(
             Instant::now(),
         );
         let last = attempt + 1 == cfg.failover.max_attempts;
-        match send(
-            &gw.client,
-            &worker,
-            endpoint,
-            headers,
-            auth,
-            body.clone(),
-            cfg.timeouts.first_byte(),
-        )
-        .await
-        {
+        let cut_off = worker.cut_off_signal();
+        let sent = tokio::select! {
+            sent = send(
+                &gw.client,
+                &worker,
+                endpoint,
+                headers,
+                auth,
+                body.clone(),
+                cfg.timeouts.first_byte(),
+            ) => sent,
+            () = cut_off.cancelled() => Err(SendError::WorkerDown),
+        };
+        match sent {
             Ok(resp) if retryable(resp.status()) && !last => {
                 let status = resp.status();
                 if status.is_server_error() {
@@ -161,7 +202,8 @@ pub async fn dispatch(
                     .timeouts
                     .total()
                     .map(|d| Box::pin(tokio::time::sleep_until(started + d)));
-                let body = ObservedBody::new(incoming, life, sse, deadline);
+                let body = ObservedBody::new(incoming, life, sse, deadline, cut_off);
+                unanswered.answered = true;
                 return Ok(Response::from_parts(parts, Body::new(body)));
             }
             Err(e) => {
@@ -175,6 +217,7 @@ pub async fn dispatch(
                 let (status, code) = match e {
                     SendError::Timeout => (StatusCode::GATEWAY_TIMEOUT, "upstream_timeout"),
                     SendError::Transport(_) => (StatusCode::BAD_GATEWAY, "upstream_unreachable"),
+                    SendError::WorkerDown => (StatusCode::BAD_GATEWAY, "worker_down"),
                 };
                 last_err = Some(ApiError::new(
                     status,
@@ -186,6 +229,7 @@ pub async fn dispatch(
             }
         }
     }
+    unanswered.answered = true;
     Err(last_err.unwrap_or_else(|| ApiError::internal("no attempt was made")))
 }
 

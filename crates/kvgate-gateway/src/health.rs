@@ -1,8 +1,10 @@
 //! Background tasks: active health checks and the ledger TTL sweep.
 //!
 //! Owns the periodic `GET {worker}/health` probes that feed each worker's circuit
-//! breaker (a worker declared dead has its prefix-index entries purged; it returns to
-//! rotation on its next successful probe), and the sweep that frees bookings older
+//! breaker (a worker declared dead has its prefix-index entries purged and the requests
+//! in flight on it cut off, so none waits on a dead engine longer than about
+//! `failure_threshold × interval + timeout`; it returns to rotation on its next
+//! successful probe), and the sweep that frees bookings older
 //! than the TTL (a backstop; freed bookings are counted). Health never touches the
 //! ledger's per-worker load. Both tasks stop on gateway shutdown.
 
@@ -53,6 +55,11 @@ pub async fn run_health_checks(gw: Arc<Gateway>) {
                                 gw.purge(&model, &worker, "dead");
                             } else {
                                 tracing::debug!(model = %model.name, worker = %worker.url, %why);
+                            }
+                            if worker.breaker.is_open() {
+                                // Its engine does not answer health checks: requests
+                                // waiting on it would wait for the first-byte timeout.
+                                worker.cut_off_in_flight();
                             }
                         }
                     }

@@ -7,7 +7,11 @@
 //! object's `completion_tokens` when present), `[DONE]`/end/error/drop free everything.
 //! For JSON it keeps the body (bounded) to read the final `usage` object once. A client
 //! disconnect drops this body, which drops the upstream body (aborting the engine's
-//! request) and the guard. Must not modify, delay or buffer bytes it passes on.
+//! request) and the guard. When the response cannot finish (the worker's stream broke,
+//! the total timeout passed, or health checks declared the worker dead), a streaming
+//! client gets an OpenAI-style error event (`data: {"error":{...}}`) as its last event
+//! and a clean end of stream, never a silently cut stream. Must not modify, delay or
+//! buffer the bytes it passes on.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -22,7 +26,9 @@ use memchr::memmem;
 use serde::Deserialize;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Sleep;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
+use crate::errors::ApiError;
 use crate::gateway::Gateway;
 use crate::registry::{ModelState, WorkerPermit};
 
@@ -39,6 +45,8 @@ enum Outcome {
     ClientDisconnect,
     UpstreamError,
     Timeout,
+    /// Health checks declared the worker dead mid-response.
+    WorkerDown,
 }
 
 impl Outcome {
@@ -48,6 +56,7 @@ impl Outcome {
             Outcome::ClientDisconnect => "client_disconnect",
             Outcome::UpstreamError => "upstream_error",
             Outcome::Timeout => "timeout",
+            Outcome::WorkerDown => "worker_down",
         }
     }
 }
@@ -102,16 +111,18 @@ pub struct ObservedBody {
     inner: Incoming,
     obs: Observer,
     deadline: Option<Pin<Box<Sleep>>>,
+    cut_off: Pin<Box<WaitForCancellationFutureOwned>>,
 }
 
 impl ObservedBody {
     /// Wraps `inner`. `sse` selects event-stream observation; `deadline` is the total
-    /// request timeout.
+    /// request timeout; `cut_off` ends the response when the worker is declared dead.
     pub fn new(
         inner: Incoming,
         life: Lifecycle,
         sse: bool,
         deadline: Option<Pin<Box<Sleep>>>,
+        cut_off: CancellationToken,
     ) -> Self {
         Self {
             inner,
@@ -127,6 +138,24 @@ impl ObservedBody {
                 finished: false,
             },
             deadline,
+            cut_off: Box::pin(cut_off.cancelled_owned()),
+        }
+    }
+
+    /// Ends the response early: a streaming client gets the error as its last event
+    /// and a clean end of stream; any other client gets a broken body (its head, with
+    /// a 2xx status, is already sent).
+    fn fail(
+        &mut self,
+        outcome: Outcome,
+        err: ApiError,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::BoxError>>> {
+        tracing::warn!(model = %self.obs.life.model.name, worker = self.obs.worker_url(), outcome = outcome.as_str(), error = %err.message, "response ended early");
+        self.obs.finish(outcome);
+        if self.obs.sse {
+            Poll::Ready(Some(Ok(Frame::data(err.sse_event()))))
+        } else {
+            Poll::Ready(Some(Err(err.message.into())))
         }
     }
 }
@@ -145,9 +174,12 @@ impl Body for ObservedBody {
         }
         if let Some(d) = &mut this.deadline {
             if d.as_mut().poll(cx).is_ready() {
-                this.obs.finish(Outcome::Timeout);
-                return Poll::Ready(Some(Err("upstream total timeout exceeded".into())));
+                return this.fail(Outcome::Timeout, ApiError::upstream_total_timeout());
             }
+        }
+        if this.cut_off.as_mut().poll(cx).is_ready() {
+            let err = ApiError::worker_gone(this.obs.worker_url());
+            return this.fail(Outcome::WorkerDown, err);
         }
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Pending => Poll::Pending,
@@ -165,8 +197,7 @@ impl Body for ObservedBody {
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(e))) => {
-                this.obs.finish(Outcome::UpstreamError);
-                Poll::Ready(Some(Err(e.into())))
+                this.fail(Outcome::UpstreamError, ApiError::upstream_broken(e))
             }
         }
     }
@@ -194,6 +225,10 @@ impl Drop for ObservedBody {
 }
 
 impl Observer {
+    fn worker_url(&self) -> &str {
+        self.life.permit.as_ref().map_or("", |p| &*p.worker().url)
+    }
+
     fn observe(&mut self, data: &[u8]) {
         if !self.sse {
             if !self.first_seen {

@@ -45,6 +45,8 @@ pub enum SendError {
     Transport(String),
     /// No response head within the first-byte timeout.
     Timeout,
+    /// Health checks declared the worker dead while the request waited on it.
+    WorkerDown,
 }
 
 impl SendError {
@@ -52,6 +54,7 @@ impl SendError {
         match self {
             SendError::Transport(_) => "transport",
             SendError::Timeout => "first_byte_timeout",
+            SendError::WorkerDown => "worker_down",
         }
     }
 }
@@ -61,6 +64,9 @@ impl std::fmt::Display for SendError {
         match self {
             SendError::Transport(e) => write!(f, "upstream transport error: {e}"),
             SendError::Timeout => f.write_str("upstream first-byte timeout"),
+            SendError::WorkerDown => {
+                f.write_str("the worker was declared dead by health checks before it answered")
+            }
         }
     }
 }

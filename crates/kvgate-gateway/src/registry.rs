@@ -17,6 +17,7 @@ use kvgate_events::{SharedIndex, SubscriberHandle};
 use kvgate_tokenize::{RemoteTokenizer, Tokenizer};
 use parking_lot::{Mutex, RwLock};
 use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
 
 use crate::breaker::Breaker;
 use crate::config::{ModelConfig, WorkerConfig};
@@ -57,6 +58,9 @@ pub struct Worker {
     pub config: WorkerConfig,
     pub(crate) subscribers: Mutex<Vec<SubscriberHandle>>,
     pub remote_tokenizer: Option<RemoteTokenizer>,
+    /// Cancelled (and replaced) when health checks declare the worker dead, so requests
+    /// in flight on it end now instead of waiting on an engine that will not answer.
+    cut_off: Mutex<CancellationToken>,
 }
 
 impl Worker {
@@ -104,6 +108,7 @@ impl Worker {
             config,
             subscribers: Mutex::new(Vec::new()),
             remote_tokenizer,
+            cut_off: Mutex::new(CancellationToken::new()),
         })
     }
 
@@ -114,6 +119,18 @@ impl Worker {
         parts.authority = Some(self.authority.clone());
         parts.path_and_query = Some(self.paths[endpoint as usize].clone());
         Uri::from_parts(parts).unwrap_or_default()
+    }
+
+    /// The signal a request on this worker watches: cancelled when the worker is
+    /// declared dead while the request is in flight.
+    pub(crate) fn cut_off_signal(&self) -> CancellationToken {
+        self.cut_off.lock().clone()
+    }
+
+    /// Ends every request in flight on this worker (each fails over, or ends its
+    /// stream with an error event); requests sent later get a fresh signal.
+    pub(crate) fn cut_off_in_flight(&self) {
+        std::mem::take(&mut *self.cut_off.lock()).cancel();
     }
 
     /// Requests currently proxied to this worker by this gateway.

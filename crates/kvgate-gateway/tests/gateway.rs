@@ -305,23 +305,10 @@ async fn no_retry_after_the_first_byte() {
             continue;
         }
         assert_eq!(worker_of(&r), broken.url);
-        let mut stream = r.bytes_stream();
-        let mut got = Vec::new();
-        let mut errored = false;
-        while let Some(item) = stream.next().await {
-            match item {
-                Ok(b) => got.extend_from_slice(&b),
-                Err(_) => {
-                    errored = true;
-                    break;
-                }
-            }
-        }
-        assert!(
-            errored,
-            "a truncated stream must end with an error, not a clean end"
-        );
-        assert_eq!(got, SSE_CHUNKS[0]);
+        let got = r.bytes().await.expect("a broken stream still ends cleanly");
+        let (head, tail) = got.split_at(SSE_CHUNKS[0].len());
+        assert_eq!(head, SSE_CHUNKS[0]);
+        assert_error_event(tail, "upstream_stream_broken");
     }
     assert_eq!(broken.hits(), 1);
     assert_eq!(good.hits(), to_good, "retried after bytes were sent");
@@ -723,9 +710,107 @@ async fn workers_are_added_and_removed_at_run_time() {
     gw.shutdown().await;
 }
 
+/// `tail` is exactly one OpenAI-style SSE error event with `code`.
+fn assert_error_event(tail: &[u8], code: &str) {
+    let text = std::str::from_utf8(tail).unwrap();
+    let json = text
+        .strip_prefix("data: ")
+        .and_then(|t| t.strip_suffix("\n\n"))
+        .unwrap_or_else(|| panic!("not one SSE event: {text:?}"));
+    let v: Value = serde_json::from_str(json).unwrap();
+    assert_eq!(v["error"]["code"], code, "{v}");
+    assert!(v["error"]["message"]
+        .as_str()
+        .is_some_and(|m| !m.is_empty()));
+    assert_eq!(v["error"]["type"], "upstream_error");
+}
+
+/// An engine that stops answering behind a live HTTP server (vLLM's API server after
+/// its engine died) holds requests until the first-byte timeout (600 s by default).
+/// Once health checks declare its worker dead, a request waiting on it fails over to
+/// a healthy worker at once, and a client that gave up earlier is counted (499).
+#[tokio::test]
+async fn requests_waiting_on_a_dead_engine_fail_over_when_health_declares_it_dead() {
+    let hung = fake(
+        "hung",
+        Behavior {
+            hang: true,
+            ..Behavior::default()
+        },
+    )
+    .await;
+    let good = fake("good", Behavior::default()).await;
+    let mut cfg = config(&[&hung.url, &good.url], PolicyKind::RoundRobin);
+    cfg.health.interval_ms = 100;
+    cfg.health.failure_threshold = 2;
+    let gw = start(cfg).await.unwrap();
+    let c = client();
+    // A client that gives up while its request waits on the hung engine.
+    let impatient = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let mut gave_up = 0;
+    for _ in 0..2 {
+        let r = impatient
+            .post(format!("{}/v1/chat/completions", gw.url()))
+            .json(&chat_body(false))
+            .send()
+            .await;
+        if r.is_err() {
+            gave_up += 1;
+        }
+    }
+    assert_eq!(gave_up, 1, "round robin sent one of two to the hung engine");
+    let metrics = metrics_text(&c, &gw.url()).await;
+    let line = format!(
+        "kvgate_requests_total{{model=\"m\",policy=\"round_robin\",status=\"499\",worker=\"{}\"}} 1",
+        hung.url
+    );
+    assert!(metrics.contains(&line), "{line} missing from {metrics}");
+    // Now requests wait on it until health checks see it dead.
+    let waiting: Vec<_> = (0..2)
+        .map(|_| {
+            let (c, url) = (c.clone(), gw.url());
+            tokio::spawn(async move {
+                let started = std::time::Instant::now();
+                let r = c
+                    .post(format!("{url}/v1/chat/completions"))
+                    .json(&chat_body(false))
+                    .send()
+                    .await
+                    .unwrap();
+                (worker_of(&r), r.status().as_u16(), started.elapsed())
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    hung.stats.healthy.store(false, Ordering::SeqCst);
+    for w in waiting {
+        let (worker, status, took) = w.await.unwrap();
+        assert_eq!((worker.as_str(), status), (good.url.as_str(), 200));
+        assert!(
+            took < Duration::from_secs(5),
+            "waited {took:?} on a dead engine"
+        );
+    }
+    eventually("ledger drained", || gw.ledger_in_flight("m") == Some(0)).await;
+    gw.shutdown().await;
+}
+
 #[tokio::test]
 async fn health_checks_take_workers_out_and_back_without_touching_load() {
-    let a = fake("a", Behavior::default()).await;
+    // Slow streams on both, so a stream held on either keeps its booking.
+    let a = fake(
+        "a",
+        Behavior {
+            chunk_delay: Duration::from_millis(100),
+            repeat: 30,
+            ..Behavior::default()
+        },
+    )
+    .await;
     let b = fake(
         "b",
         Behavior {
@@ -756,8 +841,19 @@ async fn health_checks_take_workers_out_and_back_without_touching_load() {
     let held = held.unwrap();
     let m = gw.gateway().model("m").unwrap().clone();
     let bw = m.worker_by_url(&b.url).unwrap();
+    // A stream on a's side keeps load there while b goes down.
+    let on_a = c
+        .post(format!("{}/v1/chat/completions", gw.url()))
+        .json(&chat_body(true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(worker_of(&on_a), a.url);
     b.stats.healthy.store(false, Ordering::SeqCst);
     eventually("b out", || bw.breaker.is_open()).await;
+    // The stream held on b is cut off with an error event, not left waiting.
+    let body = held.bytes().await.expect("the cut-off stream ends cleanly");
+    assert_error_event(&body, "worker_down");
     for _ in 0..4 {
         let r = c
             .post(format!("{}/v1/chat/completions", gw.url()))
@@ -767,14 +863,19 @@ async fn health_checks_take_workers_out_and_back_without_touching_load() {
             .unwrap();
         assert_eq!(worker_of(&r), a.url);
     }
+    eventually("b's booking freed by its guard", || {
+        m.ledger.load(bw.id).in_flight == 0
+    })
+    .await;
+    let aw = m.worker_by_url(&a.url).unwrap();
     assert_eq!(
-        m.ledger.load(bw.id).in_flight,
+        m.ledger.load(aw.id).in_flight,
         1,
-        "health must not reset the ledger"
+        "health must not reset another worker's load"
     );
     b.stats.healthy.store(true, Ordering::SeqCst);
     eventually("b back", || !bw.breaker.is_open()).await;
-    drop(held);
+    drop(on_a);
     eventually("ledger drained", || gw.ledger_in_flight("m") == Some(0)).await;
     gw.shutdown().await;
 }

@@ -40,6 +40,8 @@ pub struct Behavior {
     pub chunk_delay: Duration,
     /// Repeat the middle chunks this many times (long streams).
     pub repeat: usize,
+    /// Never answer completions (an engine that died behind a live HTTP server).
+    pub hang: bool,
 }
 
 impl Default for Behavior {
@@ -49,6 +51,7 @@ impl Default for Behavior {
             fail_after_first: false,
             chunk_delay: Duration::ZERO,
             repeat: 1,
+            hang: false,
         }
     }
 }
@@ -122,6 +125,13 @@ async fn completions(State(s): State<FakeState>, req: Request) -> Response {
         .unwrap_or_default();
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
     let b = s.behavior.clone();
+    if b.hang {
+        let _guard = StreamGuard {
+            stats: s.stats.clone(),
+            done: false,
+        };
+        std::future::pending::<()>().await;
+    }
     if b.status != 200 {
         let status = http::StatusCode::from_u16(b.status).unwrap();
         return (
