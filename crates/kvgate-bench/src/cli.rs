@@ -17,6 +17,7 @@ use crate::report::Report;
 use crate::request::{summarize, Request};
 use crate::routers::RouterSpec;
 use crate::runner::{self, RunConfig};
+use crate::scenario::{self, ScenarioConfig, ScenarioKind};
 use crate::trace::{self, SynthConfig, MOONCAKE_BLOCK_TOKENS};
 use crate::workload::{WorkloadConfig, WorkloadKind};
 
@@ -214,11 +215,58 @@ pub struct BenchArgs {
     pub out: Option<PathBuf>,
 }
 
-/// Subcommands of `kvgate bench`.
+/// Subcommands of `kvgate bench`. Parsed once per process, so the size difference
+/// between the variants costs nothing worth a box.
 #[derive(clap::Subcommand, Debug)]
+#[allow(clippy::large_enum_variant)]
 pub enum BenchCommand {
     /// Start mock engines and compare routers side by side on the same requests.
     Compare(CompareArgs),
+    /// Routers under a changing fleet (steady, worker added, restart, cache reset,
+    /// bypass traffic, Zipf tenants, overload): one table and plot per scenario.
+    Scenarios(ScenariosArgs),
+}
+
+/// `kvgate bench scenarios`.
+#[derive(clap::Args, Debug)]
+pub struct ScenariosArgs {
+    /// Scenarios to run, comma-separated (default: all, in suite order).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub scenarios: Vec<ScenarioKind>,
+    /// Routers, comma-separated, as for `bench compare` (default: kv_aware,
+    /// prefix_affinity, round_robin and the peer routers, skipped when not installed).
+    #[arg(long, value_delimiter = ',')]
+    pub routers: Vec<String>,
+    /// Seconds of routed load per row.
+    #[arg(long, default_value_t = 30.0)]
+    pub duration: f64,
+    /// Requests in flight through the router (closed loop).
+    #[arg(long, default_value_t = 4)]
+    pub concurrency: usize,
+    /// Seconds into the load at which the fleet changes.
+    #[arg(long, default_value_t = 8.0)]
+    pub change_at: f64,
+    /// KV blocks per engine for every scenario (default: each scenario's own).
+    #[arg(long)]
+    pub num_blocks: Option<u32>,
+    /// Seed for the tenants' prompts and popularity draws.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Simulated-time speedup of the engines' latency model.
+    #[arg(long, default_value_t = 1.0)]
+    pub engine_speedup: f64,
+    /// Extra argument for `kvgate serve` (repeatable).
+    #[arg(long, allow_hyphen_values = true)]
+    pub kvgate_arg: Vec<String>,
+    /// The kvgate binary (default: this executable, or `kvgate` on PATH).
+    #[arg(long)]
+    pub kvgate_bin: Option<PathBuf>,
+    /// Per-request timeout in seconds.
+    #[arg(long, default_value_t = 120.0)]
+    pub request_timeout: f64,
+    /// Output folder (scenarios.md, scenarios.json, <scenario>-share.svg, logs/).
+    #[arg(long, default_value = "bench-out/scenarios")]
+    pub out_dir: PathBuf,
 }
 
 /// Simulated fleet options shared by `compare` and `demo`.
@@ -382,6 +430,7 @@ async fn interruptible<T>(
 pub async fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     match args.command {
         Some(BenchCommand::Compare(c)) => interruptible(run_compare(c)).await,
+        Some(BenchCommand::Scenarios(a)) => interruptible(run_scenario_suite(a)).await,
         None => {
             interruptible(run_single(
                 args.target,
@@ -444,6 +493,55 @@ async fn run_compare(args: CompareArgs) -> anyhow::Result<()> {
     println!("{}", render_markdown(&summary, &cfg.baseline));
     eprintln!(
         "wrote {}/compare.md, compare.json, ttft.svg",
+        cfg.out_dir.display()
+    );
+    Ok(())
+}
+
+async fn run_scenario_suite(args: ScenariosArgs) -> anyhow::Result<()> {
+    let secs = |v: f64, flag: &str| {
+        Duration::try_from_secs_f64(v)
+            .ok()
+            .filter(|d| !d.is_zero())
+            .with_context(|| format!("{flag} must be a positive number of seconds"))
+    };
+    let routers = if args.routers.is_empty() {
+        scenario::default_routers()
+    } else {
+        parse_routers(&args.routers)?
+    };
+    let scenarios = if args.scenarios.is_empty() {
+        ScenarioKind::ALL.to_vec()
+    } else {
+        args.scenarios.clone()
+    };
+    let cfg = ScenarioConfig {
+        engine: EngineConfig {
+            kvgate_bin: resolve_kvgate_bin(args.kvgate_bin.as_deref())?,
+            engines: 2,
+            block_size: 16,
+            num_blocks: 0,
+            speedup: args.engine_speedup,
+            seed: args.seed,
+            extra_args: Vec::new(),
+            startup_timeout: Duration::from_secs(60),
+        },
+        num_blocks_override: args.num_blocks,
+        routers,
+        model: "mock-model".into(),
+        out_dir: args.out_dir.clone(),
+        duration: secs(args.duration, "--duration")?,
+        concurrency: args.concurrency.max(1),
+        change_at: Duration::try_from_secs_f64(args.change_at)
+            .context("--change-at must be a number of seconds")?,
+        request_timeout: secs(args.request_timeout, "--request-timeout")?,
+        router_startup_timeout: Duration::from_secs(60),
+        kvgate_extra_args: args.kvgate_arg.clone(),
+    };
+    let summaries = scenario::run_scenarios(&cfg, &scenarios).await?;
+    println!("{}", scenario::render_markdown(&summaries));
+    eprintln!(
+        "wrote {}/scenarios.md, scenarios.json and one <scenario>-share.svg per scenario",
         cfg.out_dir.display()
     );
     Ok(())

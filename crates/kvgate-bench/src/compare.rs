@@ -174,7 +174,7 @@ async fn run_one(
         startup_timeout: cfg.router_startup_timeout,
         kvgate_extra_args: cfg.kvgate_extra_args.clone(),
     };
-    let (router, url) = match routers::start(spec, &ctx, &fleet).await {
+    let (router, url) = match routers::start(spec, &ctx, fleet.addrs()).await {
         Ok(Started::Running { child, url }) => (child, url),
         Ok(Started::Skipped(why)) => {
             fleet.shutdown().await;

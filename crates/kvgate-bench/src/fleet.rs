@@ -1,11 +1,13 @@
 //! A fleet of `kvgate mock-engine` child processes on free loopback ports.
 //!
-//! Owns starting, readiness and teardown of the simulated engines (each engine: HTTP
-//! port, KV-event PUB port, replay ROUTER port). Dropping a `Fleet` kills every engine.
+//! Owns starting, readiness, killing, restarting (same ports) and teardown of the
+//! simulated engines (each engine: HTTP port, KV-event PUB port, replay ROUTER port). Dropping a `Fleet` kills every engine.
 //! It must not start routers or send benchmark traffic.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+use anyhow::Context;
 
 use crate::process::{free_ports, ManagedChild};
 
@@ -49,6 +51,12 @@ pub struct EngineAddr {
 pub struct Fleet {
     children: Vec<ManagedChild>,
     addrs: Vec<EngineAddr>,
+    /// Each engine's command line, to start it again on the same ports.
+    commands: Vec<Vec<String>>,
+    kvgate_bin: PathBuf,
+    log_dir: PathBuf,
+    startup_timeout: Duration,
+    restarts: usize,
 }
 
 impl Fleet {
@@ -58,6 +66,7 @@ impl Fleet {
         let ports = free_ports(cfg.engines * 3)?;
         let mut children = Vec::with_capacity(cfg.engines);
         let mut addrs = Vec::with_capacity(cfg.engines);
+        let mut commands = Vec::with_capacity(cfg.engines);
         for i in 0..cfg.engines {
             let (http, kv, replay) = (ports[3 * i], ports[3 * i + 1], ports[3 * i + 2]);
             let mut args: Vec<String> = vec![
@@ -81,6 +90,7 @@ impl Fleet {
             let child =
                 ManagedChild::spawn(&format!("engine-{i}"), &cfg.kvgate_bin, &args, log_dir)?;
             children.push(child);
+            commands.push(args);
             addrs.push(EngineAddr {
                 url: format!("http://127.0.0.1:{http}"),
                 kv_events: format!("tcp://127.0.0.1:{kv}"),
@@ -92,16 +102,55 @@ impl Fleet {
                 .wait_for_line(ENGINE_READY_LINE, cfg.startup_timeout)
                 .await?;
         }
-        Ok(Self { children, addrs })
+        Ok(Self {
+            children,
+            addrs,
+            commands,
+            kvgate_bin: cfg.kvgate_bin.clone(),
+            log_dir: log_dir.to_path_buf(),
+            startup_timeout: cfg.startup_timeout,
+            restarts: 0,
+        })
     }
 
-    /// A fleet of already-known addresses with no child processes (for command-line tests).
-    #[cfg(test)]
-    pub(crate) fn from_addrs(addrs: Vec<EngineAddr>) -> Self {
-        Self {
-            children: Vec::new(),
-            addrs,
-        }
+    /// Kills engine `i` (as a crash would: SIGKILL, no drain) and reaps it.
+    pub async fn kill(&mut self, i: usize) -> anyhow::Result<()> {
+        let child = self
+            .children
+            .get_mut(i)
+            .with_context(|| format!("no engine {i}"))?;
+        child.kill().await;
+        Ok(())
+    }
+
+    /// Sends `signal` to engine `i`'s process group (SIGSTOP: the engine hangs with its
+    /// connections open, as a vLLM API server whose engine died).
+    pub fn signal(&self, i: usize, signal: i32) -> anyhow::Result<()> {
+        let child = self
+            .children
+            .get(i)
+            .with_context(|| format!("no engine {i}"))?;
+        child.signal(signal)
+    }
+
+    /// Starts engine `i` again on the same ports (a fresh process: empty cache, event
+    /// sequence from 0) and waits until it is ready. Its logs go to
+    /// `engine-<i>-restart-<n>.*`.
+    pub async fn restart(&mut self, i: usize) -> anyhow::Result<()> {
+        let args = self
+            .commands
+            .get(i)
+            .with_context(|| format!("no engine {i}"))?
+            .clone();
+        self.restarts += 1;
+        let name = format!("engine-{i}-restart-{}", self.restarts);
+        let mut child = ManagedChild::spawn(&name, &self.kvgate_bin, &args, &self.log_dir)?;
+        child
+            .wait_for_line(ENGINE_READY_LINE, self.startup_timeout)
+            .await?;
+        let old = std::mem::replace(&mut self.children[i], child);
+        old.shutdown().await;
+        Ok(())
     }
 
     /// The engines' addresses, in start order.

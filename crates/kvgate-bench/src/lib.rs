@@ -1,6 +1,7 @@
 //! kvgate-bench: trace replay, synthetic workloads, router comparison and the demo.
 //!
-//! Owns the `kvgate bench`, `kvgate bench compare` and `kvgate demo` subcommands. It
+//! Owns the `kvgate bench`, `kvgate bench compare`, `kvgate bench scenarios` and
+//! `kvgate demo` subcommands. It
 //! talks to routers and engines only over HTTP and by spawning `kvgate` child
 //! processes; it must not link routing or engine logic.
 
@@ -15,6 +16,7 @@ pub mod request;
 pub mod rng;
 pub mod routers;
 pub mod runner;
+pub mod scenario;
 pub mod sse;
 pub mod trace;
 pub mod workload;

@@ -1,4 +1,5 @@
-//! A hand-written SVG grouped bar chart: TTFT p50/p90/p99 per router.
+//! Hand-written SVG charts: a grouped bar chart (TTFT p50/p90/p99 per router) and a
+//! line chart (a share over time per router, for the scenario suite).
 //!
 //! Owns only SVG text generation (no dependencies, deterministic output). It must not
 //! read reports from disk or run anything.
@@ -143,6 +144,127 @@ pub fn grouped_bars_svg(
             escape(name)
         );
     }
+    s.push_str("</svg>\n");
+    s
+}
+
+/// One line of a line chart: a label and `(x, y)` points in x order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Line {
+    pub label: String,
+    pub points: Vec<(f64, f64)>,
+}
+
+/// Render a line chart as an SVG document, with an optional dashed vertical marker
+/// (e.g. when the fleet changed).
+pub fn line_chart_svg(
+    title: &str,
+    subtitle: &str,
+    x_label: &str,
+    y_label: &str,
+    lines: &[Line],
+    marker_x: Option<f64>,
+) -> String {
+    let (left, right, top, bottom) = (70.0, 20.0, 70.0, 60.0);
+    let (plot_w, plot_h) = (640.0, 320.0);
+    let width = left + plot_w + right;
+    let height = top + plot_h + bottom;
+    let finite = |v: &f64| v.is_finite();
+    let xs = lines.iter().flat_map(|l| l.points.iter().map(|p| p.0));
+    let xmax = nice_max(xs.filter(finite).fold(0.0, f64::max));
+    let ys = lines.iter().flat_map(|l| l.points.iter().map(|p| p.1));
+    let ymax = nice_max(ys.filter(finite).fold(0.0, f64::max));
+    let x = |v: f64| left + (v.max(0.0) / xmax) * plot_w;
+    let y = |v: f64| top + plot_h - (v.max(0.0) / ymax) * plot_h;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0}" height="{height:.0}" viewBox="0 0 {width:.0} {height:.0}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    let _ = writeln!(
+        s,
+        r#"<text x="{:.0}" y="24" text-anchor="middle" font-size="16">{}</text>"#,
+        width / 2.0,
+        escape(title)
+    );
+    let _ = writeln!(
+        s,
+        r##"<text x="{:.0}" y="42" text-anchor="middle" font-size="11" fill="#555">{}</text>"##,
+        width / 2.0,
+        escape(subtitle)
+    );
+    for i in 0..=5 {
+        let v = ymax * f64::from(i) / 5.0;
+        let yy = y(v);
+        let _ = writeln!(
+            s,
+            r##"<line x1="{left}" y1="{yy:.1}" x2="{:.1}" y2="{yy:.1}" stroke="#ddd"/><text x="{:.0}" y="{:.1}" text-anchor="end">{}</text>"##,
+            left + plot_w,
+            left - 6.0,
+            yy + 4.0,
+            fmt_tick(v)
+        );
+        let xv = xmax * f64::from(i) / 5.0;
+        let _ = writeln!(
+            s,
+            r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
+            x(xv),
+            top + plot_h + 16.0,
+            fmt_tick(xv)
+        );
+    }
+    let _ = writeln!(
+        s,
+        r#"<text x="{:.0}" y="{:.0}" text-anchor="middle">{}</text>"#,
+        left + plot_w / 2.0,
+        top + plot_h + 36.0,
+        escape(x_label)
+    );
+    let _ = writeln!(
+        s,
+        r#"<text transform="translate(16,{:.0}) rotate(-90)" text-anchor="middle">{}</text>"#,
+        top + plot_h / 2.0,
+        escape(y_label)
+    );
+    if let Some(m) = marker_x.filter(finite) {
+        let _ = writeln!(
+            s,
+            r##"<line x1="{:.1}" y1="{top}" x2="{:.1}" y2="{:.1}" stroke="#888" stroke-dasharray="4 4"/>"##,
+            x(m),
+            x(m),
+            top + plot_h
+        );
+    }
+    for (li, line) in lines.iter().enumerate() {
+        let pts: Vec<String> = line
+            .points
+            .iter()
+            .filter(|(a, b)| a.is_finite() && b.is_finite())
+            .map(|(a, b)| format!("{:.1},{:.1}", x(*a), y(*b)))
+            .collect();
+        let color = COLORS[li % COLORS.len()];
+        let _ = writeln!(
+            s,
+            r#"<polyline fill="none" stroke="{color}" stroke-width="2" points="{}"><title>{}</title></polyline>"#,
+            pts.join(" "),
+            escape(&line.label)
+        );
+        let lx = left + 10.0 + li as f64 * 150.0;
+        let _ = writeln!(
+            s,
+            r#"<rect x="{lx:.0}" y="52" width="10" height="10" fill="{color}"/><text x="{:.0}" y="61">{}</text>"#,
+            lx + 14.0,
+            escape(&line.label)
+        );
+    }
+    let _ = writeln!(
+        s,
+        r#"<line x1="{left}" y1="{:.1}" x2="{:.1}" y2="{:.1}" stroke="black"/>"#,
+        top + plot_h,
+        left + plot_w,
+        top + plot_h
+    );
     s.push_str("</svg>\n");
     s
 }

@@ -152,6 +152,20 @@ impl ManagedChild {
         lines[lines.len().saturating_sub(n)..].join("\n")
     }
 
+    /// Sends `signal` to the child's process group.
+    pub fn signal(&self, signal: i32) -> anyhow::Result<()> {
+        let pid = self.pid.context("the child has been killed")?;
+        let pgid = i32::try_from(pid).context("pid out of range")?;
+        // SAFETY: plain syscall; the group id is our own child's (process_group(0)).
+        if unsafe { libc::kill(-pgid, signal) } != 0 {
+            bail!(
+                "kill({pgid}, {signal}): {}",
+                std::io::Error::last_os_error()
+            );
+        }
+        Ok(())
+    }
+
     fn kill_group(&mut self) {
         if let Some(pid) = self.pid.take() {
             if let Ok(pgid) = i32::try_from(pid) {
@@ -166,6 +180,12 @@ impl ManagedChild {
 
     /// Kill the child (and its process group) and reap it.
     pub async fn shutdown(mut self) {
+        self.kill().await;
+    }
+
+    /// Kill the child (and its process group) with SIGKILL, as a crash would, and reap
+    /// it; the handle stays, and dropping it later is harmless.
+    pub async fn kill(&mut self) {
         self.kill_group();
         let _ = tokio::time::timeout(Duration::from_secs(5), self.child.wait()).await;
     }

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use anyhow::bail;
 
-use crate::fleet::Fleet;
+use crate::fleet::EngineAddr;
 use crate::process::{free_ports, which, ManagedChild};
 
 /// kvgate's own policies, in the order a full comparison runs them.
@@ -235,16 +235,16 @@ pub enum Started {
     Skipped(String),
 }
 
-/// Command line (program, args) for a router on `port` in front of `fleet`; `None` when
+/// Command line (program, args) for a router on `port` in front of `engines`; `None` when
 /// the router is not installed.
 pub fn command_line(
     spec: &RouterSpec,
     ctx: &RouterContext,
-    fleet: &Fleet,
+    engines: &[EngineAddr],
     port: u16,
     metrics_port: u16,
 ) -> Option<(PathBuf, Vec<String>)> {
-    let workers: Vec<String> = fleet.addrs().iter().map(|a| a.url.clone()).collect();
+    let workers: Vec<String> = engines.iter().map(|a| a.url.clone()).collect();
     match spec {
         RouterSpec::Kvgate(policy) => {
             let mut args: Vec<String> = vec![
@@ -259,10 +259,10 @@ pub fn command_line(
                 ctx.block_size.to_string(),
                 "--remote-tokenize".into(),
             ];
-            for a in fleet.addrs() {
+            for a in engines {
                 args.extend(["--worker".into(), a.url.clone()]);
             }
-            for a in fleet.addrs() {
+            for a in engines {
                 args.extend(["--kv-events".into(), format!("{}={}", a.url, a.kv_events)]);
                 args.extend([
                     "--kv-events-replay".into(),
@@ -277,7 +277,7 @@ pub fn command_line(
             let bin = which("vllm-router")?;
             let mut args = peer_args(&[], port, metrics_port, policy, workers);
             if policy.name == "kv_aware" {
-                for a in fleet.addrs() {
+                for a in engines {
                     args.extend([
                         "--kv-event-source".into(),
                         format!("{}={}", a.url, a.kv_events),
@@ -332,15 +332,15 @@ fn peer_args(
     args
 }
 
-/// Start a router in front of `fleet` and wait until it answers.
+/// Start a router in front of `engines` and wait until it answers.
 pub async fn start(
     spec: &RouterSpec,
     ctx: &RouterContext,
-    fleet: &Fleet,
+    engines: &[EngineAddr],
 ) -> anyhow::Result<Started> {
     let ports = free_ports(2)?;
     let (port, metrics_port) = (ports[0], ports[1]);
-    let Some((bin, args)) = command_line(spec, ctx, fleet, port, metrics_port) else {
+    let Some((bin, args)) = command_line(spec, ctx, engines, port, metrics_port) else {
         return Ok(Started::Skipped(format!(
             "{} not installed (pip install {})",
             spec.label(),
@@ -373,7 +373,6 @@ pub async fn start(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fleet::EngineAddr;
 
     #[test]
     fn peer_routers_get_address_metrics_policy_and_workers() {
@@ -435,12 +434,12 @@ mod tests {
         }
     }
 
-    fn fleet() -> Fleet {
-        Fleet::from_addrs(vec![EngineAddr {
+    fn fleet() -> Vec<EngineAddr> {
+        vec![EngineAddr {
             url: "http://127.0.0.1:1".into(),
             kv_events: "tcp://127.0.0.1:2".into(),
             replay: "tcp://127.0.0.1:3".into(),
-        }])
+        }]
     }
 
     #[test]
