@@ -882,3 +882,120 @@ fn write_outputs(dir: &Path, summaries: &[ScenarioSummary]) -> anyhow::Result<()
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tenant_workload_is_deterministic_and_shares_each_tenants_prompt() {
+        let shape = ScenarioKind::Steady.shape();
+        let a = TenantWorkload::new(&shape, 3);
+        let b = TenantWorkload::new(&shape, 3);
+        for k in 0..50 {
+            assert_eq!(a.request(k).prompt, b.request(k).prompt);
+        }
+        let (r0, r1) = (a.request(0), a.request(1));
+        assert_eq!(r0.prompt.len(), shape.prefix_tokens + shape.suffix_tokens);
+        let same_tenant = (1..200).find(|k| a.tenant(*k) == a.tenant(0)).unwrap();
+        let rs = a.request(same_tenant);
+        assert_eq!(
+            rs.prompt[..shape.prefix_tokens],
+            r0.prompt[..shape.prefix_tokens]
+        );
+        assert_ne!(
+            rs.prompt[shape.prefix_tokens..],
+            r0.prompt[shape.prefix_tokens..]
+        );
+        if a.tenant(1) != a.tenant(0) {
+            assert_ne!(r1.prompt[..16], r0.prompt[..16]);
+        }
+    }
+
+    #[test]
+    fn zipf_popularity_is_skewed_and_uniform_is_not() {
+        let zipf = TenantWorkload::new(&ScenarioKind::Zipf.shape(), 1);
+        let mut counts = vec![0usize; 32];
+        for k in 0..20_000 {
+            counts[zipf.tenant(k)] += 1;
+        }
+        assert!(counts[0] > 5 * counts[31], "{counts:?}");
+        let uniform = TenantWorkload::new(&ScenarioKind::Steady.shape(), 1);
+        let mut counts = vec![0usize; 8];
+        for k in 0..20_000 {
+            counts[uniform.tenant(k)] += 1;
+        }
+        assert!(
+            counts.iter().all(|c| (2000..3000).contains(c)),
+            "{counts:?}"
+        );
+    }
+
+    /// Shares come from counter deltas; a restarted engine's counter starts over, a
+    /// silent engine adds nothing, and the bypass client's requests on engine 1 are not
+    /// counted as routed.
+    #[test]
+    fn shares_come_from_counter_deltas_less_bypass_traffic() {
+        let counts = vec![
+            (0.0, vec![Some(0.0), Some(0.0)]),
+            (1.0, vec![Some(10.0), Some(0.0)]),
+            (2.0, vec![Some(20.0), None]),
+            (3.0, vec![Some(25.0), Some(5.0)]),
+            (4.0, vec![Some(30.0), Some(12.0)]),
+        ];
+        let bypass = [3.5, 3.6];
+        let d = per_interval(&counts, &bypass);
+        assert_eq!(d.len(), 4);
+        assert_eq!(d[2].2, vec![5.0, 5.0], "counter went from 0 (silent) to 5");
+        assert_eq!(d[3].2, vec![5.0, 5.0], "7 finished, 2 of them bypass");
+        let share = window_share(&counts, &bypass, 1, 2.0, 4.0).unwrap();
+        assert!((share - 0.5).abs() < 1e-9, "{share}");
+        assert_eq!(window_share(&counts, &bypass, 1, 0.0, 2.0), Some(0.0));
+        let timeline = share_timeline(&counts, &bypass, 1);
+        assert_eq!(timeline.len(), 4);
+        assert!((timeline[3].1 - 0.5).abs() < 1e-9);
+    }
+
+    #[test]
+    fn markdown_and_svg_name_every_row() {
+        let row = |label: &str| ScenarioRow {
+            label: label.into(),
+            status: "ok".into(),
+            note: None,
+            report: Some(Report {
+                label: label.into(),
+                ok: 10,
+                requests: 10,
+                ..Report::default()
+            }),
+            watched_share: Some(0.4),
+            share_timeline: vec![(1.0, 0.2), (2.0, 0.5)],
+            change_done_s: Some(8.0),
+            predicted_over_reported: Some(1.01),
+            bypass_requests: 0,
+        };
+        let sum = ScenarioSummary {
+            scenario: ScenarioKind::Added,
+            shape: ScenarioKind::Added.shape(),
+            duration_s: 30.0,
+            concurrency: 4,
+            change_at_s: 8.0,
+            rows: vec![
+                row("kv_aware"),
+                empty_row(
+                    "sglang-router:cache_aware".into(),
+                    "skipped",
+                    "not installed".into(),
+                ),
+            ],
+        };
+        let md = render_markdown(std::slice::from_ref(&sum));
+        assert!(md.contains("| kv_aware | 10 | 0 |"), "{md}");
+        assert!(md.contains("40.0%"), "{md}");
+        assert!(md.contains("skipped: not installed"), "{md}");
+        let svg = render_share_svg(&sum);
+        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+        assert_eq!(svg.matches("<polyline").count(), 1);
+        assert!(svg.contains("stroke-dasharray"), "the change is marked");
+    }
+}
