@@ -68,8 +68,8 @@ pub struct ServeArgs {
     /// request's own uncached blocks [default: 1].
     #[arg(long)]
     pub prefill_queue_weight: Option<f64>,
-    /// kv_aware: seconds a routing decision counts as cached on its worker until the
-    /// engine's KV events confirm it (0 = off) [default: 10].
+    /// kv_aware: longest time a prompt still being prefilled counts as cached on its
+    /// worker; the credit ends at its first token anyway (0 = off) [default: 10].
     #[arg(long)]
     pub pending_credit_secs: Option<f64>,
     /// kv_aware: extra weight of the best-cached worker's lead over the runner-up
@@ -83,6 +83,11 @@ pub struct ServeArgs {
     /// ...and more than this many times ahead is not eligible [default: 1.5].
     #[arg(long)]
     pub balance_rel_threshold: Option<f64>,
+    /// kv_aware warm-up: a worker whose index holds less than this fraction of the
+    /// workers' mean (just added, restarted or reset) may not be more than one request
+    /// in flight behind any other (0 = off) [default: 0.5].
+    #[arg(long)]
+    pub warmup_fraction: Option<f64>,
     /// kv_aware: softmax temperature (0 = pick the lowest cost).
     #[arg(long)]
     pub temperature: Option<f64>,
@@ -241,6 +246,9 @@ impl ServeArgs {
         }
         if let Some(r) = self.balance_rel_threshold {
             m.kv_aware.balance_rel_threshold = r;
+        }
+        if let Some(f) = self.warmup_fraction {
+            m.kv_aware.warmup_fraction = f;
         }
         if let Some(t) = self.temperature {
             m.kv_aware.temperature = t;

@@ -322,6 +322,17 @@ impl PrefixIndex {
         self.slot_state(at).map_or(0, |s| s.entries)
     }
 
+    /// Entries held by each of `workers` (all its ranks together), in `workers` order.
+    pub fn entries_of(&self, workers: &[WorkerId]) -> Vec<usize> {
+        let mut out = vec![0usize; workers.len()];
+        for state in self.slots.iter().flatten() {
+            if let Some(i) = workers.iter().position(|w| *w == state.at.worker) {
+                out[i] += state.entries;
+            }
+        }
+        out
+    }
+
     /// Every (key, tier) one worker rank holds, sorted; for accuracy checks and debugging.
     pub fn worker_blocks(&self, at: WorkerRef) -> Vec<(BlockKey, Tier)> {
         let Some(&slot) = self.slot_of.get(&at) else {

@@ -19,6 +19,17 @@
 //! loaded candidate's by more than `balance_abs_threshold` and by more than
 //! `balance_rel_threshold` times.
 //!
+//! Warm-up: a candidate whose index holds less than `warmup_fraction` of the
+//! candidates' mean (an engine just added, restarted, purged or reset) is warming up,
+//! and while it is, no candidate more than [`WARMUP_SLACK`] requests in flight ahead of
+//! it is eligible. Without this, a fleet that already caches its tenants keeps every
+//! request where the prefixes are (the locality term and the DESIGN cost both say so
+//! per request, since one recompute costs more than a short queue), and an engine added
+//! under load gets nothing: the per-request cost cannot see that a prefix recomputed on
+//! new capacity pays for itself over the requests that follow. The rule fires only on
+//! an imbalance of cache, which a steady fleet does not have (all its engines fill), so
+//! the load bound stays loose where locality matters.
+//!
 //! Why the locality term: with the DESIGN cost alone, a request leaves its prefix holder
 //! as soon as the holder's queued prefill outweighs the cached prefix. That is the
 //! earliest start for this request, but the fleet then recomputes the prefix, and a
@@ -91,6 +102,11 @@ pub struct KvAwareConfig {
     pub balance_abs_threshold: u32,
     /// ...and by more than this factor is not eligible.
     pub balance_rel_threshold: f64,
+    /// Warm-up: a candidate whose index holds less than this fraction of the
+    /// candidates' mean entries (an engine just added, restarted or reset) is warming
+    /// up, and no candidate may be more than [`WARMUP_SLACK`] requests in flight ahead
+    /// of it. 0 disables the rule.
+    pub warmup_fraction: f64,
     /// 0 = argmin; > 0 samples with a softmax at this temperature.
     pub temperature: f64,
     /// Credit for a block held in host memory (1.0 = as good as device).
@@ -108,12 +124,16 @@ impl Default for KvAwareConfig {
             locality_weight: 64.0,
             balance_abs_threshold: 16,
             balance_rel_threshold: 1.5,
+            warmup_fraction: 0.5,
             temperature: 0.0,
             host_credit: 0.5,
             disk_credit: 0.25,
         }
     }
 }
+
+/// How many requests in flight a candidate may be ahead of a warming-up one.
+pub const WARMUP_SLACK: u32 = 1;
 
 #[derive(Debug)]
 pub struct KvAwarePolicy {
@@ -129,21 +149,39 @@ impl KvAwarePolicy {
         }
     }
 
-    /// Indices of the candidates within the load bound (never empty: the least loaded
-    /// candidate always is).
-    fn within_load_bound(&self, lines: &[WorkerScore]) -> Vec<usize> {
+    /// Indices of the eligible candidates: within the load bound and, while some
+    /// candidate is warming up, at most [`WARMUP_SLACK`] requests ahead of the least
+    /// loaded warming one. Never empty: the least loaded candidate (or warming
+    /// candidate) always is eligible. Also says whether warm-up excluded anyone.
+    fn eligible(&self, lines: &[WorkerScore], entries: &[usize]) -> (Vec<usize>, bool) {
         let min = lines.iter().map(|l| l.in_flight).min().unwrap_or(0);
         let c = &self.config;
-        (0..lines.len())
+        let mean = entries.iter().sum::<usize>() as f64 / entries.len().max(1) as f64;
+        let warming = |i: usize| {
+            c.warmup_fraction > 0.0 && mean > 0.0 && (entries[i] as f64) < c.warmup_fraction * mean
+        };
+        let warm_min = (0..lines.len())
+            .filter(|&i| warming(i))
+            .map(|i| lines[i].in_flight)
+            .min();
+        let mut warmup_excluded = false;
+        let eligible = (0..lines.len())
             .filter(|&i| {
-                !too_far_ahead(
-                    lines[i].in_flight,
+                let in_flight = lines[i].in_flight;
+                if too_far_ahead(
+                    in_flight,
                     min,
                     c.balance_abs_threshold,
                     c.balance_rel_threshold,
-                )
+                ) {
+                    return false;
+                }
+                let behind_warm_up = warm_min.is_some_and(|w| in_flight > w + WARMUP_SLACK);
+                warmup_excluded |= behind_warm_up;
+                !behind_warm_up
             })
-            .collect()
+            .collect();
+        (eligible, warmup_excluded)
     }
 }
 
@@ -232,7 +270,8 @@ impl RoutingPolicy for KvAwarePolicy {
                 cost
             })
             .collect();
-        let eligible = self.within_load_bound(&lines);
+        let entries = index.entries_of(view.candidates);
+        let (eligible, warmup_excluded) = self.eligible(&lines, &entries);
         let i = {
             let mut rng = self.rng.lock();
             let eligible_costs: Vec<f64> = eligible.iter().map(|&i| costs[i]).collect();
@@ -250,7 +289,9 @@ impl RoutingPolicy for KvAwarePolicy {
         let trusted_credit = (credits[i].trust * f64::from(credited_tokens)).round() as u32;
         let predicted_cached_tokens = indexed_cached_tokens + trusted_credit;
         let best_cost = costs.iter().copied().fold(f64::INFINITY, f64::min);
-        let reason = if costs[i] > best_cost {
+        let reason = if costs[i] > best_cost && warmup_excluded {
+            "warm-up: a worker with little cached is further behind on load"
+        } else if costs[i] > best_cost {
             "load bound: the cheapest workers are overloaded"
         } else if chosen.overlap_blocks.iter().any(|b| *b > 0) {
             "lowest cost: cached prefix outweighs load"

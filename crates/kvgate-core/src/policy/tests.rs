@@ -646,6 +646,12 @@ impl QueuedHolder {
         let mut index = new_index();
         let history: Vec<u32> = (0..history_tokens).collect();
         engine_caches(&mut index, WorkerId(0), &history);
+        // A steady fleet: the other workers cache conversations of their own (an empty
+        // worker would be warming up, which is another rule's business).
+        for w in 1..4u32 {
+            let own: Vec<u32> = (0..history_tokens).map(|t| 1_000_000 * w + t).collect();
+            engine_caches(&mut index, WorkerId(w), &own);
+        }
         let queued = queued_prompts
             .iter()
             .map(|&prompt_tokens| {
@@ -712,6 +718,10 @@ fn kv_aware_load_bound_overrides_a_cached_lead() {
     let mut index = new_index();
     let prompt: Vec<u32> = (0..2048).collect();
     engine_caches(&mut index, WorkerId(0), &prompt);
+    for w in 1..3u32 {
+        let own: Vec<u32> = (0..2048).map(|t| 1_000_000 * w + t).collect();
+        engine_caches(&mut index, WorkerId(w), &own);
+    }
     let bookings: Vec<_> = (0..20)
         .map(|_| {
             let b = ledger.book(
@@ -879,4 +889,74 @@ fn kv_aware_trusts_a_credit_as_far_as_the_workers_credits_came_true() {
     .unwrap();
     assert_eq!(d0.credited_tokens, 2048);
     assert!(d0.predicted_cached_tokens < 200, "{d0:?}");
+}
+
+/// A fleet that already caches its tenants: worker 0 holds the tenant's prompt and has
+/// three requests in flight; worker 1 was just added and holds nothing. Per request,
+/// both the locality term and the DESIGN cost keep the prompt on worker 0 (one
+/// recompute costs more than a short queue), so without warm-up worker 1 would get
+/// nothing. Warming up, it takes the request; once it caches as much as the others, the
+/// same request stays with its holder.
+#[test]
+fn kv_aware_warm_up_sends_load_to_an_empty_worker_until_it_caches_its_share() {
+    let ledger = Ledger::new(BS);
+    let mut index = new_index();
+    let tenant: Vec<u32> = (0..1536).collect();
+    engine_caches(&mut index, WorkerId(0), &tenant);
+    let mut prompt = tenant.clone();
+    prompt.extend(60_000..60_064);
+    let keys = index.hasher().block_keys(&prompt);
+    let _busy: Vec<BookingGuard> = (0..3)
+        .map(|i| {
+            let g = ledger.book(
+                WorkerId(0),
+                BookingSpec {
+                    prompt_tokens: 1600,
+                    cached_tokens: 1536,
+                    expected_output_tokens: Some(32),
+                    ..Default::default()
+                },
+                &[],
+                Instant::now(),
+            );
+            if i > 0 {
+                g.prefill_done();
+            }
+            g
+        })
+        .collect();
+    let route = |config: KvAwareConfig, index: &PrefixIndex| {
+        let policy = KvAwarePolicy::new(config, Some(6));
+        select(
+            &policy,
+            Some(&keys),
+            1600,
+            None,
+            &workers(2),
+            &ledger,
+            Some(index),
+        )
+        .unwrap()
+    };
+    let d = route(KvAwareConfig::default(), &index);
+    assert_eq!(d.worker, WorkerId(1), "{:?}", d.scores);
+    assert!(d.reason.starts_with("warm-up"), "{}", d.reason);
+    let off = route(
+        KvAwareConfig {
+            warmup_fraction: 0.0,
+            ..Default::default()
+        },
+        &index,
+    );
+    assert_eq!(
+        off.worker,
+        WorkerId(0),
+        "without warm-up the holder keeps it"
+    );
+    // Worker 1 now caches as much as worker 0 (other tenants): not warming any more, and
+    // a one-request lead is within the slack anyway.
+    let other: Vec<u32> = (100_000..101_536).collect();
+    engine_caches(&mut index, WorkerId(1), &other);
+    let warm = route(KvAwareConfig::default(), &index);
+    assert_eq!(warm.worker, WorkerId(0), "{:?}", warm.scores);
 }
