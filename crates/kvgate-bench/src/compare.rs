@@ -133,7 +133,7 @@ pub async fn compare(cfg: &CompareConfig, requests: &[Request]) -> anyhow::Resul
 }
 
 /// First line of an error plus its last non-empty line (the child's last log line).
-fn first_line(s: &str) -> String {
+pub(crate) fn first_line(s: &str) -> String {
     let first = s.lines().next().unwrap_or("");
     let last = s.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("");
     let text = if last == first {
@@ -144,7 +144,8 @@ fn first_line(s: &str) -> String {
     text.chars().take(300).collect()
 }
 
-enum RunError {
+/// Why a row produced no report: the router is not installed, or the run failed.
+pub(crate) enum RunError {
     Skipped(String),
     Failed(anyhow::Error),
 }

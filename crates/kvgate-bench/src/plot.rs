@@ -61,37 +61,8 @@ pub fn grouped_bars_svg(
             .fold(0.0, f64::max),
     );
     let y = |v: f64| top + plot_h - (v.max(0.0) / vmax) * plot_h;
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0}" height="{height:.0}" viewBox="0 0 {width:.0} {height:.0}" font-family="sans-serif" font-size="12">"#
-    );
-    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
-    let _ = writeln!(
-        s,
-        r#"<text x="{:.0}" y="24" text-anchor="middle" font-size="16">{}</text>"#,
-        width / 2.0,
-        escape(title)
-    );
-    let _ = writeln!(
-        s,
-        r##"<text x="{:.0}" y="42" text-anchor="middle" font-size="11" fill="#555">{}</text>"##,
-        width / 2.0,
-        escape(subtitle)
-    );
-    // Grid and y ticks.
-    for i in 0..=5 {
-        let v = vmax * f64::from(i) / 5.0;
-        let yy = y(v);
-        let _ = writeln!(
-            s,
-            r##"<line x1="{left}" y1="{yy:.1}" x2="{:.1}" y2="{yy:.1}" stroke="#ddd"/><text x="{:.0}" y="{:.1}" text-anchor="end">{}</text>"##,
-            left + plot_w,
-            left - 6.0,
-            yy + 4.0,
-            fmt_tick(v)
-        );
-    }
+    let mut s = svg_open(width, height, title, subtitle);
+    y_grid(&mut s, left, plot_w, vmax, y);
     let _ = writeln!(
         s,
         r#"<text transform="translate(16,{:.0}) rotate(-90)" text-anchor="middle">{}</text>"#,
@@ -176,35 +147,9 @@ pub fn line_chart_svg(
     let ymax = nice_max(ys.filter(finite).fold(0.0, f64::max));
     let x = |v: f64| left + (v.max(0.0) / xmax) * plot_w;
     let y = |v: f64| top + plot_h - (v.max(0.0) / ymax) * plot_h;
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0}" height="{height:.0}" viewBox="0 0 {width:.0} {height:.0}" font-family="sans-serif" font-size="12">"#
-    );
-    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
-    let _ = writeln!(
-        s,
-        r#"<text x="{:.0}" y="24" text-anchor="middle" font-size="16">{}</text>"#,
-        width / 2.0,
-        escape(title)
-    );
-    let _ = writeln!(
-        s,
-        r##"<text x="{:.0}" y="42" text-anchor="middle" font-size="11" fill="#555">{}</text>"##,
-        width / 2.0,
-        escape(subtitle)
-    );
+    let mut s = svg_open(width, height, title, subtitle);
+    y_grid(&mut s, left, plot_w, ymax, y);
     for i in 0..=5 {
-        let v = ymax * f64::from(i) / 5.0;
-        let yy = y(v);
-        let _ = writeln!(
-            s,
-            r##"<line x1="{left}" y1="{yy:.1}" x2="{:.1}" y2="{yy:.1}" stroke="#ddd"/><text x="{:.0}" y="{:.1}" text-anchor="end">{}</text>"##,
-            left + plot_w,
-            left - 6.0,
-            yy + 4.0,
-            fmt_tick(v)
-        );
         let xv = xmax * f64::from(i) / 5.0;
         let _ = writeln!(
             s,
@@ -267,6 +212,45 @@ pub fn line_chart_svg(
     );
     s.push_str("</svg>\n");
     s
+}
+
+/// The SVG's opening tag, white background, title and subtitle.
+fn svg_open(width: f64, height: f64, title: &str, subtitle: &str) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0}" height="{height:.0}" viewBox="0 0 {width:.0} {height:.0}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    let _ = writeln!(
+        s,
+        r#"<text x="{:.0}" y="24" text-anchor="middle" font-size="16">{}</text>"#,
+        width / 2.0,
+        escape(title)
+    );
+    let _ = writeln!(
+        s,
+        r##"<text x="{:.0}" y="42" text-anchor="middle" font-size="11" fill="#555">{}</text>"##,
+        width / 2.0,
+        escape(subtitle)
+    );
+    s
+}
+
+/// Horizontal grid lines with y ticks at 0, 1/5, …, 5/5 of `vmax`.
+fn y_grid(s: &mut String, left: f64, plot_w: f64, vmax: f64, y: impl Fn(f64) -> f64) {
+    for i in 0..=5 {
+        let v = vmax * f64::from(i) / 5.0;
+        let yy = y(v);
+        let _ = writeln!(
+            s,
+            r##"<line x1="{left}" y1="{yy:.1}" x2="{:.1}" y2="{yy:.1}" stroke="#ddd"/><text x="{:.0}" y="{:.1}" text-anchor="end">{}</text>"##,
+            left + plot_w,
+            left - 6.0,
+            yy + 4.0,
+            fmt_tick(v)
+        );
+    }
 }
 
 fn fmt_tick(v: f64) -> String {

@@ -30,7 +30,7 @@ use anyhow::Context;
 use serde::{Deserialize, Serialize};
 
 use crate::client::{BenchClient, Outcome};
-use crate::compare::parse_counter_sum;
+use crate::compare::{first_line, parse_counter_sum, RunError};
 use crate::fleet::{EngineAddr, EngineConfig, Fleet};
 use crate::plot::{line_chart_svg, Line};
 use crate::report::{fmt_opt, fmt_pct, Report};
@@ -43,8 +43,10 @@ use crate::runner::RunResult;
 const ADMIN_TOKEN: &str = "kvgate-bench";
 /// Window after a fleet change in which the watched engine's share is measured.
 const SHARE_WINDOW: Duration = Duration::from_secs(10);
-/// How long a hung engine stays hung before it is killed and restarted.
-const HANG: Duration = Duration::from_secs(5);
+/// How long a hung engine stays hung before it is killed and restarted: longer than
+/// kvgate's default health checks take to declare it dead (3 failed probes, 2 s apart,
+/// 1 s timeout), so the requests waiting on it are cut off by health, not by the kill.
+const HANG: Duration = Duration::from_secs(10);
 
 /// The scenarios, in suite order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -326,18 +328,14 @@ pub async fn run_scenarios(
             eprintln!("kvgate bench scenarios: {kind} / {} ...", spec.label());
             let row = match run_row(cfg, kind, &shape, spec).await {
                 Ok(row) => row,
-                Err(RowError::Skipped(why)) => {
+                Err(RunError::Skipped(why)) => {
                     eprintln!("  skipped: {why}");
                     empty_row(spec.label(), "skipped", why)
                 }
-                Err(RowError::Failed(e)) => {
+                Err(RunError::Failed(e)) => {
                     let msg = format!("{e:#}");
                     eprintln!("  failed: {msg}");
-                    empty_row(
-                        spec.label(),
-                        "failed",
-                        msg.lines().next().unwrap_or("").into(),
-                    )
+                    empty_row(spec.label(), "failed", first_line(&msg))
                 }
             };
             if let Some(r) = &row.report {
@@ -383,23 +381,12 @@ fn empty_row(label: String, status: &str, note: String) -> ScenarioRow {
     }
 }
 
-enum RowError {
-    Skipped(String),
-    Failed(anyhow::Error),
-}
-
-impl From<anyhow::Error> for RowError {
-    fn from(e: anyhow::Error) -> Self {
-        RowError::Failed(e)
-    }
-}
-
 async fn run_row(
     cfg: &ScenarioConfig,
     kind: ScenarioKind,
     shape: &Shape,
     spec: &RouterSpec,
-) -> Result<ScenarioRow, RowError> {
+) -> Result<ScenarioRow, RunError> {
     let log_dir = cfg
         .out_dir
         .join("logs")
@@ -428,11 +415,11 @@ async fn run_row(
         Ok(Started::Running { child, url }) => (child, url),
         Ok(Started::Skipped(why)) => {
             fleet.shutdown().await;
-            return Err(RowError::Skipped(why));
+            return Err(RunError::Skipped(why));
         }
         Err(e) => {
             fleet.shutdown().await;
-            return Err(RowError::Failed(
+            return Err(RunError::Failed(
                 e.context(format!("starting {}", spec.label())),
             ));
         }
@@ -574,17 +561,32 @@ async fn apply_change(
             fleet.restart(i).await?;
         }
         Change::ResetCache(i) => {
-            let r = http
-                .post(format!("{}/reset_prefix_cache", addrs[i].url))
-                .send()
-                .await?;
-            anyhow::ensure!(r.status().is_success(), "reset answered {}", r.status());
+            // Like vLLM, the engine refuses (409) while requests run on it: retry until
+            // it is between requests.
+            let give_up = Instant::now() + Duration::from_secs(20);
+            loop {
+                let r = http
+                    .post(format!("{}/reset_prefix_cache", addrs[i].url))
+                    .send()
+                    .await?;
+                if r.status().is_success() {
+                    break;
+                }
+                anyhow::ensure!(
+                    r.status() == reqwest::StatusCode::CONFLICT && Instant::now() < give_up,
+                    "reset answered {}",
+                    r.status()
+                );
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
         }
     }
     Ok(Some(load_start.elapsed()))
 }
 
-/// Adds `engine` to a running router: kvgate's admin API, or the peers' `/add_worker`.
+/// Adds `engine` to a running router: kvgate's admin API; for the peers, the SGLang
+/// gateway's `POST /workers` (`{"url"}`), falling back to the older `POST
+/// /add_worker?url=` that vllm-router keeps.
 async fn add_worker(
     http: &reqwest::Client,
     spec: &RouterSpec,
@@ -604,10 +606,19 @@ async fn add_worker(
                 .await?
         }
         RouterSpec::VllmRouter(_) | RouterSpec::SglangRouter(_) => {
-            http.post(format!("{router_url}/add_worker"))
-                .query(&[("url", engine.url.as_str())])
+            let first = http
+                .post(format!("{router_url}/workers"))
+                .json(&serde_json::json!({ "url": engine.url }))
                 .send()
-                .await?
+                .await?;
+            if matches!(first.status().as_u16(), 404 | 405) {
+                http.post(format!("{router_url}/add_worker"))
+                    .query(&[("url", engine.url.as_str())])
+                    .send()
+                    .await?
+            } else {
+                first
+            }
         }
     };
     let status = resp.status();

@@ -669,9 +669,8 @@ mod tests {
         let w = WorkerId(3);
         assert_eq!(ledger.accuracy(w).ratio(), None);
         assert!((ledger.accuracy(w).credit_trust() - 1.0).abs() < 1e-12);
-        for _ in 0..200 {
-            // Predicted 1,024 cached: 512 from the index, 512 credited; the engine
-            // served only the indexed 512 from cache.
+        // Predicted 1,024 cached: 512 from the index, 512 credited.
+        let respond = |reported: u32| {
             let g = ledger.book(
                 w,
                 BookingSpec {
@@ -684,8 +683,10 @@ mod tests {
                 &[],
                 Instant::now(),
             );
-            g.engine_reported_cached(512);
-        }
+            g.engine_reported_cached(reported);
+        };
+        // The engine served only the indexed 512 from cache.
+        (0..200).for_each(|_| respond(512));
         let a = ledger.accuracy(w);
         assert_eq!(a.samples, 200);
         assert!((a.ratio().unwrap() - 2.0).abs() < 1e-9, "{a:?}");
@@ -694,21 +695,7 @@ mod tests {
             "credits that never come true lose trust: {a:?}"
         );
         // Credits that come true restore it.
-        for _ in 0..400 {
-            let g = ledger.book(
-                w,
-                BookingSpec {
-                    prompt_tokens: 2048,
-                    cached_tokens: 1024,
-                    indexed_tokens: 512,
-                    credited_tokens: 512,
-                    expected_output_tokens: None,
-                },
-                &[],
-                Instant::now(),
-            );
-            g.engine_reported_cached(1024);
-        }
+        (0..400).for_each(|_| respond(1024));
         assert!(ledger.accuracy(w).credit_trust() > 0.99);
         assert!((ledger.accuracy(w).ratio().unwrap() - 1.0).abs() < 0.01);
     }
