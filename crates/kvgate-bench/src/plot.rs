@@ -136,7 +136,7 @@ pub fn line_chart_svg(
     lines: &[Line],
     marker_x: Option<f64>,
 ) -> String {
-    let (left, right, top, bottom) = (70.0, 20.0, 70.0, 60.0);
+    let (left, right, top, bottom) = (70.0, 20.0, 90.0, 60.0);
     let (plot_w, plot_h) = (640.0, 320.0);
     let width = left + plot_w + right;
     let height = top + plot_h + bottom;
@@ -195,11 +195,14 @@ pub fn line_chart_svg(
             pts.join(" "),
             escape(&line.label)
         );
-        let lx = left + 10.0 + li as f64 * 150.0;
+        // Legend: four entries a row.
+        let lx = left + 10.0 + (li % 4) as f64 * 160.0;
+        let ly = 52.0 + (li / 4) as f64 * 16.0;
         let _ = writeln!(
             s,
-            r#"<rect x="{lx:.0}" y="52" width="10" height="10" fill="{color}"/><text x="{:.0}" y="61">{}</text>"#,
+            r#"<rect x="{lx:.0}" y="{ly:.0}" width="10" height="10" fill="{color}"/><text x="{:.0}" y="{:.0}">{}</text>"#,
             lx + 14.0,
+            ly + 9.0,
             escape(&line.label)
         );
     }
