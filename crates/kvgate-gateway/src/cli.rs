@@ -88,6 +88,10 @@ pub struct ServeArgs {
     /// in flight behind any other (0 = off) [default: 0.5].
     #[arg(long)]
     pub warmup_fraction: Option<f64>,
+    /// kv_aware: send a prompt cached nowhere to its home worker (a hash of its first
+    /// block) rather than the cheapest one [default: true].
+    #[arg(long)]
+    pub cold_homing: Option<bool>,
     /// kv_aware: softmax temperature (0 = pick the lowest cost).
     #[arg(long)]
     pub temperature: Option<f64>,
@@ -249,6 +253,9 @@ impl ServeArgs {
         }
         if let Some(f) = self.warmup_fraction {
             m.kv_aware.warmup_fraction = f;
+        }
+        if let Some(h) = self.cold_homing {
+            m.kv_aware.cold_homing = h;
         }
         if let Some(t) = self.temperature {
             m.kv_aware.temperature = t;

@@ -30,6 +30,13 @@
 //! an imbalance of cache, which a steady fleet does not have (all its engines fill), so
 //! the load bound stays loose where locality matters.
 //!
+//! Cold homing: a prompt that no candidate holds (not even its first block) goes to its
+//! home, the eligible candidate with the highest rendezvous hash of its first block
+//! key, instead of the cheapest one. When caches thrash (more tenants than the fleet
+//! holds), a tenant evicted everywhere then comes back to the same worker each time, so
+//! each worker sees a stable part of the tenants instead of all of them, as a router
+//! that remembers its own decisions would; the load bound and warm-up still apply.
+//!
 //! Why the locality term: with the DESIGN cost alone, a request leaves its prefix holder
 //! as soon as the holder's queued prefill outweighs the cached prefix. That is the
 //! earliest start for this request, but the fleet then recomputes the prefix, and a
@@ -68,6 +75,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use rand::rngs::SmallRng;
 use serde::{Deserialize, Serialize};
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use super::scoring::{argmin_random_tie, load_lines, rng, softmax_sample, too_far_ahead};
 use super::{
@@ -107,6 +115,10 @@ pub struct KvAwareConfig {
     /// up, and no candidate may be more than [`WARMUP_SLACK`] requests in flight ahead
     /// of it. 0 disables the rule.
     pub warmup_fraction: f64,
+    /// A prompt cached nowhere goes to its home worker (rendezvous hash of its first
+    /// block key over the eligible candidates) instead of the cheapest one, so a prefix
+    /// that every cache evicted comes back to the same worker rather than scattering.
+    pub cold_homing: bool,
     /// 0 = argmin; > 0 samples with a softmax at this temperature.
     pub temperature: f64,
     /// Credit for a block held in host memory (1.0 = as good as device).
@@ -125,6 +137,7 @@ impl Default for KvAwareConfig {
             balance_abs_threshold: 16,
             balance_rel_threshold: 1.5,
             warmup_fraction: 0.5,
+            cold_homing: true,
             temperature: 0.0,
             host_credit: 0.5,
             disk_credit: 0.25,
@@ -272,7 +285,15 @@ impl RoutingPolicy for KvAwarePolicy {
             .collect();
         let entries = index.entries_of(view.candidates);
         let (eligible, warmup_excluded) = self.eligible(&lines, &entries);
-        let i = {
+        let cold = keys.first().filter(|_| cached.iter().all(|x| *x <= 0.0));
+        let home = cold.filter(|_| c.cold_homing).and_then(|first| {
+            eligible.iter().copied().max_by_key(|&i| {
+                xxh3_64_with_seed(&first.0.to_le_bytes(), u64::from(lines[i].worker.0))
+            })
+        });
+        let i = if let Some(home) = home {
+            home
+        } else {
             let mut rng = self.rng.lock();
             let eligible_costs: Vec<f64> = eligible.iter().map(|&i| costs[i]).collect();
             let pick = if c.temperature > 0.0 {
@@ -289,7 +310,9 @@ impl RoutingPolicy for KvAwarePolicy {
         let trusted_credit = (credits[i].trust * f64::from(credited_tokens)).round() as u32;
         let predicted_cached_tokens = indexed_cached_tokens + trusted_credit;
         let best_cost = costs.iter().copied().fold(f64::INFINITY, f64::min);
-        let reason = if costs[i] > best_cost && warmup_excluded {
+        let reason = if home.is_some() {
+            "cold miss: the prefix's home worker (cached nowhere)"
+        } else if costs[i] > best_cost && warmup_excluded {
             "warm-up: a worker with little cached is further behind on load"
         } else if costs[i] > best_cost {
             "load bound: the cheapest workers are overloaded"

@@ -620,15 +620,50 @@ fn kv_aware_credits_its_own_recent_decisions_before_events_arrive() {
         "follow-up goes where its prefix is being computed"
     );
     assert_eq!(d2.predicted_cached_tokens, 4096);
-    // Without the credit (TTL 0) it would go to an idle worker.
+    // Without the credit (TTL 0) and cold homing it would go to an idle worker.
     let forgetful = KvAwarePolicy::new(
         KvAwareConfig {
             pending_credit_secs: 0.0,
+            cold_homing: false,
             ..locality
         },
         Some(3),
     );
     assert_ne!(route_next(&forgetful).worker, d.worker);
+}
+
+/// A prompt cached nowhere goes to the same home worker every time (whatever the
+/// random tie-breaks), and different prompts spread over the workers.
+#[test]
+fn kv_aware_sends_a_prefix_cached_nowhere_to_its_home() {
+    let ledger = Ledger::new(BS);
+    let index = new_index();
+    let policy = KvAwarePolicy::new(KvAwareConfig::default(), None);
+    let mut homes = HashMap::new();
+    for tenant in 0..64u32 {
+        let prompt: Vec<u32> = (0..256).map(|t| tenant * 10_000 + t).collect();
+        let keys = index.hasher().block_keys(&prompt);
+        let route = || {
+            select(
+                &policy,
+                Some(&keys),
+                256,
+                None,
+                &workers(4),
+                &ledger,
+                Some(&index),
+            )
+            .unwrap()
+        };
+        let d = route();
+        assert!(d.reason.starts_with("cold miss"), "{}", d.reason);
+        for _ in 0..5 {
+            assert_eq!(route().worker, d.worker, "tenant {tenant} left its home");
+        }
+        *homes.entry(d.worker).or_insert(0) += 1;
+    }
+    assert_eq!(homes.len(), 4, "{homes:?}");
+    assert!(homes.values().all(|n| *n >= 8), "{homes:?}");
 }
 
 /// Four workers; worker 0 caches a conversation's history and has prompts of the given
