@@ -13,7 +13,7 @@
 //! ```
 //!
 //! The lowest cost among the candidates that are not overloaded wins (ties broken at
-//! random, so a cold miss does not always land on the same worker), or with
+//! random), or with
 //! `temperature > 0` one is sampled with probability ∝ exp(−normalized cost /
 //! temperature). A candidate is overloaded when its requests in flight exceed the least
 //! loaded candidate's by more than `balance_abs_threshold` and by more than
@@ -36,6 +36,9 @@
 //! holds), a tenant evicted everywhere then comes back to the same worker each time, so
 //! each worker sees a stable part of the tenants instead of all of them, as a router
 //! that remembers its own decisions would; the load bound and warm-up still apply.
+//! Different prefixes hash to different homes, so cold misses still spread. (The hash
+//! is over worker ids, which are this process's: two gateway replicas may pick
+//! different homes for the same prefix.)
 //!
 //! Why the locality term: with the DESIGN cost alone, a request leaves its prefix holder
 //! as soon as the holder's queued prefill outweighs the cached prefix. That is the
