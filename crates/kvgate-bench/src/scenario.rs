@@ -561,24 +561,13 @@ async fn apply_change(
             fleet.restart(i).await?;
         }
         Change::ResetCache(i) => {
-            // Like vLLM, the engine refuses (409) while requests run on it: retry until
-            // it is between requests.
-            let give_up = Instant::now() + Duration::from_secs(20);
-            loop {
-                let r = http
-                    .post(format!("{}/reset_prefix_cache", addrs[i].url))
-                    .send()
-                    .await?;
-                if r.status().is_success() {
-                    break;
-                }
-                anyhow::ensure!(
-                    r.status() == reqwest::StatusCode::CONFLICT && Instant::now() < give_up,
-                    "reset answered {}",
-                    r.status()
-                );
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
+            // vLLM refuses a reset while requests run unless told to preempt them.
+            let r = http
+                .post(format!("{}/reset_prefix_cache", addrs[i].url))
+                .query(&[("reset_running_requests", "true")])
+                .send()
+                .await?;
+            anyhow::ensure!(r.status().is_success(), "reset answered {}", r.status());
         }
     }
     Ok(Some(load_start.elapsed()))

@@ -27,7 +27,7 @@ enum Command {
         reply: oneshot::Sender<Result<RequestId, SubmitError>>,
     },
     Abort(RequestId),
-    Reset(oneshot::Sender<bool>),
+    Reset(bool, oneshot::Sender<bool>),
 }
 
 /// Cheap, cloneable access to the engine loop.
@@ -70,11 +70,15 @@ impl EngineHandle {
         }
     }
 
-    /// Reset the prefix cache; false when requests still hold blocks.
-    pub async fn reset_prefix_cache(&self) -> Result<bool, EngineStopped> {
+    /// Reset the prefix cache; false when requests still hold blocks (unless
+    /// `reset_running_requests` preempts them first).
+    pub async fn reset_prefix_cache(
+        &self,
+        reset_running_requests: bool,
+    ) -> Result<bool, EngineStopped> {
         let (reply, rx) = oneshot::channel();
         self.tx
-            .send(Command::Reset(reply))
+            .send(Command::Reset(reset_running_requests, reply))
             .map_err(|_| EngineStopped)?;
         rx.await.map_err(|_| EngineStopped)
     }
@@ -151,8 +155,8 @@ impl LoopState {
                 }
             }
             Command::Abort(id) => self.abort(id),
-            Command::Reset(reply) => {
-                let done = match self.sim.reset_prefix_cache() {
+            Command::Reset(reset_running, reply) => {
+                let done = match self.sim.reset_prefix_cache(reset_running) {
                     Some(events) => {
                         if let Some(p) = &self.publisher {
                             p.publish(events);

@@ -326,9 +326,17 @@ impl Simulator {
         true
     }
 
-    /// POST /reset_prefix_cache: refused (None) while requests hold blocks, else the
-    /// events to publish (one `AllBlocksCleared`).
-    pub fn reset_prefix_cache(&mut self) -> Option<Vec<KvEvent>> {
+    /// POST /reset_prefix_cache: refused (None) while requests hold blocks, unless
+    /// `reset_running_requests` (vLLM's flag of the same name): then every running
+    /// request is preempted first (back to the head of the queue, recomputed later).
+    /// Returns the events to publish (one `AllBlocksCleared`).
+    pub fn reset_prefix_cache(&mut self, reset_running_requests: bool) -> Option<Vec<KvEvent>> {
+        if reset_running_requests {
+            // Last admitted first, each to the queue's head: the queue keeps their order.
+            while let Some(id) = self.running.pop() {
+                self.preempt(id);
+            }
+        }
         let mut events = Vec::new();
         self.cache.reset(&mut events).then_some(events)
     }

@@ -10,11 +10,12 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
-use axum::extract::State;
+use axum::extract::{Query, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::driver::EngineHandle;
@@ -268,12 +269,19 @@ async fn metrics(State(st): State<AppState>) -> Response {
         .into_response()
 }
 
-async fn reset_prefix_cache(State(st): State<AppState>) -> Response {
-    match st.engine.reset_prefix_cache().await {
+/// Query of `POST /reset_prefix_cache`, as vLLM's.
+#[derive(Deserialize, Default)]
+struct ResetQuery {
+    #[serde(default)]
+    reset_running_requests: bool,
+}
+
+async fn reset_prefix_cache(State(st): State<AppState>, Query(q): Query<ResetQuery>) -> Response {
+    match st.engine.reset_prefix_cache(q.reset_running_requests).await {
         Ok(true) => StatusCode::OK.into_response(),
         Ok(false) => error(
             StatusCode::CONFLICT,
-            "cannot reset the prefix cache while requests are running",
+            "cannot reset the prefix cache while requests are running (pass reset_running_requests=true to preempt them)",
         ),
         Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
     }

@@ -214,16 +214,49 @@ fn abort_frees_blocks_and_reset_clears() {
     }
     assert!(sim.cache().num_used() > 0);
     assert!(
-        sim.reset_prefix_cache().is_none(),
+        sim.reset_prefix_cache(false).is_none(),
         "reset refused while busy"
     );
     assert!(sim.abort(id));
     assert!(!sim.abort(id));
     assert_eq!(sim.cache().num_used(), 0);
     assert!(sim.is_idle());
-    let ev = sim.reset_prefix_cache().unwrap();
+    let ev = sim.reset_prefix_cache(false).unwrap();
     shadow.apply(&ev);
     assert_eq!(sim.cache().num_cached(), 0);
+    shadow.assert_matches(&sim);
+}
+
+/// vLLM's `reset_running_requests`: a busy engine preempts its running requests,
+/// drops the whole cache (one `AllBlocksCleared`, the shadow index agrees), and the
+/// preempted request is recomputed and still finishes.
+#[test]
+fn reset_with_running_requests_preempts_them_and_they_still_finish() {
+    let mut sim = Simulator::new(cfg(32, 4)).unwrap();
+    let mut shadow = Shadow::default();
+    sim.submit(req((0..20).collect(), 6)).unwrap();
+    for _ in 0..2 {
+        shadow.apply(&sim.step().unwrap().events);
+    }
+    assert!(sim.cache().num_used() > 0);
+    assert!(
+        sim.reset_prefix_cache(false).is_none(),
+        "refused while busy"
+    );
+    let ev = sim
+        .reset_prefix_cache(true)
+        .expect("preempting resets succeed");
+    shadow.apply(&ev);
+    assert_eq!(sim.cache().num_cached(), 0);
+    assert_eq!(sim.cache().num_used(), 0);
+    shadow.assert_matches(&sim);
+    let mut steps = 0;
+    while let Some(s) = sim.step() {
+        shadow.apply(&s.events);
+        steps += 1;
+        assert!(steps < 100, "the preempted request never finished");
+    }
+    assert!(sim.is_idle());
     shadow.assert_matches(&sim);
 }
 

@@ -121,7 +121,7 @@ fn kvgate_ingestion_reproduces_the_engine_cache() {
     );
     assert!(saw.contains("stored") && saw.contains("removed"));
     // Reset: index follows.
-    let ev = sim.reset_prefix_cache().unwrap();
+    let ev = sim.reset_prefix_cache(false).unwrap();
     apply(&mut index, &ev, &mut saw);
     check(&sim, &index);
     assert_eq!(index.worker_len(at), 0);
