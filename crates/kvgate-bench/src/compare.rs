@@ -299,18 +299,27 @@ pub fn render_markdown(summary: &CompareSummary, baseline: &str) -> String {
                     row.note.as_deref().unwrap_or(""),
                 );
             }
-            None => {
-                let _ = writeln!(
-                    s,
-                    "| {} | | | | | | | | | | | | | | {}: {} |",
-                    row.label,
-                    row.status,
-                    row.note.as_deref().unwrap_or("").replace('|', "/")
-                );
-            }
+            None => not_run_row(&mut s, &row.label, &row.status, row.note.as_deref(), 13),
         }
     }
     s
+}
+
+/// A table row for a router that did not run: its label, `blank` empty cells, then
+/// `status: note` in the last column.
+pub(crate) fn not_run_row(
+    s: &mut String,
+    label: &str,
+    status: &str,
+    note: Option<&str>,
+    blank: usize,
+) {
+    let _ = writeln!(
+        s,
+        "| {label} |{} {status}: {} |",
+        " |".repeat(blank),
+        note.unwrap_or("").replace('|', "/")
+    );
 }
 
 /// The TTFT plot of the rows that ran.
@@ -412,6 +421,10 @@ mod tests {
         assert!(md.contains("| round_robin |") && md.contains("1.00x"));
         assert!(md.contains("skipped: not installed"));
         assert!(md.contains("50.0%"));
+        let cells = |l: &str| l.matches('|').count();
+        let header = md.lines().find(|l| l.starts_with("| router |")).unwrap();
+        let skipped = md.lines().find(|l| l.contains("skipped:")).unwrap();
+        assert_eq!(cells(header), cells(skipped), "{md}");
     }
 
     #[test]

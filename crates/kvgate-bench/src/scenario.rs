@@ -30,7 +30,7 @@ use anyhow::Context;
 use serde::{Deserialize, Serialize};
 
 use crate::client::{BenchClient, Outcome};
-use crate::compare::{first_line, parse_counter_sum, RunError};
+use crate::compare::{first_line, not_run_row, parse_counter_sum, RunError};
 use crate::fleet::{EngineAddr, EngineConfig, Fleet};
 use crate::plot::{line_chart_svg, Line};
 use crate::report::{fmt_opt, fmt_pct, Report};
@@ -810,15 +810,7 @@ pub fn render_markdown(summaries: &[ScenarioSummary]) -> String {
                         row.note.as_deref().unwrap_or(""),
                     );
                 }
-                None => {
-                    let _ = writeln!(
-                        s,
-                        "| {} | | | | | | | | | | {}: {} |",
-                        row.label,
-                        row.status,
-                        row.note.as_deref().unwrap_or("").replace('|', "/")
-                    );
-                }
+                None => not_run_row(&mut s, &row.label, &row.status, row.note.as_deref(), 9),
             }
         }
         s.push('\n');
@@ -993,6 +985,12 @@ mod tests {
         assert!(md.contains("| kv_aware | 10 | 0 |"), "{md}");
         assert!(md.contains("40.0%"), "{md}");
         assert!(md.contains("skipped: not installed"), "{md}");
+        let cells = |prefix: &str| {
+            md.lines()
+                .find(|l| l.starts_with(prefix))
+                .map(|l| l.matches('|').count())
+        };
+        assert_eq!(cells("| router |"), cells("| sglang-router"), "{md}");
         let svg = render_share_svg(&sum);
         assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
         assert_eq!(svg.matches("<polyline").count(), 1);
