@@ -367,14 +367,6 @@ impl Ledger {
             .unwrap_or_default()
     }
 
-    /// Every worker with an accuracy record.
-    pub fn accuracies(&self) -> Vec<(WorkerId, WorkerAccuracy)> {
-        let inner = self.inner.lock();
-        let mut out: Vec<_> = inner.accuracy.iter().map(|(w, a)| (*w, *a)).collect();
-        out.sort_by_key(|(w, _)| *w);
-        out
-    }
-
     /// Forgets a removed worker's accuracy record (its bookings end with their guards).
     pub fn forget_worker(&self, worker: WorkerId) {
         self.inner.lock().accuracy.remove(&worker);

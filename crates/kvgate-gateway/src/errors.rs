@@ -123,9 +123,7 @@ impl ApiError {
             message,
         )
     }
-}
 
-impl ApiError {
     /// 502: the worker was declared dead (health checks) while the request was on it.
     pub fn worker_gone(worker: &str) -> Self {
         Self::new(

@@ -13,7 +13,7 @@ use axum::body::Body;
 use axum::response::Response;
 use bytes::Bytes;
 use http::{header, HeaderMap, StatusCode};
-use kvgate_core::{Decision, WorkerId, WorkerScore};
+use kvgate_core::{BlockKey, Decision, PolicyKind, WorkerId, WorkerScore};
 use smallvec::SmallVec;
 
 use crate::errors::ApiError;
@@ -101,6 +101,13 @@ pub async fn dispatch(
         }
     };
     let policy = model.kind().as_str();
+    // Only kv_aware reads the prompts in prefill (its credit); no other policy needs
+    // the ledger to track them.
+    let prefill_keys: &[BlockKey] = if model.kind() == PolicyKind::KvAware {
+        p.keys.as_deref().unwrap_or_default()
+    } else {
+        &[]
+    };
     let cfg = &gw.config;
     let auth = gw.forward_auth();
     let mut excluded: SmallVec<[WorkerId; 4]> = SmallVec::new();
@@ -132,7 +139,7 @@ pub async fn dispatch(
         let guard = model.ledger.book(
             worker.id,
             decision.booking(p.prompt_tokens, p.max_tokens),
-            p.keys.as_deref().unwrap_or_default(),
+            prefill_keys,
             Instant::now(),
         );
         let last = attempt + 1 == cfg.failover.max_attempts;
@@ -282,8 +289,6 @@ fn log_decision(model: &str, worker_url: &str, decision: &Decision, block_size: 
 mod tests {
     use std::io::Write;
     use std::sync::{Arc, Mutex};
-
-    use kvgate_core::PolicyKind;
 
     use super::*;
 
