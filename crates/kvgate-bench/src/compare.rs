@@ -164,7 +164,7 @@ async fn run_one(
 ) -> Result<Report, RunError> {
     let log_dir = logs.join(spec.file_stem());
     // A fresh fleet per router: cold caches, fresh event sequence numbers.
-    let mut fleet = Fleet::start(&cfg.engine, &log_dir)
+    let fleet = Fleet::start(&cfg.engine, &log_dir)
         .await
         .context("starting the mock-engine fleet")?;
     let ctx = RouterContext {
@@ -175,19 +175,8 @@ async fn run_one(
         startup_timeout: cfg.router_startup_timeout,
         kvgate_extra_args: cfg.kvgate_extra_args.clone(),
     };
-    let (router, url) = match routers::start(spec, &ctx, fleet.addrs()).await {
-        Ok(Started::Running { child, url }) => (child, url),
-        Ok(Started::Skipped(why)) => {
-            fleet.shutdown().await;
-            return Err(RunError::Skipped(why));
-        }
-        Err(e) => {
-            fleet.shutdown().await;
-            return Err(RunError::Failed(
-                e.context(format!("starting {}", spec.label())),
-            ));
-        }
-    };
+    let engines = fleet.addrs().to_vec();
+    let (mut fleet, router, url) = start_router(spec, &ctx, fleet, &engines).await?;
     let client = BenchClient::new(&url, &cfg.model, cfg.request_timeout)?
         .with_prompt_format(spec.prompt_format());
     let run_cfg = RunConfig {
@@ -218,18 +207,50 @@ async fn engine_request_counts(fleet: &Fleet) -> Option<BTreeMap<String, usize>>
         .ok()?;
     let mut out = BTreeMap::new();
     for a in fleet.addrs() {
-        let text = http
-            .get(format!("{}/metrics", a.url))
-            .send()
-            .await
-            .ok()?
-            .text()
-            .await
-            .ok()?;
-        let n = parse_counter_sum(&text, "vllm:request_success_total")?;
+        let n = engine_finished_requests(&http, &a.url).await?;
         out.insert(a.url.clone(), n.round() as usize);
     }
     Some(out)
+}
+
+/// One engine's finished-request counter (`vllm:request_success_total` on its
+/// `/metrics`); `None` when it does not answer or does not expose it.
+pub(crate) async fn engine_finished_requests(
+    http: &reqwest::Client,
+    engine_url: &str,
+) -> Option<f64> {
+    let text = http
+        .get(format!("{engine_url}/metrics"))
+        .send()
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()?;
+    parse_counter_sum(&text, "vllm:request_success_total")
+}
+
+/// Starts `spec` in front of `engines` (this row's fleet). When the router is skipped or
+/// fails to start, the fleet is shut down and the row's error returned.
+pub(crate) async fn start_router(
+    spec: &RouterSpec,
+    ctx: &RouterContext,
+    fleet: Fleet,
+    engines: &[crate::fleet::EngineAddr],
+) -> Result<(Fleet, Box<crate::process::ManagedChild>, String), RunError> {
+    match routers::start(spec, ctx, engines).await {
+        Ok(Started::Running { child, url }) => Ok((fleet, child, url)),
+        Ok(Started::Skipped(why)) => {
+            fleet.shutdown().await;
+            Err(RunError::Skipped(why))
+        }
+        Err(e) => {
+            fleet.shutdown().await;
+            Err(RunError::Failed(
+                e.context(format!("starting {}", spec.label())),
+            ))
+        }
+    }
 }
 
 /// Sum of every sample of a Prometheus metric family in text exposition format.

@@ -30,13 +30,15 @@ use anyhow::Context;
 use serde::{Deserialize, Serialize};
 
 use crate::client::{BenchClient, Outcome};
-use crate::compare::{first_line, not_run_row, parse_counter_sum, RunError};
+use crate::compare::{
+    engine_finished_requests, first_line, not_run_row, parse_counter_sum, start_router, RunError,
+};
 use crate::fleet::{EngineAddr, EngineConfig, Fleet};
 use crate::plot::{line_chart_svg, Line};
 use crate::report::{fmt_opt, fmt_pct, Report};
 use crate::request::Request;
 use crate::rng::SplitMix64;
-use crate::routers::{self, RouterContext, RouterSpec, Started};
+use crate::routers::{RouterContext, RouterSpec};
 use crate::runner::RunResult;
 
 /// Admin token given to kvgate rows so the bench can add workers at run time.
@@ -397,7 +399,7 @@ async fn run_row(
         num_blocks: shape.num_blocks,
         ..cfg.engine.clone()
     };
-    let mut fleet = Fleet::start(&engine_cfg, &log_dir)
+    let fleet = Fleet::start(&engine_cfg, &log_dir)
         .await
         .context("starting the mock-engine fleet")?;
     let addrs: Vec<EngineAddr> = fleet.addrs().to_vec();
@@ -411,19 +413,8 @@ async fn run_row(
         startup_timeout: cfg.router_startup_timeout,
         kvgate_extra_args: kvgate_args,
     };
-    let (router, url) = match routers::start(spec, &ctx, &addrs[..shape.routed_at_start]).await {
-        Ok(Started::Running { child, url }) => (child, url),
-        Ok(Started::Skipped(why)) => {
-            fleet.shutdown().await;
-            return Err(RunError::Skipped(why));
-        }
-        Err(e) => {
-            fleet.shutdown().await;
-            return Err(RunError::Failed(
-                e.context(format!("starting {}", spec.label())),
-            ));
-        }
-    };
+    let (mut fleet, router, url) =
+        start_router(spec, &ctx, fleet, &addrs[..shape.routed_at_start]).await?;
     let workload = Arc::new(TenantWorkload::new(shape, cfg.engine.seed));
     let client = BenchClient::new(&url, &cfg.model, cfg.request_timeout)?
         .with_prompt_format(spec.prompt_format());
@@ -641,11 +632,7 @@ async fn sample_engine_counts(
         let t = start.elapsed().as_secs_f64();
         let mut counts = Vec::with_capacity(addrs.len());
         for a in &addrs {
-            let text = match http.get(format!("{}/metrics", a.url)).send().await {
-                Ok(r) => r.text().await.ok(),
-                Err(_) => None,
-            };
-            counts.push(text.and_then(|t| parse_counter_sum(&t, "vllm:request_success_total")));
+            counts.push(engine_finished_requests(&http, &a.url).await);
         }
         rows.push((t, counts));
         if Instant::now() >= deadline + Duration::from_secs(1) {
