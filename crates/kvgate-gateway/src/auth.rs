@@ -20,11 +20,7 @@ pub fn check_bearer(
     let given = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| {
-            v.strip_prefix("Bearer ")
-                .or_else(|| v.strip_prefix("bearer "))
-        })
-        .map(str::trim);
+        .and_then(bearer_token);
     match given {
         Some(g) if bool::from(g.as_bytes().ct_eq(expected.as_bytes())) => Ok(()),
         Some(_) => Err(ApiError::unauthorized(format!("invalid {what}"))),
@@ -32,6 +28,16 @@ pub fn check_bearer(
             "missing {what}: send Authorization: Bearer <{what}>"
         ))),
     }
+}
+
+/// The token of an `Authorization: Bearer <token>` value; the scheme name is
+/// case-insensitive (RFC 7235 §2.1).
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.trim_start().split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| token.trim())
+        .filter(|t| !t.is_empty())
 }
 
 #[cfg(test)]
@@ -51,5 +57,9 @@ mod tests {
         assert!(check_bearer(&h, Some("k"), "API key").is_err());
         h.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer k"));
         assert!(check_bearer(&h, Some("k"), "API key").is_ok());
+        h.insert(header::AUTHORIZATION, HeaderValue::from_static("BEARER k"));
+        assert!(check_bearer(&h, Some("k"), "API key").is_ok());
+        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Basic k"));
+        assert!(check_bearer(&h, Some("k"), "API key").is_err());
     }
 }

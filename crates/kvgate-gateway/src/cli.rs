@@ -37,6 +37,10 @@ pub struct ServeArgs {
     /// Tokenize with a replica's POST /tokenize instead of locally.
     #[arg(long)]
     pub remote_tokenize: bool,
+    /// The engines' context length in tokens: longer prompts get 400
+    /// context_length_exceeded before they are fully tokenized.
+    #[arg(long, value_name = "TOKENS")]
+    pub max_model_len: Option<u32>,
     /// KV events of a worker: WORKER_URL=tcp://HOST:PORT (repeat per worker).
     #[arg(long = "kv-events", value_name = "URL=ENDPOINT")]
     pub kv_events: Vec<String>,
@@ -108,6 +112,9 @@ pub struct ServeArgs {
     /// Bearer token sent to the workers.
     #[arg(long, env = "KVGATE_WORKER_API_KEY", hide_env_values = true)]
     pub worker_api_key: Option<String>,
+    /// /metrics requires Authorization: Bearer TOKEN (it lists worker URLs).
+    #[arg(long, env = "KVGATE_METRICS_TOKEN", hide_env_values = true)]
+    pub metrics_token: Option<String>,
 
     /// Max requests in flight across the gateway (0 = unlimited).
     #[arg(long)]
@@ -124,6 +131,10 @@ pub struct ServeArgs {
     /// Largest accepted request body, in bytes.
     #[arg(long)]
     pub max_body_bytes: Option<usize>,
+    /// Requests with a body of 16 KiB or more parsed and tokenized at once (0 = one
+    /// per CPU core): bounds the memory large bodies take.
+    #[arg(long)]
+    pub large_body_concurrency: Option<usize>,
     /// Upstream connect timeout, ms (0 = none).
     #[arg(long)]
     pub connect_timeout_ms: Option<u64>,
@@ -165,6 +176,7 @@ fn has_model_flags(a: &ServeArgs) -> bool {
         || a.policy.is_some()
         || a.tokenizer.is_some()
         || a.remote_tokenize
+        || a.max_model_len.is_some()
         || !a.kv_events.is_empty()
         || !a.kv_events_replay.is_empty()
         || a.kv_fallback.is_some()
@@ -226,6 +238,7 @@ impl ServeArgs {
             seed: self.seed,
             tokenizer: self.tokenizer.clone(),
             remote_tokenize: self.remote_tokenize,
+            max_model_len: self.max_model_len,
             block_size: self.block_size,
             kv_fallback: self.kv_fallback,
             session_header: self.session_header.clone(),
@@ -277,6 +290,9 @@ impl ServeArgs {
         if self.admin_token.is_some() {
             c.admin_token = self.admin_token.clone();
         }
+        if self.metrics_token.is_some() {
+            c.metrics_token = self.metrics_token.clone();
+        }
         if self.worker_api_key.is_some() {
             c.worker_api_key = self.worker_api_key.clone();
         }
@@ -288,6 +304,10 @@ impl ServeArgs {
         set(&mut c.limits.max_queue, &self.max_queue);
         set(&mut c.limits.queue_timeout_ms, &self.queue_timeout_ms);
         set(&mut c.limits.max_body_bytes, &self.max_body_bytes);
+        set(
+            &mut c.limits.large_body_concurrency,
+            &self.large_body_concurrency,
+        );
         set(&mut c.timeouts.connect_ms, &self.connect_timeout_ms);
         set(&mut c.timeouts.first_byte_ms, &self.first_byte_timeout_ms);
         set(&mut c.timeouts.total_ms, &self.request_timeout_ms);

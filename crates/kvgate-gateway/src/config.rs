@@ -29,6 +29,9 @@ pub struct Config {
     pub admin_token: Option<String>,
     /// Sent to workers as `Authorization: Bearer ...` (engines started with --api-key).
     pub worker_api_key: Option<String>,
+    /// `/metrics` (which names worker URLs) requires `Authorization: Bearer <token>`
+    /// when set.
+    pub metrics_token: Option<String>,
     pub limits: LimitsConfig,
     pub timeouts: TimeoutsConfig,
     pub health: HealthConfig,
@@ -48,6 +51,7 @@ impl Default for Config {
             api_key: None,
             admin_token: None,
             worker_api_key: None,
+            metrics_token: None,
             limits: LimitsConfig::default(),
             timeouts: TimeoutsConfig::default(),
             health: HealthConfig::default(),
@@ -76,6 +80,10 @@ pub struct ModelConfig {
     pub tokenizer: Option<PathBuf>,
     /// Tokenize with a healthy replica's `POST /tokenize` instead of locally.
     pub remote_tokenize: bool,
+    /// The engines' context length (`--max-model-len`), in tokens. When set, local
+    /// tokenization refuses longer prompts with 400 `context_length_exceeded` and stops
+    /// encoding as soon as the limit is passed, which bounds its time and memory.
+    pub max_model_len: Option<u32>,
     /// Tokens per KV block (must equal the engines' block size; events say so loudly).
     pub block_size: u32,
     /// Extra salt folded into block keys (must match on every router replica).
@@ -105,6 +113,7 @@ impl Default for ModelConfig {
             session_header: "x-session-id".into(),
             tokenizer: None,
             remote_tokenize: false,
+            max_model_len: None,
             block_size: 16,
             hash_salt: None,
             lora_adapters: Vec::new(),
@@ -200,6 +209,11 @@ pub struct LimitsConfig {
     pub queue_timeout_ms: u64,
     /// Largest accepted request body.
     pub max_body_bytes: usize,
+    /// Requests with a body of at least 16 KiB parsed and tokenized at once (0 = one
+    /// per CPU core); others wait in the queue. Tokenization is CPU-bound, so more at
+    /// once only adds memory: this bounds the gateway's peak memory under large bodies
+    /// (docs/BENCHMARKS.md, "Large bodies").
+    pub large_body_concurrency: usize,
 }
 
 impl Default for LimitsConfig {
@@ -210,6 +224,7 @@ impl Default for LimitsConfig {
             max_queue: 1024,
             queue_timeout_ms: 5000,
             max_body_bytes: 32 << 20,
+            large_body_concurrency: 0,
         }
     }
 }
@@ -351,6 +366,7 @@ impl Config {
         for (what, key) in [
             ("api_key", &self.api_key),
             ("admin_token", &self.admin_token),
+            ("metrics_token", &self.metrics_token),
         ] {
             if key.as_deref().is_some_and(str::is_empty) {
                 bail!("{what} is set but empty");
@@ -363,6 +379,9 @@ impl Config {
 impl ModelConfig {
     fn validate(&self) -> anyhow::Result<()> {
         let name = &self.name;
+        if self.max_model_len == Some(0) {
+            bail!("model {name:?}: max_model_len must be positive");
+        }
         if name.trim().is_empty() {
             bail!("a model has an empty name");
         }

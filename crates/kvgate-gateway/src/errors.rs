@@ -62,6 +62,28 @@ impl ApiError {
         )
     }
 
+    /// 413: the body is larger than `limits.max_body_bytes`.
+    pub fn body_too_large(max: usize) -> Self {
+        Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            "request_too_large",
+            format!("request body exceeds the limit of {max} bytes"),
+        )
+    }
+
+    /// 415: the body is declared as something other than JSON.
+    pub fn unsupported_media_type(content_type: &str) -> Self {
+        Self::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "invalid_request_error",
+            "unsupported_media_type",
+            format!(
+                "Content-Type {content_type:?} is not accepted: send the body as application/json"
+            ),
+        )
+    }
+
     /// 404: the requested model is not served by this gateway.
     pub fn unknown_model(model: &str, known: &[&str]) -> Self {
         Self::new(
@@ -134,6 +156,17 @@ impl ApiError {
                 "worker {worker} was declared dead by health checks while serving this request"
             ),
         )
+    }
+
+    /// 503: the gateway's shutdown grace period ended before the response did.
+    pub fn gateway_shutting_down() -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            "gateway_shutting_down",
+            "the gateway shut down before this response finished; retry on another gateway replica",
+        )
+        .with_retry_after(1)
     }
 
     /// 504: the worker stopped sending within the total request timeout.

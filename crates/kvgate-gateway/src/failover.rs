@@ -11,12 +11,12 @@ use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::response::Response;
-use bytes::Bytes;
-use http::{header, HeaderMap, StatusCode};
+use http::{header, StatusCode};
 use kvgate_core::{BlockKey, Decision, PolicyKind, WorkerId, WorkerScore};
 use smallvec::SmallVec;
 
 use crate::errors::ApiError;
+use crate::front_door::Admitted;
 use crate::gateway::Gateway;
 use crate::observe::{Lifecycle, ObservedBody};
 use crate::proxy::{prepare_response_headers, send, SendError};
@@ -53,53 +53,69 @@ pub(crate) fn worker_ok(gw: &Gateway, model: &ModelState, worker: &Worker) {
     }
 }
 
-/// Counts a routed request that ended without an answer from the gateway (the client
-/// went away while it waited for a slot or a worker's first byte) as status 499, so
-/// every request that ends is in `kvgate_requests_total`, however it ends.
-struct CountedUnlessAnswered<'a> {
-    gw: &'a Gateway,
-    model: &'a ModelState,
+/// Counts a request that ended without an answer from the gateway (the client went
+/// away while it waited for admission, tokenization, a worker slot or a worker's first
+/// byte) as status 499, so every request that ends is in `kvgate_requests_total`,
+/// however it ends. Marked answered when a response is handed back.
+pub(crate) struct Unanswered {
+    gw: Arc<Gateway>,
+    pub(crate) model: Option<Arc<ModelState>>,
     worker: Option<Arc<Worker>>,
     answered: bool,
 }
 
-impl Drop for CountedUnlessAnswered<'_> {
+impl Unanswered {
+    pub(crate) fn new(gw: &Arc<Gateway>) -> Self {
+        Self {
+            gw: gw.clone(),
+            model: None,
+            worker: None,
+            answered: false,
+        }
+    }
+
+    /// Marks the request answered and passes the response through.
+    pub(crate) fn answered<T>(&mut self, response: T) -> T {
+        self.answered = true;
+        response
+    }
+}
+
+impl Drop for Unanswered {
     fn drop(&mut self) {
         if self.answered {
             return;
         }
+        let (model, policy) = self
+            .model
+            .as_ref()
+            .map_or(("", ""), |m| (&*m.name, m.kind().as_str()));
         let worker = self.worker.as_ref().map_or("", |w| &*w.url);
         self.gw
             .metrics
             .requests
-            .with_label_values(&[&*self.model.name, worker, self.model.kind().as_str(), "499"])
+            .with_label_values(&[model, worker, policy, "499"])
             .inc();
     }
 }
 
-/// Routes and forwards one request, with failover before the first byte.
-pub async fn dispatch(
+/// Routes and forwards one admitted request, with failover before the first byte.
+pub(crate) async fn dispatch(
     gw: &Arc<Gateway>,
     endpoint: Endpoint,
-    headers: &HeaderMap,
-    body: Bytes,
+    admitted: Admitted,
     p: Prepared,
+    record: &mut Unanswered,
 ) -> Result<Response, ApiError> {
     let started = tokio::time::Instant::now();
     let model = p.model.clone();
-    let mut unanswered = CountedUnlessAnswered {
-        gw,
-        model: &model,
-        worker: None,
-        answered: false,
-    };
-    let mut global = match gw.limiter.acquire().await {
-        Ok(g) => g,
-        Err(e) => {
-            unanswered.answered = true;
-            return Err(e);
-        }
-    };
+    let Admitted {
+        headers,
+        body,
+        slot,
+    } = admitted;
+    let headers = &headers;
+    let mut global = slot;
     let policy = model.kind().as_str();
     // Only kv_aware reads the prompts in prefill (its credit); no other policy needs
     // the ledger to track them.
@@ -121,7 +137,6 @@ pub async fn dispatch(
         let (decision, worker, permit) = match pick(gw, &p, headers, &excluded).await {
             Ok(x) => x,
             Err(e) => {
-                unanswered.answered = true;
                 // After a failed attempt, "nobody left" means the attempts failed.
                 return Err(match last_err {
                     Some(prev) if e.status == StatusCode::SERVICE_UNAVAILABLE => prev,
@@ -129,7 +144,7 @@ pub async fn dispatch(
                 });
             }
         };
-        unanswered.worker = Some(worker.clone());
+        record.worker = Some(worker.clone());
         log_decision(
             &model.name,
             &worker.url,
@@ -155,6 +170,7 @@ pub async fn dispatch(
                 cfg.timeouts.first_byte(),
             ) => sent,
             () = cut_off.cancelled() => Err(SendError::WorkerDown),
+            () = gw.grace_over.cancelled() => return Err(ApiError::gateway_shutting_down()),
         };
         match sent {
             Ok(resp) if retryable(resp.status()) && !last => {
@@ -210,7 +226,6 @@ pub async fn dispatch(
                     .total()
                     .map(|d| Box::pin(tokio::time::sleep_until(started + d)));
                 let body = ObservedBody::new(incoming, life, sse, deadline, cut_off);
-                unanswered.answered = true;
                 return Ok(Response::from_parts(parts, Body::new(body)));
             }
             Err(e) => {
@@ -236,7 +251,6 @@ pub async fn dispatch(
             }
         }
     }
-    unanswered.answered = true;
     Err(last_err.unwrap_or_else(|| ApiError::internal("no attempt was made")))
 }
 

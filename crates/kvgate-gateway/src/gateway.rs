@@ -40,6 +40,9 @@ pub struct Gateway {
     pub metrics: Metrics,
     pub events: Arc<EventMetrics>,
     pub(crate) shutdown: CancellationToken,
+    /// Cancelled when the shutdown grace period ends: every request still running ends
+    /// now with an error (an SSE error event, or a JSON 503 before the first byte).
+    pub(crate) grace_over: CancellationToken,
     forward_auth: ForwardAuth,
 }
 
@@ -85,6 +88,7 @@ impl Gateway {
             metrics: Metrics::new().context("cannot register metrics")?,
             events: EventMetrics::new(),
             shutdown,
+            grace_over: CancellationToken::new(),
             forward_auth: ForwardAuth {
                 strip_client_auth: config.api_key.is_some(),
                 worker_auth,
@@ -290,12 +294,14 @@ fn build_model(mc: &ModelConfig) -> anyhow::Result<ModelState> {
     });
     let tokenizer = match (&mc.tokenizer, mc.remote_tokenize) {
         (Some(dir), false) => Some(Tokenizer::Local(Arc::new(
-            LocalTokenizer::from_dir(dir).with_context(|| {
-                format!(
-                    "model {name:?}: cannot load tokenizer from {}",
-                    dir.display()
-                )
-            })?,
+            LocalTokenizer::from_dir(dir)
+                .with_context(|| {
+                    format!(
+                        "model {name:?}: cannot load tokenizer from {}",
+                        dir.display()
+                    )
+                })?
+                .with_max_prompt_tokens(mc.max_model_len),
         ))),
         _ => None,
     };

@@ -16,6 +16,7 @@ pub mod cli;
 pub mod config;
 pub mod errors;
 pub mod failover;
+pub mod front_door;
 pub mod gateway;
 pub mod health;
 pub mod limits;

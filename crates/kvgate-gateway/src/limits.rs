@@ -2,7 +2,10 @@
 //! for a per-worker slot.
 //!
 //! Owns admission. A request first takes a global slot (waiting in a bounded queue for
-//! at most the queue timeout); after routing it takes a slot on its worker
+//! at most the queue timeout) at the front door, before its body is read; a body of
+//! 16 KiB or more also takes one of a few large-body slots while it is parsed and
+//! tokenized (one per core by default), which bounds the memory tokenization can
+//! take at once; after routing it takes a slot on its worker
 //! ([`crate::registry::Worker::try_reserve`]); when every healthy candidate is full it
 //! waits for a slot to free, bounded by the same timeout. Beyond either bound the answer
 //! is 429 with `Retry-After`, never a hang. Must not choose workers.
@@ -12,17 +15,22 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, SemaphorePermit};
 use tokio::time::Instant;
 
 use crate::config::LimitsConfig;
 use crate::errors::ApiError;
 use crate::registry::ModelState;
 
-/// The gateway-wide in-flight limit.
+/// Bodies of at least this many bytes take a large-body slot while they are parsed
+/// and tokenized (the size from which tokenization moves to the blocking pool).
+pub const LARGE_BODY_BYTES: usize = kvgate_tokenize::local::SPAWN_BLOCKING_MIN_BYTES;
+
+/// The gateway-wide in-flight limit, and the limit on large bodies in preparation.
 #[derive(Debug)]
 pub struct GlobalLimiter {
     sem: Option<Arc<Semaphore>>,
+    large_bodies: Semaphore,
     waiting: AtomicUsize,
     max_queue: usize,
     timeout: Duration,
@@ -33,6 +41,10 @@ impl GlobalLimiter {
     pub fn new(cfg: &LimitsConfig) -> Self {
         Self {
             sem: (cfg.max_in_flight > 0).then(|| Arc::new(Semaphore::new(cfg.max_in_flight))),
+            large_bodies: Semaphore::new(match cfg.large_body_concurrency {
+                0 => std::thread::available_parallelism().map_or(2, |n| n.get()),
+                n => n,
+            }),
             waiting: AtomicUsize::new(0),
             max_queue: cfg.max_queue,
             timeout: cfg.queue_timeout(),
@@ -59,6 +71,35 @@ impl GlobalLimiter {
             Ok(Err(_)) => Err(ApiError::internal("the gateway is shutting down")),
             Err(_) => Err(ApiError::overloaded(
                 "the gateway stayed at its in-flight limit for the whole queue timeout; retry later",
+                self.retry_after,
+            )),
+        }
+    }
+
+    /// Takes a large-body slot for a body of `len` bytes (`None` below
+    /// [`LARGE_BODY_BYTES`]), waiting in the bounded queue; hold it while the body is
+    /// parsed and tokenized.
+    pub async fn acquire_large_body(
+        &self,
+        len: usize,
+    ) -> Result<Option<SemaphorePermit<'_>>, ApiError> {
+        if len < LARGE_BODY_BYTES {
+            return Ok(None);
+        }
+        if let Ok(p) = self.large_bodies.try_acquire() {
+            return Ok(Some(p));
+        }
+        let _ticket = QueueTicket::take(&self.waiting, self.max_queue).ok_or_else(|| {
+            ApiError::overloaded(
+                "the gateway is preparing as many large requests as it has cores and its wait queue is full; retry later",
+                self.retry_after,
+            )
+        })?;
+        match tokio::time::timeout(self.timeout, self.large_bodies.acquire()).await {
+            Ok(Ok(p)) => Ok(Some(p)),
+            Ok(Err(_)) => Err(ApiError::internal("the gateway is shutting down")),
+            Err(_) => Err(ApiError::overloaded(
+                "the gateway stayed busy preparing large requests for the whole queue timeout; retry later",
                 self.retry_after,
             )),
         }

@@ -47,6 +47,8 @@ enum Outcome {
     Timeout,
     /// Health checks declared the worker dead mid-response.
     WorkerDown,
+    /// The gateway's shutdown grace period ended mid-response.
+    Shutdown,
 }
 
 impl Outcome {
@@ -57,6 +59,7 @@ impl Outcome {
             Outcome::UpstreamError => "upstream_error",
             Outcome::Timeout => "timeout",
             Outcome::WorkerDown => "worker_down",
+            Outcome::Shutdown => "shutdown",
         }
     }
 }
@@ -112,6 +115,7 @@ pub struct ObservedBody {
     obs: Observer,
     deadline: Option<Pin<Box<Sleep>>>,
     cut_off: Pin<Box<WaitForCancellationFutureOwned>>,
+    grace_over: Pin<Box<WaitForCancellationFutureOwned>>,
 }
 
 impl ObservedBody {
@@ -124,6 +128,7 @@ impl ObservedBody {
         deadline: Option<Pin<Box<Sleep>>>,
         cut_off: CancellationToken,
     ) -> Self {
+        let grace_over = Box::pin(life.gw.grace_over.clone().cancelled_owned());
         Self {
             inner,
             obs: Observer {
@@ -139,6 +144,7 @@ impl ObservedBody {
             },
             deadline,
             cut_off: Box::pin(cut_off.cancelled_owned()),
+            grace_over,
         }
     }
 
@@ -176,6 +182,9 @@ impl Body for ObservedBody {
             if d.as_mut().poll(cx).is_ready() {
                 return this.fail(Outcome::Timeout, ApiError::upstream_total_timeout());
             }
+        }
+        if this.grace_over.as_mut().poll(cx).is_ready() {
+            return this.fail(Outcome::Shutdown, ApiError::gateway_shutting_down());
         }
         if this.cut_off.as_mut().poll(cx).is_ready() {
             let err = ApiError::worker_gone(this.obs.worker_url());

@@ -62,6 +62,8 @@ pub async fn prepare(
     force_tokens: bool,
     keep_ids: bool,
 ) -> Result<Prepared, ApiError> {
+    // Parsing and tokenizing a large body costs several times its size in memory.
+    let _large_body = gw.limiter.acquire_large_body(body.len()).await?;
     let head: Head<'_> = serde_json::from_slice(body).map_err(ApiError::malformed_json)?;
     let (model, lora) = gw.resolve(head.model.as_deref())?;
     let (model, lora) = (model.clone(), lora.cloned());
@@ -133,6 +135,12 @@ async fn tokenize(
         TokenizeError::Invalid(msg) => ApiError::bad_request(
             "invalid_prompt",
             format!("the request cannot be tokenized: {msg}"),
+        ),
+        TokenizeError::TooLong { limit } => ApiError::bad_request(
+            "context_length_exceeded",
+            format!(
+                "This model's maximum context length is {limit} tokens. However, your prompt is longer; shorten it"
+            ),
         ),
         TokenizeError::Unavailable(msg) => ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,

@@ -18,7 +18,6 @@ use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use bytes::Bytes;
 use http::{header, HeaderMap, StatusCode};
-use http_body_util::{BodyExt, Limited};
 use kvgate_core::Tier;
 use kvgate_tokenize::RequestKind;
 use serde_json::{json, Value};
@@ -28,7 +27,8 @@ use tokio_util::sync::CancellationToken;
 use crate::auth::check_bearer;
 use crate::config::Config;
 use crate::errors::ApiError;
-use crate::failover::{dispatch, worker_failed, worker_ok};
+use crate::failover::{dispatch, worker_failed, worker_ok, Unanswered};
+use crate::front_door::{admit, Admitted};
 use crate::gateway::Gateway;
 use crate::proxy::{prepare_response_headers, send};
 use crate::registry::{Endpoint, ModelState};
@@ -53,6 +53,7 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         )
         .route("/admin/workers/{id}", delete(crate::admin::remove_id))
         .fallback(not_found)
+        .method_not_allowed_fallback(crate::front_door::method_not_allowed)
         .with_state(gw)
 }
 
@@ -66,34 +67,6 @@ fn fail(gw: &Gateway, model: Option<&ModelState>, e: ApiError) -> Response {
         .with_label_values(&[name, "", policy, e.status.as_str()])
         .inc();
     e.into_response()
-}
-
-async fn read_body(headers: &HeaderMap, body: Body, max: usize) -> Result<Bytes, ApiError> {
-    let too_big = || {
-        ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "invalid_request_error",
-            "request_too_large",
-            format!("request body exceeds the limit of {max} bytes"),
-        )
-    };
-    if let Some(len) = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<usize>().ok())
-    {
-        if len > max {
-            return Err(too_big());
-        }
-    }
-    match Limited::new(body, max).collect().await {
-        Ok(c) => Ok(c.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(too_big()),
-        Err(e) => Err(ApiError::bad_request(
-            "invalid_body",
-            format!("cannot read the request body: {e}"),
-        )),
-    }
 }
 
 async fn chat(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
@@ -110,22 +83,37 @@ async fn proxied(
     endpoint: Endpoint,
     kind: RequestKind,
 ) -> Response {
-    let (parts, body) = req.into_parts();
-    if let Err(e) = check_bearer(&parts.headers, gw.config.api_key.as_deref(), "API key") {
-        return fail(&gw, None, e);
-    }
-    let bytes = match read_body(&parts.headers, body, gw.config.limits.max_body_bytes).await {
-        Ok(b) => b,
-        Err(e) => return fail(&gw, None, e),
+    // Counts the request as 499 if the client leaves before any answer.
+    let mut record = Unanswered::new(&gw);
+    let grace_over = gw.grace_over.clone();
+    let response = tokio::select! {
+        r = route_and_forward(&gw, req, endpoint, kind, &mut record) => r,
+        // Still queued or tokenizing when the shutdown grace period ends.
+        () = grace_over.cancelled() => fail(&gw, None, ApiError::gateway_shutting_down()),
     };
-    let p = match prepare(&gw, kind, &bytes, false, false).await {
+    record.answered(response)
+}
+
+async fn route_and_forward(
+    gw: &Arc<Gateway>,
+    req: Request,
+    endpoint: Endpoint,
+    kind: RequestKind,
+    record: &mut Unanswered,
+) -> Response {
+    let admitted = match admit(gw, req).await {
+        Ok(a) => a,
+        Err(e) => return fail(gw, None, e),
+    };
+    let p = match prepare(gw, kind, &admitted.body, false, false).await {
         Ok(p) => p,
-        Err(e) => return fail(&gw, None, e),
+        Err(e) => return fail(gw, None, e),
     };
     let model = p.model.clone();
-    match dispatch(&gw, endpoint, &parts.headers, bytes, p).await {
+    record.model = Some(model.clone());
+    match dispatch(gw, endpoint, admitted, p, record).await {
         Ok(r) => r,
-        Err(e) => fail(&gw, Some(&model), e),
+        Err(e) => fail(gw, Some(&model), e),
     }
 }
 
@@ -154,12 +142,12 @@ async fn models(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Response 
 }
 
 async fn tokenize(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
-    let (parts, body) = req.into_parts();
-    if let Err(e) = check_bearer(&parts.headers, gw.config.api_key.as_deref(), "API key") {
-        return e.into_response();
-    }
-    let bytes = match read_body(&parts.headers, body, gw.config.limits.max_body_bytes).await {
-        Ok(b) => b,
+    let Admitted {
+        headers,
+        body: bytes,
+        slot: _slot,
+    } = match admit(&gw, req).await {
+        Ok(a) => a,
         Err(e) => return e.into_response(),
     };
     let value: Value = match serde_json::from_slice(&bytes) {
@@ -172,7 +160,7 @@ async fn tokenize(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
         Err(e) => return e.into_response(),
     };
     if model.tokenizer.is_none() {
-        return forward_tokenize(&gw, &model, &parts.headers, bytes).await;
+        return forward_tokenize(&gw, &model, &headers, bytes).await;
     }
     match prepare(&gw, kind, &bytes, true, true).await {
         Ok(p) => match p.token_ids {
@@ -233,12 +221,12 @@ async fn forward_tokenize(
 }
 
 async fn explain(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
-    let (parts, body) = req.into_parts();
-    if let Err(e) = check_bearer(&parts.headers, gw.config.api_key.as_deref(), "API key") {
-        return e.into_response();
-    }
-    let bytes = match read_body(&parts.headers, body, gw.config.limits.max_body_bytes).await {
-        Ok(b) => b,
+    let Admitted {
+        headers,
+        body: bytes,
+        slot: _slot,
+    } = match admit(&gw, req).await {
+        Ok(a) => a,
         Err(e) => return e.into_response(),
     };
     let kind = match serde_json::from_slice::<Value>(&bytes) {
@@ -249,7 +237,7 @@ async fn explain(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
-    let session = session_key(&p.model, &parts.headers);
+    let session = session_key(&p.model, &headers);
     let (decision, worker) = match try_pick(&gw, &p, session, &[], false) {
         Ok(Pick::Chosen {
             decision, worker, ..
@@ -326,7 +314,14 @@ async fn ready(State(gw): State<Arc<Gateway>>) -> Response {
     (status, Json(json!({"ready": all, "models": models}))).into_response()
 }
 
-async fn metrics(State(gw): State<Arc<Gateway>>) -> Response {
+async fn metrics(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Response {
+    if let Err(e) = check_bearer(
+        &headers,
+        gw.config.metrics_token.as_deref(),
+        "metrics token",
+    ) {
+        return e.into_response();
+    }
     let events = gw.events.snapshot();
     let text = gw.metrics.render(
         |g| {
@@ -363,6 +358,9 @@ async fn not_found(req: Request) -> Response {
     ))
     .into_response()
 }
+
+/// After the grace period, how long responses get to send their closing error.
+const GRACE_OVER_FLUSH: Duration = Duration::from_secs(2);
 
 /// A gateway running in this process.
 pub struct RunningGateway {
@@ -461,9 +459,17 @@ impl RunningGateway {
         if tokio::time::timeout(grace, &mut self.server).await.is_err() {
             tracing::warn!(
                 ?grace,
-                "in-flight requests did not finish within the grace period; closing them"
+                "in-flight requests did not finish within the grace period; ending them with an error"
             );
-            self.server.abort();
+            // Every response still running ends with an error event or a JSON 503;
+            // give them a moment to reach their clients before closing the sockets.
+            self.gateway.grace_over.cancel();
+            if tokio::time::timeout(GRACE_OVER_FLUSH, &mut self.server)
+                .await
+                .is_err()
+            {
+                self.server.abort();
+            }
         }
         for t in self.tasks.drain(..) {
             t.abort();

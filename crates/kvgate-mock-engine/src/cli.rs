@@ -51,6 +51,10 @@ pub struct MockEngineArgs {
     /// Data-parallel rank written into every event batch.
     #[arg(long, default_value_t = 0)]
     pub dp_rank: u32,
+    /// Refuse request bodies above this many bytes with a text/plain 413 (vLLM sets no
+    /// limit; a proxy in front of it may).
+    #[arg(long, default_value_t = 256 << 20)]
+    pub max_body_bytes: usize,
     /// Event batches kept for replay.
     #[arg(long, default_value_t = 10000)]
     pub replay_buffer: usize,
@@ -138,6 +142,7 @@ impl MockEngineArgs {
             kv_events,
             tokenizer: self.tokenizer.clone(),
             default_max_tokens: self.default_max_tokens,
+            max_body_bytes: self.max_body_bytes,
         })
     }
 }

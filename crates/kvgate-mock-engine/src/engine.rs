@@ -36,6 +36,9 @@ pub struct EngineConfig {
     pub tokenizer: Option<PathBuf>,
     /// `max_tokens` when a request gives none.
     pub default_max_tokens: u32,
+    /// Request bodies above this size are refused with 413 (text/plain, as a web
+    /// server in front of an engine may); vLLM itself sets no limit.
+    pub max_body_bytes: usize,
 }
 
 impl Default for EngineConfig {
@@ -49,6 +52,7 @@ impl Default for EngineConfig {
             kv_events: Some(PublisherConfig::default()),
             tokenizer: None,
             default_max_tokens: 16,
+            max_body_bytes: 256 << 20,
         }
     }
 }
@@ -112,6 +116,7 @@ pub async fn spawn(config: EngineConfig) -> anyhow::Result<RunningEngine> {
         default_max_tokens: config.default_max_tokens.max(1),
         created: unix_now(),
         next_response: Arc::new(AtomicU64::new(0)),
+        max_body_bytes: config.max_body_bytes,
     };
     let listener = tokio::net::TcpListener::bind((config.host.as_str(), config.port))
         .await

@@ -34,10 +34,13 @@ pub struct AppState {
     pub default_max_tokens: u32,
     pub created: u64,
     pub next_response: Arc<AtomicU64>,
+    /// Larger request bodies are refused with a text/plain 413.
+    pub max_body_bytes: usize,
 }
 
 /// The router with every endpoint.
 pub fn router(state: AppState) -> Router {
+    let body_limit = axum::extract::DefaultBodyLimit::max(state.max_body_bytes);
     Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
@@ -49,6 +52,7 @@ pub fn router(state: AppState) -> Router {
         .route("/get_load", get(get_load))
         .route("/version", get(version))
         .fallback(not_found)
+        .layer(body_limit)
         .with_state(state)
 }
 

@@ -127,22 +127,34 @@ impl FastEncoder {
         self.post_processor_is_noop || !add_special_tokens
     }
 
+    /// Encodes `text`, stopping as soon as more than `max_ids` ids are produced (the
+    /// result is then longer than `max_ids` and incomplete: the caller rejects it).
     pub(crate) fn encode(
         &self,
         model: &impl tokenizers::Model,
         text: &str,
+        max_ids: usize,
     ) -> tokenizers::Result<Vec<u32>> {
-        let mut ids = Vec::with_capacity(text.len() / 3);
+        let mut ids = Vec::with_capacity((text.len() / 3).min(max_ids.saturating_add(1)));
         let mut piece = String::new();
         let mut start = 0;
         if let Some(added) = &self.added {
             for m in added.find_iter(text) {
-                self.encode_segment(model, &text[start..m.start()], &mut piece, &mut ids)?;
+                self.encode_segment(
+                    model,
+                    &text[start..m.start()],
+                    &mut piece,
+                    &mut ids,
+                    max_ids,
+                )?;
                 ids.push(self.added_ids[m.pattern().as_usize()]);
+                if ids.len() > max_ids {
+                    return Ok(ids);
+                }
                 start = m.end();
             }
         }
-        self.encode_segment(model, &text[start..], &mut piece, &mut ids)?;
+        self.encode_segment(model, &text[start..], &mut piece, &mut ids, max_ids)?;
         Ok(ids)
     }
 
@@ -152,6 +164,7 @@ impl FastEncoder {
         segment: &str,
         piece: &mut String,
         ids: &mut Vec<u32>,
+        max_ids: usize,
     ) -> tokenizers::Result<()> {
         if segment.is_empty() {
             return Ok(());
@@ -165,7 +178,7 @@ impl FastEncoder {
             segment
         };
         let mut pos = 0;
-        while pos < segment.len() {
+        while pos < segment.len() && ids.len() <= max_ids {
             let Some(m) = self.split.find_at(segment, pos) else {
                 // Unmatched tail (Isolated behaviour keeps it as its own piece).
                 self.encode_piece(model, &segment[pos..], piece, ids)?;

@@ -80,6 +80,10 @@ pub enum TokenizeError {
     /// timeout, engine 5xx). Retryable; not the client's fault.
     #[error("tokenizer unavailable: {0}")]
     Unavailable(String),
+    /// The prompt is longer than the model's context (`limit` tokens); found before or
+    /// while encoding, without encoding the rest. The gateway answers HTTP 400.
+    #[error("the prompt has more than {limit} tokens, the model's context length")]
+    TooLong { limit: u32 },
 }
 
 static NON_TEXT_PARTS_SKIPPED: AtomicU64 = AtomicU64::new(0);

@@ -44,6 +44,11 @@ pub struct LocalTokenizer {
     /// Template context entries from `tokenizer_config.json` (bos/eos/... tokens).
     special_tokens: Map<String, Value>,
     dir: PathBuf,
+    /// Prompts longer than this many tokens are refused ([`TokenizeError::TooLong`]).
+    max_prompt_tokens: Option<u32>,
+    /// An upper bound on the bytes of input text one token can stand for, so a text
+    /// longer than `max_prompt_tokens × max_token_bytes` is refused before encoding.
+    max_token_bytes: usize,
 }
 
 impl std::fmt::Debug for LocalTokenizer {
@@ -108,6 +113,7 @@ impl LocalTokenizer {
             Map::new()
         };
         let special_tokens = special_tokens_map(&config);
+        let max_token_bytes = max_token_bytes(&tokenizer);
         let templates = load_templates(dir, &config)?;
         let templates = if templates.is_empty() {
             None
@@ -120,7 +126,17 @@ impl LocalTokenizer {
             templates,
             special_tokens,
             dir: dir.to_owned(),
+            max_prompt_tokens: None,
+            max_token_bytes,
         })
+    }
+
+    /// Refuses prompts longer than `limit` tokens (the model's context length) with
+    /// [`TokenizeError::TooLong`], stopping the encoding as soon as the limit is passed
+    /// (or before it, when the text is too long for any tokenization to fit).
+    pub fn with_max_prompt_tokens(mut self, limit: Option<u32>) -> Self {
+        self.max_prompt_tokens = limit;
+        self
     }
 
     /// Whether a chat template was found (without one, chat requests are rejected).
@@ -153,10 +169,35 @@ impl LocalTokenizer {
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
         match &self.fast {
             Some(fast) if fast.supports(add_special_tokens) => fast
-                .encode(self.tokenizer.get_model(), text)
+                .encode(self.tokenizer.get_model(), text, usize::MAX)
                 .map_err(|e| TokenizeError::Invalid(format!("tokenizer error: {e}"))),
             _ => self.encode_with_tokenizers_crate(text, add_special_tokens),
         }
+    }
+
+    /// [`LocalTokenizer::encode`] within the prompt-token limit.
+    fn encode_within_limit(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        let Some(limit) = self.max_prompt_tokens else {
+            return self.encode(text, add_special_tokens);
+        };
+        let too_long = TokenizeError::TooLong { limit };
+        if text.len() / self.max_token_bytes.max(1) > limit as usize {
+            return Err(too_long);
+        }
+        let ids = match &self.fast {
+            Some(fast) if fast.supports(add_special_tokens) => fast
+                .encode(self.tokenizer.get_model(), text, limit as usize)
+                .map_err(|e| TokenizeError::Invalid(format!("tokenizer error: {e}")))?,
+            _ => self.encode_with_tokenizers_crate(text, add_special_tokens)?,
+        };
+        if ids.len() > limit as usize {
+            return Err(too_long);
+        }
+        Ok(ids)
     }
 
     /// Encode with the `tokenizers` crate's own pipeline, bypassing the fast path (the
@@ -207,7 +248,7 @@ impl LocalTokenizer {
                 prompt,
                 add_special_tokens,
             } => Ok(RoutingTokens::Tokens {
-                ids: self.encode(&prompt, add_special_tokens)?,
+                ids: self.encode_within_limit(&prompt, add_special_tokens)?,
                 non_text_parts: 0,
             }),
             Work::Chat(chat) => {
@@ -217,7 +258,7 @@ impl LocalTokenizer {
                 } = *chat;
                 let prompt = self.render(&options, &conversation)?;
                 Ok(RoutingTokens::Tokens {
-                    ids: self.encode(&prompt, options.add_special_tokens)?,
+                    ids: self.encode_within_limit(&prompt, options.add_special_tokens)?,
                     non_text_parts: conversation.non_text_parts,
                 })
             }
@@ -380,6 +421,24 @@ fn load_templates(
         }
     }
     Ok(Vec::new())
+}
+
+/// An upper bound on the input bytes one token stands for: the longest vocabulary or
+/// added token in UTF-8 (byte-level and SentencePiece vocabularies spell each input byte
+/// with at least one byte), times 3 when a normalizer may compose characters (NFC
+/// composes at most 3 input bytes per output byte, e.g. Hangul jamo).
+fn max_token_bytes(tokenizer: &tokenizers::Tokenizer) -> usize {
+    let longest = tokenizer
+        .get_vocab(true)
+        .keys()
+        .map(String::len)
+        .max()
+        .unwrap_or(1);
+    if tokenizer.get_normalizer().is_some() {
+        longest.saturating_mul(3)
+    } else {
+        longest
+    }
 }
 
 /// The async path: small inputs inline, long ones on the blocking pool.

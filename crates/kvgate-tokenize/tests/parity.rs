@@ -3,7 +3,7 @@
 
 mod common;
 
-use kvgate_tokenize::{RequestKind, RoutingTokens, TokenizeError};
+use kvgate_tokenize::{LocalTokenizer, RequestKind, RoutingTokens, TokenizeError};
 use serde_json::{json, Value};
 
 fn ids(r: Result<RoutingTokens, TokenizeError>) -> Vec<u32> {
@@ -213,4 +213,57 @@ fn fast_path_equals_tokenizers_crate() {
             );
         }
     }
+}
+
+/// With a context limit, a prompt within it gets the same ids as without one; a prompt
+/// beyond it is refused as TooLong (chat and completion), and a text far beyond it is
+/// refused without encoding it.
+#[test]
+fn prompts_beyond_the_context_limit_are_refused() {
+    let plain = LocalTokenizer::from_dir(&common::qwen3_dir()).unwrap();
+    let limited = LocalTokenizer::from_dir(&common::qwen3_dir())
+        .unwrap()
+        .with_max_prompt_tokens(Some(64));
+    let short = serde_json::json!({"model": "m", "prompt": "a short prompt about caching"});
+    assert_eq!(
+        ids(limited.tokenize(RequestKind::Completion, &short)),
+        ids(plain.tokenize(RequestKind::Completion, &short))
+    );
+    let chat =
+        serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hello"}]});
+    assert_eq!(
+        ids(limited.tokenize(RequestKind::Chat, &chat)),
+        ids(plain.tokenize(RequestKind::Chat, &chat))
+    );
+    // Exactly at the limit passes; one more token fails.
+    let words = |n: usize| " cache".repeat(n);
+    let n_at = |text: &str| {
+        ids(plain.tokenize(
+            RequestKind::Completion,
+            &serde_json::json!({"prompt": text}),
+        ))
+        .len()
+    };
+    assert_eq!(n_at(&words(64)), 64);
+    let at = serde_json::json!({"prompt": words(64)});
+    assert_eq!(
+        ids(limited.tokenize(RequestKind::Completion, &at)).len(),
+        64
+    );
+    let over = serde_json::json!({"prompt": words(65)});
+    assert!(matches!(
+        limited.tokenize(RequestKind::Completion, &over),
+        Err(TokenizeError::TooLong { limit: 64 })
+    ));
+    let long_chat = serde_json::json!({"messages": [{"role": "user", "content": words(100)}]});
+    assert!(matches!(
+        limited.tokenize(RequestKind::Chat, &long_chat),
+        Err(TokenizeError::TooLong { limit: 64 })
+    ));
+    // 4 MB of text against a 64-token limit: refused at once by the length bound.
+    let huge = serde_json::json!({"prompt": "x".repeat(4 << 20)});
+    assert!(matches!(
+        limited.tokenize(RequestKind::Completion, &huge),
+        Err(TokenizeError::TooLong { limit: 64 })
+    ));
 }

@@ -1,0 +1,172 @@
+//! The front door: what every client API request passes, in this order, before any
+//! per-request work.
+//!
+//! 1. the API key (`Authorization: Bearer`, scheme case-insensitive);
+//! 2. the Content-Type (absent or JSON; anything else is 415);
+//! 3. a declared `Content-Length` above the body limit (413 before any wait);
+//! 4. **admission**: a gateway-wide in-flight slot, waiting in the bounded queue
+//!    (429 with `Retry-After` beyond it);
+//! 5. the body, read up to the limit (413 beyond it), which must be a JSON object.
+//!
+//! Admission comes before the body is read, so `--max-in-flight` bounds the memory and
+//! CPU of everything after it (body, parsing, tokenization, routing, proxying): at most
+//! `max_in_flight` requests hold a body and tokenize at once. The slot travels with the
+//! request ([`Admitted::slot`]) until its response ends. Owns no routing or proxying;
+//! the per-worker slot is taken when a worker is chosen (routing.rs).
+
+use axum::body::Body;
+use axum::extract::Request;
+use bytes::Bytes;
+use http::{header, HeaderMap, StatusCode};
+use http_body_util::{BodyExt, Limited};
+use tokio::sync::OwnedSemaphorePermit;
+
+use crate::auth::check_bearer;
+use crate::errors::ApiError;
+use crate::gateway::Gateway;
+
+/// A request past the front door.
+pub struct Admitted {
+    pub headers: HeaderMap,
+    /// The whole body: a JSON object (checked by its first byte; parsed later).
+    pub body: Bytes,
+    /// The gateway-wide in-flight slot (`None` when `--max-in-flight` is 0).
+    pub slot: Option<OwnedSemaphorePermit>,
+}
+
+/// Runs the front door's checks and admission for one API request.
+pub async fn admit(gw: &Gateway, req: Request) -> Result<Admitted, ApiError> {
+    let (parts, body) = req.into_parts();
+    check_bearer(&parts.headers, gw.config.api_key.as_deref(), "API key")?;
+    check_json_content_type(&parts.headers)?;
+    let max = gw.config.limits.max_body_bytes;
+    if declared_length(&parts.headers).is_some_and(|len| len > max) {
+        return Err(ApiError::body_too_large(max));
+    }
+    let slot = match gw.limiter.acquire().await {
+        Ok(slot) => slot,
+        Err(refused) => {
+            // A client still sending its body would see a reset, not the 429.
+            discard_body(body, max).await;
+            return Err(refused);
+        }
+    };
+    let body = read_body(body, max).await?;
+    check_json_object(&body)?;
+    Ok(Admitted {
+        headers: parts.headers,
+        body,
+        slot,
+    })
+}
+
+fn declared_length(headers: &HeaderMap) -> Option<usize> {
+    headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok())
+}
+
+/// Absent (curl without `-H`) or `application/json` / `*+json`, with any parameters.
+fn check_json_content_type(headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(value) = headers.get(header::CONTENT_TYPE) else {
+        return Ok(());
+    };
+    let essence = value
+        .to_str()
+        .ok()
+        .and_then(|v| v.split(';').next())
+        .map(|v| v.trim().to_ascii_lowercase());
+    match essence.as_deref() {
+        Some(m) if m == "application/json" || m.ends_with("+json") => Ok(()),
+        _ => Err(ApiError::unsupported_media_type(&String::from_utf8_lossy(
+            value.as_bytes(),
+        ))),
+    }
+}
+
+async fn read_body(body: Body, max: usize) -> Result<Bytes, ApiError> {
+    match Limited::new(body, max).collect().await {
+        Ok(c) => Ok(c.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(ApiError::body_too_large(max)),
+        Err(e) => Err(ApiError::bad_request(
+            "invalid_body",
+            format!("cannot read the request body: {e}"),
+        )),
+    }
+}
+
+/// Reads and drops a refused request's body (bounded in size and time), so its client
+/// can read the answer instead of a connection reset.
+async fn discard_body(body: Body, max: usize) {
+    let mut body = Limited::new(body, max);
+    let drain = async { while let Some(Ok(_)) = body.frame().await {} };
+    let _ = tokio::time::timeout(DISCARD_BODY_FOR, drain).await;
+}
+
+/// How long a refused request's body is read (and dropped) before the answer.
+const DISCARD_BODY_FOR: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Every API body is a JSON object; say so plainly instead of a serde type error.
+fn check_json_object(body: &[u8]) -> Result<(), ApiError> {
+    match body.trim_ascii_start().first() {
+        Some(b'{') => Ok(()),
+        Some(_) => Err(ApiError::bad_request(
+            "invalid_json",
+            "the request body must be a JSON object ({...})",
+        )),
+        None => Err(ApiError::bad_request(
+            "invalid_json",
+            "the request body is empty; it must be a JSON object",
+        )),
+    }
+}
+
+/// A wrong method on a known path: a JSON 405 (axum's own answer has no body).
+pub async fn method_not_allowed(req: Request) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        "method_not_allowed",
+        format!("{} is not allowed on {}", req.method(), req.uri().path()),
+    )
+    .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    #[test]
+    fn json_content_types() {
+        let mut h = HeaderMap::new();
+        assert!(check_json_content_type(&h).is_ok());
+        for ok in [
+            "application/json",
+            "Application/JSON; charset=utf-8",
+            "application/vnd.api+json",
+        ] {
+            h.insert(header::CONTENT_TYPE, HeaderValue::from_static(ok));
+            assert!(check_json_content_type(&h).is_ok(), "{ok}");
+        }
+        for bad in [
+            "text/plain",
+            "application/x-www-form-urlencoded",
+            "multipart/form-data",
+        ] {
+            h.insert(header::CONTENT_TYPE, HeaderValue::from_static(bad));
+            let e = check_json_content_type(&h).unwrap_err();
+            assert_eq!(e.status, StatusCode::UNSUPPORTED_MEDIA_TYPE, "{bad}");
+        }
+    }
+
+    #[test]
+    fn only_objects_pass() {
+        assert!(check_json_object(b"  {\"a\":1}").is_ok());
+        for bad in [&b"[1]"[..], b"\"x\"", b"", b"   ", b"42"] {
+            assert!(check_json_object(bad).is_err());
+        }
+    }
+}
