@@ -18,7 +18,9 @@ pub mod subscriber;
 pub mod wire;
 
 pub use apply::{apply_batch, ApplyOutcome};
-pub use metrics::{EventMetrics, EventMetricsSnapshot, WorkerCounters, WorkerEventStats};
+pub use metrics::{
+    DropReason, EventMetrics, EventMetricsSnapshot, WorkerCounters, WorkerEventStats,
+};
 pub use subscriber::{
     purge_worker, spawn_subscriber, spawn_subscriber_with, EventSource, SharedIndex,
     SubscriberConfig, SubscriberHandle,

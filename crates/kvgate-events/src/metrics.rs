@@ -18,6 +18,89 @@ use crate::apply::ApplyOutcome;
 
 /// How often the block-size mismatch error is logged again for the same worker.
 pub const MISMATCH_LOG_INTERVAL: Duration = Duration::from_secs(60);
+/// How often a drop reason is logged again for the same worker.
+pub const DROP_LOG_INTERVAL: Duration = Duration::from_secs(60);
+
+/// Why an event (or a whole message) was not applied to the index. Every drop is
+/// counted under one of these (`kvgate_kv_events_dropped_total{reason}`) and logged at
+/// least once per [`DROP_LOG_INTERVAL`] per worker and reason.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DropReason {
+    /// A message whose payload could not be decoded (or whose frames are malformed).
+    DecodeError,
+    /// A live message already applied (replay overlap, duplicate).
+    Stale,
+    /// An event type this decoder does not know.
+    UnknownEvent,
+    /// A store whose block size differs from the configured one.
+    BlockSizeMismatch,
+    /// A store whose token count is not `blocks × block_size`.
+    TokenCountMismatch,
+    /// A store whose parent block is unknown (its own store was missed or skipped).
+    UnknownParent,
+    /// An event for another KV-cache group or a non-full-attention spec.
+    SkippedGroup,
+    /// A store with multimodal / salted / embedding extra keys.
+    SkippedExtraKeys,
+    /// A removal of blocks this worker was not known to hold.
+    UnknownRemoval,
+}
+
+impl DropReason {
+    pub const ALL: [DropReason; 9] = [
+        DropReason::DecodeError,
+        DropReason::Stale,
+        DropReason::UnknownEvent,
+        DropReason::BlockSizeMismatch,
+        DropReason::TokenCountMismatch,
+        DropReason::UnknownParent,
+        DropReason::SkippedGroup,
+        DropReason::SkippedExtraKeys,
+        DropReason::UnknownRemoval,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DropReason::DecodeError => "decode_error",
+            DropReason::Stale => "stale",
+            DropReason::UnknownEvent => "unknown_event",
+            DropReason::BlockSizeMismatch => "block_size_mismatch",
+            DropReason::TokenCountMismatch => "token_count_mismatch",
+            DropReason::UnknownParent => "unknown_parent",
+            DropReason::SkippedGroup => "skipped_group",
+            DropReason::SkippedExtraKeys => "skipped_extra_keys",
+            DropReason::UnknownRemoval => "unknown_removal",
+        }
+    }
+
+    fn explain(self) -> &'static str {
+        match self {
+            DropReason::DecodeError => "undecodable KV event message skipped",
+            DropReason::Stale => {
+                "KV event message already applied (replay overlap or duplicate) dropped"
+            }
+            DropReason::UnknownEvent => "KV event of an unknown type skipped",
+            DropReason::BlockSizeMismatch => {
+                "stored blocks with a block size other than the configured one dropped"
+            }
+            DropReason::TokenCountMismatch => {
+                "stored blocks whose token count is not blocks x block_size dropped"
+            }
+            DropReason::UnknownParent => {
+                "stored blocks whose parent block is unknown dropped (their prefix was missed)"
+            }
+            DropReason::SkippedGroup => {
+                "event for another KV-cache group or a non-full-attention layer skipped"
+            }
+            DropReason::SkippedExtraKeys => {
+                "stored blocks with multimodal, salted or embedding extra keys skipped"
+            }
+            DropReason::UnknownRemoval => {
+                "removal of blocks the index did not hold for this worker ignored"
+            }
+        }
+    }
+}
 
 /// Counters of one worker (all of its data-parallel ranks).
 #[derive(Debug, Default)]
@@ -47,6 +130,8 @@ pub struct WorkerCounters {
     /// 1 while the subscriber holds a live connection to the engine.
     pub connected: AtomicU64,
     last_mismatch_log: Mutex<Option<Instant>>,
+    /// When each [`DropReason`] was last logged for this worker.
+    last_drop_log: Mutex<[Option<Instant>; DropReason::ALL.len()]>,
 }
 
 fn add(c: &AtomicU64, v: u64) {
@@ -60,6 +145,43 @@ impl WorkerCounters {
         c.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Counts `n` drops for `reason` and logs them, at most once per
+    /// [`DROP_LOG_INTERVAL`] per worker and reason.
+    pub fn dropped(&self, at: WorkerRef, reason: DropReason, n: u64) {
+        if n == 0 {
+            return;
+        }
+        let counter = match reason {
+            DropReason::DecodeError => &self.decode_errors,
+            DropReason::Stale => &self.stale_messages,
+            DropReason::UnknownEvent => &self.unknown_events,
+            DropReason::BlockSizeMismatch => &self.block_size_mismatches,
+            DropReason::TokenCountMismatch => &self.token_count_mismatches,
+            DropReason::UnknownParent => &self.unknown_parents,
+            DropReason::SkippedGroup => &self.skipped_group,
+            DropReason::SkippedExtraKeys => &self.skipped_extra_keys,
+            DropReason::UnknownRemoval => &self.unknown_removals,
+        };
+        let total = counter.fetch_add(n, Ordering::Relaxed) + n;
+        let slot = DropReason::ALL
+            .iter()
+            .position(|r| *r == reason)
+            .unwrap_or_default();
+        let now = Instant::now();
+        let mut last = self.last_drop_log.lock();
+        if last[slot].is_none_or(|t| now.duration_since(t) >= DROP_LOG_INTERVAL) {
+            last[slot] = Some(now);
+            tracing::warn!(
+                worker = %at.worker,
+                dp_rank = at.dp_rank,
+                reason = reason.as_str(),
+                total,
+                "{}",
+                reason.explain()
+            );
+        }
+    }
+
     /// Records one applied batch, and logs a block-size mismatch loudly (once per
     /// [`MISMATCH_LOG_INTERVAL`] per worker; the counter counts every one).
     pub fn record(&self, at: WorkerRef, expected_block_size: u32, o: &ApplyOutcome) {
@@ -68,12 +190,13 @@ impl WorkerCounters {
         add(&self.blocks_stored, o.blocks_stored);
         add(&self.blocks_removed, o.blocks_removed);
         add(&self.clears, o.clears);
-        add(&self.skipped_group, o.skipped_group);
-        add(&self.skipped_extra_keys, o.skipped_extra_keys);
-        add(&self.unknown_events, o.unknown_events);
-        add(&self.unknown_parents, o.unknown_parents);
-        add(&self.unknown_removals, o.unknown_removals);
-        add(&self.token_count_mismatches, o.token_count_mismatches);
+        self.dropped(at, DropReason::SkippedGroup, o.skipped_group);
+        self.dropped(at, DropReason::SkippedExtraKeys, o.skipped_extra_keys);
+        self.dropped(at, DropReason::UnknownEvent, o.unknown_events);
+        self.dropped(at, DropReason::UnknownParent, o.unknown_parents);
+        self.dropped(at, DropReason::UnknownRemoval, o.unknown_removals);
+        self.dropped(at, DropReason::TokenCountMismatch, o.token_count_mismatches);
+        // Logged below as an error with the fix.
         add(&self.block_size_mismatches, o.block_size_mismatches);
         if let Some(got) = o.mismatched_block_size {
             self.mismatched_block_size
@@ -153,6 +276,26 @@ pub struct WorkerEventStats {
     pub token_count_mismatches: u64,
     /// Live messages dropped as already applied (replay overlap, duplicates).
     pub stale_messages: u64,
+}
+
+impl WorkerEventStats {
+    /// Drops by reason, every [`DropReason`] in order.
+    pub fn drops(&self) -> [(DropReason, u64); DropReason::ALL.len()] {
+        DropReason::ALL.map(|r| {
+            let n = match r {
+                DropReason::DecodeError => self.decode_errors,
+                DropReason::Stale => self.stale_messages,
+                DropReason::UnknownEvent => self.unknown_events,
+                DropReason::BlockSizeMismatch => self.block_size_mismatches,
+                DropReason::TokenCountMismatch => self.token_count_mismatches,
+                DropReason::UnknownParent => self.unknown_parents,
+                DropReason::SkippedGroup => self.skipped_group,
+                DropReason::SkippedExtraKeys => self.skipped_extra_keys,
+                DropReason::UnknownRemoval => self.unknown_removals,
+            };
+            (r, n)
+        })
+    }
 }
 
 /// Every worker's counters plus the index size, for one scrape.

@@ -52,9 +52,17 @@ impl Cursor {
             None => Verdict::Join,
             Some(last) if seq == last.wrapping_add(1) => Verdict::Apply,
             Some(last) if seq == last => Verdict::Stale,
-            Some(last) if seq < last => Verdict::Restart,
-            Some(last) => Verdict::Gap { from: last + 1 },
+            Some(last) if at_or_before(seq, last) => Verdict::Restart,
+            Some(last) => Verdict::Gap {
+                from: last.wrapping_add(1),
+            },
         }
+    }
+
+    /// Whether `seq` is at or before the last applied message, counting in the
+    /// wrapping sequence space (seq 0 right after `u64::MAX` is new, not stale).
+    pub fn already_applied(&self, seq: u64) -> bool {
+        self.last.is_some_and(|last| at_or_before(seq, last))
     }
 
     /// Records that `seq` was applied (or consumed: undecodable batches advance too).
@@ -73,6 +81,11 @@ impl Cursor {
     pub fn reset(&mut self) {
         *self = Cursor::default();
     }
+}
+
+/// `a` is `b` or comes before it, in a wrapping u64 sequence (within half its range).
+fn at_or_before(a: u64, b: u64) -> bool {
+    b.wrapping_sub(a) < 1 << 63
 }
 
 /// Whether sorted replayed sequence numbers cover the gap `from..until` without holes.
@@ -125,6 +138,24 @@ mod tests {
         c.advance(10);
         // Once past the replayed range, going back is a restart again.
         assert_eq!(c.classify(2), Verdict::Restart);
+    }
+
+    /// vLLM's sequence number is a u64 that wraps; seq 0 right after u64::MAX is the
+    /// next message, not a stale one or a restart.
+    #[test]
+    fn the_sequence_wraps_around() {
+        let mut c = Cursor::default();
+        c.advance(u64::MAX - 1);
+        assert_eq!(c.classify(u64::MAX), Verdict::Apply);
+        c.advance(u64::MAX);
+        assert!(!c.already_applied(0));
+        assert_eq!(c.classify(0), Verdict::Apply);
+        c.advance(0);
+        assert!(c.already_applied(u64::MAX));
+        assert!(c.already_applied(0));
+        assert!(!c.already_applied(1));
+        assert_eq!(c.classify(1), Verdict::Apply);
+        assert_eq!(c.classify(3), Verdict::Gap { from: 1 });
     }
 
     #[test]

@@ -18,6 +18,7 @@ use zeromq::{Socket, SocketRecv, SubSocket};
 
 use crate::apply::apply_batch;
 use crate::link::LinkWatch;
+use crate::metrics::DropReason;
 use crate::metrics::{EventMetrics, WorkerCounters};
 use crate::replay::{fetch_replay, ReplayLimits, ReplayedBatch};
 use crate::sequence::{covers, Cursor, Verdict};
@@ -163,22 +164,25 @@ struct Ingest {
 }
 
 impl Ingest {
+    /// Counts and (rate-limited) logs one dropped message.
+    fn dropped(&self, reason: DropReason) {
+        let at = WorkerRef::new(self.source.worker, self.source.dp_rank);
+        self.counters.dropped(at, reason, 1);
+    }
+
     /// Decodes and applies one payload; returns false if it could not be decoded.
     fn apply_payload(&mut self, seq: u64, payload: &[u8]) -> bool {
         let batch = match decode_batch(payload) {
             Ok(b) => b,
             Err(e) => {
-                let n = self.counters.decode_errors.fetch_add(1, relaxed()) + 1;
-                if n.is_power_of_two() {
-                    tracing::warn!(
-                        worker = %self.source.worker,
-                        endpoint = %self.source.endpoint,
-                        seq,
-                        error = %e,
-                        decode_errors = n,
-                        "undecodable KV event payload skipped"
-                    );
-                }
+                tracing::debug!(
+                    worker = %self.source.worker,
+                    endpoint = %self.source.endpoint,
+                    seq,
+                    error = %e,
+                    "undecodable KV event payload"
+                );
+                self.dropped(DropReason::DecodeError);
                 return false;
             }
         };
@@ -268,7 +272,7 @@ impl Ingest {
         match self.cursor.classify(seq) {
             Verdict::Apply => {}
             Verdict::Stale => {
-                WorkerCounters::inc(&self.counters.stale_messages);
+                self.dropped(DropReason::Stale);
                 return;
             }
             Verdict::Restart => {
@@ -310,8 +314,8 @@ impl Ingest {
                 }
             }
         }
-        if self.cursor.last().is_some_and(|l| seq <= l) {
-            WorkerCounters::inc(&self.counters.stale_messages);
+        if self.cursor.already_applied(seq) {
+            self.dropped(DropReason::Stale);
             return;
         }
         self.apply_payload(seq, &payload);
@@ -396,9 +400,7 @@ async fn run(mut ingest: Ingest, config: SubscriberConfig, mut stop: watch::Rece
                 msg = sub.recv() => match msg {
                     Ok(msg) => match parse_live(&msg.into_vec()) {
                         Some((seq, payload)) => ingest.on_live(seq, payload, &config).await,
-                        None => {
-                            WorkerCounters::inc(&ingest.counters.decode_errors);
-                        }
+                        None => ingest.dropped(DropReason::DecodeError),
                     },
                     Err(error) => {
                         tracing::warn!(%worker, %error, "KV event socket failed; reconnecting");

@@ -352,3 +352,28 @@ async fn warm_start_replays_history_on_join() {
     );
     sub.shutdown_and_wait().await;
 }
+
+/// The sequence number is a u64 that wraps: the batch numbered 0 right after
+/// u64::MAX is applied, not dropped as stale.
+#[tokio::test]
+async fn a_batch_after_the_sequence_wraps_is_applied() {
+    let mut engine = FakeEngine::start(false).await;
+    let (index, metrics) = (new_index(), EventMetrics::new());
+    let sub = start(&engine, &index, &metrics);
+    handshake(&mut engine, &metrics).await;
+    let root = |h: u64, seed: u64| stored_map(&[h], None, &block_tokens(seed, BS), BS);
+    // A jump to u64::MAX (just before 0 in the wrapping space: taken as a restart,
+    // purge, then apply).
+    engine
+        .publish(u64::MAX, batch(vec![root(41, 1)], Some(0)))
+        .await;
+    wait_until("batch u64::MAX", || index.read().worker_len(AT) == 1).await;
+    engine.publish(0, batch(vec![root(42, 2)], Some(0))).await;
+    wait_until("batch 0 after the wrap", || {
+        index.read().worker_len(AT) == 2
+    })
+    .await;
+    let s = stats(&metrics);
+    assert_eq!((s.stale_messages, s.restarts), (0, 1), "{s:?}");
+    sub.shutdown_and_wait().await;
+}

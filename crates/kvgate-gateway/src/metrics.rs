@@ -235,7 +235,7 @@ fn render_events(
     worker_url: impl Fn(kvgate_core::WorkerId) -> Option<String>,
 ) {
     type Field = fn(&kvgate_events::WorkerEventStats) -> u64;
-    let counters: [(&str, &str, Field); 14] = [
+    let counters: [(&str, &str, Field); 11] = [
         ("batches", "Event batches received", |s| s.batches),
         ("events_applied", "Events applied to the index", |s| {
             s.events_applied
@@ -243,7 +243,6 @@ fn render_events(
         ("blocks_stored", "Blocks stored", |s| s.blocks_stored),
         ("blocks_removed", "Blocks removed", |s| s.blocks_removed),
         ("clears", "AllBlocksCleared events", |s| s.clears),
-        ("decode_errors", "Undecodable payloads", |s| s.decode_errors),
         ("gaps", "Sequence gaps detected", |s| s.gaps),
         ("replays", "Replays performed", |s| s.replays),
         ("replay_failures", "Replays that failed", |s| {
@@ -254,18 +253,10 @@ fn render_events(
         }),
         ("reconnects", "Reconnects", |s| s.reconnects),
         (
-            "block_size_mismatches",
-            "Stored events whose block size differs from the configured one",
-            |s| s.block_size_mismatches,
+            "restarts",
+            "Engine restarts seen (event sequence went backwards)",
+            |s| s.restarts,
         ),
-        (
-            "unknown_parents",
-            "Stored events with an unknown parent block",
-            |s| s.unknown_parents,
-        ),
-        ("unknown_events", "Events of unknown type", |s| {
-            s.unknown_events
-        }),
     ];
     let labels: Vec<String> = snap
         .workers
@@ -280,6 +271,20 @@ fn render_events(
                 out,
                 "kvgate_kv_events_{name}_total{{worker=\"{l}\"}} {}",
                 field(s)
+            );
+        }
+    }
+    let _ = writeln!(
+        out,
+        "# HELP kvgate_kv_events_dropped_total Events or messages not applied to the index, by reason"
+    );
+    let _ = writeln!(out, "# TYPE kvgate_kv_events_dropped_total counter");
+    for (s, l) in snap.workers.iter().zip(&labels) {
+        for (reason, n) in s.drops() {
+            let _ = writeln!(
+                out,
+                "kvgate_kv_events_dropped_total{{reason=\"{}\",worker=\"{l}\"}} {n}",
+                reason.as_str()
             );
         }
     }
@@ -330,6 +335,35 @@ mod tests {
         );
         assert!(
             text.contains("kvgate_index_entries{model=\"m\"} 5"),
+            "{text}"
+        );
+    }
+
+    /// Every drop reason is exported for every worker, zero or not.
+    #[test]
+    fn every_event_drop_reason_is_exported() {
+        let m = Metrics::new().unwrap();
+        let ev = kvgate_events::EventMetrics::new();
+        let w = ev.worker(kvgate_core::WorkerId(0));
+        let at = kvgate_core::WorkerRef::new(kvgate_core::WorkerId(0), 0);
+        w.dropped(at, kvgate_events::DropReason::TokenCountMismatch, 2);
+        w.dropped(at, kvgate_events::DropReason::Stale, 1);
+        kvgate_events::WorkerCounters::inc(&w.restarts);
+        let text = m.render(|_| {}, &ev.snapshot(), |_| Some("http://w".into()));
+        for reason in kvgate_events::DropReason::ALL {
+            let n = match reason {
+                kvgate_events::DropReason::TokenCountMismatch => 2,
+                kvgate_events::DropReason::Stale => 1,
+                _ => 0,
+            };
+            let line = format!(
+                "kvgate_kv_events_dropped_total{{reason=\"{}\",worker=\"http://w\"}} {n}",
+                reason.as_str()
+            );
+            assert!(text.contains(&line), "{line} missing from {text}");
+        }
+        assert!(
+            text.contains("kvgate_kv_events_restarts_total{worker=\"http://w\"} 1"),
             "{text}"
         );
     }
