@@ -169,6 +169,35 @@ impl ApiError {
         .with_retry_after(1)
     }
 
+    /// 502: the worker closed the connection while the request body was being sent.
+    pub fn upstream_refused_body(worker: &str) -> Self {
+        Self::new(
+            StatusCode::BAD_GATEWAY,
+            "upstream_error",
+            "upstream_refused_body",
+            format!(
+                "worker {worker} closed the connection while the request body was being sent (often a body size limit in front of the engine); the request was not retried"
+            ),
+        )
+    }
+
+    /// The engine's own error answer that is not JSON (a proxy's or web server's text
+    /// page), as OpenAI-style JSON with the engine's status.
+    pub fn engine_error_text(status: StatusCode, worker: &str, text: &str) -> Self {
+        let (kind, code) = if status.is_client_error() {
+            ("invalid_request_error", "engine_rejected_request")
+        } else {
+            ("upstream_error", "upstream_error")
+        };
+        let text = text.trim();
+        Self::new(
+            status,
+            kind,
+            code,
+            format!("worker {worker} answered {status}: {text}"),
+        )
+    }
+
     /// 504: the worker stopped sending within the total request timeout.
     pub fn upstream_total_timeout() -> Self {
         Self::new(

@@ -19,7 +19,7 @@ use crate::errors::ApiError;
 use crate::front_door::Admitted;
 use crate::gateway::Gateway;
 use crate::observe::{Lifecycle, ObservedBody};
-use crate::proxy::{prepare_response_headers, send, SendError};
+use crate::proxy::{get_status, prepare_response_headers, send, SendError};
 use crate::registry::{Endpoint, ModelState, Worker};
 use crate::routing::{pick, Prepared};
 
@@ -207,6 +207,12 @@ pub(crate) async fn dispatch(
                     .requests
                     .with_label_values(&[&*model.name, &*worker.url, policy, status.as_str()])
                     .inc();
+                if (status.is_client_error() || status.is_server_error())
+                    && !is_json(resp.headers())
+                {
+                    // A web server's or proxy's text page: OpenAI-style JSON instead.
+                    return Ok(json_error_of(resp, &worker).await);
+                }
                 let (mut parts, incoming) = resp.into_parts();
                 prepare_response_headers(&mut parts.headers, &worker);
                 let sse = parts
@@ -229,7 +235,19 @@ pub(crate) async fn dispatch(
                 return Ok(Response::from_parts(parts, Body::new(body)));
             }
             Err(e) => {
-                worker_failed(gw, &model, &worker, e.reason());
+                // A broken connection from a worker that still answers its health
+                // check is this request's doing (a body refused for its size, a closed
+                // keep-alive connection), not the worker's: no breaker charge, and a
+                // large body is not sent to another worker to be refused again.
+                let alive =
+                    matches!(e, SendError::Transport(_)) && answers_health(gw, &worker).await;
+                if alive && body.len() >= REFUSED_BODY_MIN_BYTES {
+                    tracing::debug!(worker = %worker.url, error = %e, "worker hung up on a large request body");
+                    return Err(ApiError::upstream_refused_body(&worker.url));
+                }
+                if !alive {
+                    worker_failed(gw, &model, &worker, e.reason());
+                }
                 gw.metrics
                     .retries
                     .with_label_values(&[&*model.name, e.reason()])
@@ -238,7 +256,9 @@ pub(crate) async fn dispatch(
                 excluded.push(worker.id);
                 let (status, code) = match e {
                     SendError::Timeout => (StatusCode::GATEWAY_TIMEOUT, "upstream_timeout"),
-                    SendError::Transport(_) => (StatusCode::BAD_GATEWAY, "upstream_unreachable"),
+                    SendError::Connect(_) | SendError::Transport(_) => {
+                        (StatusCode::BAD_GATEWAY, "upstream_unreachable")
+                    }
                     SendError::WorkerDown => (StatusCode::BAD_GATEWAY, "worker_down"),
                 };
                 last_err = Some(ApiError::new(
@@ -252,6 +272,49 @@ pub(crate) async fn dispatch(
         }
     }
     Err(last_err.unwrap_or_else(|| ApiError::internal("no attempt was made")))
+}
+
+/// A body at least this large that a live worker hung up on is taken as refused
+/// (answered 502 `upstream_refused_body`) rather than sent to another worker.
+const REFUSED_BODY_MIN_BYTES: usize = 1 << 20;
+
+/// Longest part of a non-JSON engine error page quoted to the client.
+const ENGINE_ERROR_TEXT_MAX: usize = 4096;
+
+/// Whether the worker answers its health check now (bounded by the health timeout).
+async fn answers_health(gw: &Gateway, worker: &Worker) -> bool {
+    let timeout = Duration::from_millis(gw.config.health.timeout_ms.max(1));
+    matches!(
+        get_status(&gw.client, worker, Endpoint::Health, timeout).await,
+        Ok(s) if s.is_success()
+    )
+}
+
+fn is_json(headers: &http::HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|m| {
+            let m = m.trim();
+            m.eq_ignore_ascii_case("application/json") || m.ends_with("+json")
+        })
+}
+
+/// The engine's error answer with a non-JSON body, re-made as OpenAI-style JSON with
+/// the engine's status (the body is read up to a bound, within a short timeout).
+async fn json_error_of(resp: http::Response<hyper::body::Incoming>, worker: &Worker) -> Response {
+    use axum::response::IntoResponse;
+    use http_body_util::BodyExt;
+    let status = resp.status();
+    let limited = http_body_util::Limited::new(resp.into_body(), ENGINE_ERROR_TEXT_MAX);
+    let text = match tokio::time::timeout(Duration::from_secs(5), limited.collect()).await {
+        Ok(Ok(body)) => String::from_utf8_lossy(&body.to_bytes()).into_owned(),
+        _ => String::new(),
+    };
+    let mut out = ApiError::engine_error_text(status, &worker.url, &text).into_response();
+    prepare_response_headers(out.headers_mut(), worker);
+    out
 }
 
 /// One debug line per routing decision (target `kvgate::decision`): what the policy

@@ -41,7 +41,10 @@ pub fn build_client(t: &TimeoutsConfig) -> HttpClient {
 /// Why a request did not get a response head from its worker.
 #[derive(Debug)]
 pub enum SendError {
-    /// Connect failure, reset, or the connection closed before a response.
+    /// No connection could be made: nothing listens, or the host is unreachable.
+    Connect(String),
+    /// The connection broke (reset, closed) before a response head: the engine died,
+    /// or it (or a proxy in front of it) refused this request's body and hung up.
     Transport(String),
     /// No response head within the first-byte timeout.
     Timeout,
@@ -52,6 +55,7 @@ pub enum SendError {
 impl SendError {
     pub fn reason(&self) -> &'static str {
         match self {
+            SendError::Connect(_) => "connect",
             SendError::Transport(_) => "transport",
             SendError::Timeout => "first_byte_timeout",
             SendError::WorkerDown => "worker_down",
@@ -62,6 +66,7 @@ impl SendError {
 impl std::fmt::Display for SendError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
+            SendError::Connect(e) => write!(f, "cannot connect to the worker: {e}"),
             SendError::Transport(e) => write!(f, "upstream transport error: {e}"),
             SendError::Timeout => f.write_str("upstream first-byte timeout"),
             SendError::WorkerDown => {
@@ -96,6 +101,7 @@ pub async fn send(
     copy_request_headers(client_headers, req.headers_mut(), auth);
     match maybe_timeout(first_byte_timeout, client.request(req)).await {
         Err(()) => Err(SendError::Timeout),
+        Ok(Err(e)) if e.is_connect() => Err(SendError::Connect(error_chain(&e))),
         Ok(Err(e)) => Err(SendError::Transport(error_chain(&e))),
         Ok(Ok(resp)) => Ok(resp),
     }

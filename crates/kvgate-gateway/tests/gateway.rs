@@ -1143,3 +1143,114 @@ async fn the_end_of_the_grace_period_ends_every_response_cleanly() {
     );
     assert_eq!(model.ledger.in_flight(), 0);
 }
+
+/// A body the engine refuses while it is still being sent is the client's problem,
+/// not the worker's: the client gets the engine's status as OpenAI-style JSON, the
+/// worker's breaker is not charged and the request is not retried elsewhere. Any
+/// other non-JSON engine error is wrapped the same way.
+#[tokio::test]
+async fn a_refused_body_does_not_charge_the_breaker_and_engine_errors_are_json() {
+    let limited = |name: &'static str| {
+        fake(
+            name,
+            Behavior {
+                body_limit: Some(1 << 20),
+                ..Behavior::default()
+            },
+        )
+    };
+    let (a, b) = (limited("a").await, limited("b").await);
+    let mut cfg = config(&[&a.url, &b.url], PolicyKind::RoundRobin);
+    cfg.health.failure_threshold = 1;
+    cfg.health.interval_ms = 0;
+    let gw = start(cfg).await.unwrap();
+    let c = client();
+    let url = format!("{}/v1/chat/completions", gw.url());
+    let big = json!({"model": "m", "messages": [{"role": "user", "content": "x".repeat(4 << 20)}]});
+    for _ in 0..4 {
+        let r = c.post(&url).json(&big).send().await.unwrap();
+        assert_eq!(r.headers()["content-type"], "application/json");
+        let (s, v) = error_of(r).await;
+        // Either the engine's 413 arrives (wrapped), or the engine's hang-up reaches
+        // hyper first (a race inside every HTTP client): both are the body's fault.
+        let engine_413 = s == 413
+            && v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("length limit exceeded"));
+        let hung_up = s == 502 && v["error"]["code"] == "upstream_refused_body";
+        assert!(engine_413 || hung_up, "{s} {v}");
+    }
+    assert_eq!(a.hits() + b.hits(), 4, "no retries");
+    for w in gw.gateway().model("m").unwrap().workers().iter() {
+        assert!(!w.breaker.is_open(), "{} was charged", w.url);
+    }
+    // The fleet still serves.
+    let r = c.post(&url).json(&chat_body(false)).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    gw.shutdown().await;
+}
+
+/// An engine (or the proxy in front of it) that closes the connection while the body
+/// is still being sent: the gateway answers 502 `upstream_refused_body` without
+/// charging the worker's breaker or sending the body to another worker.
+#[tokio::test]
+async fn a_connection_closed_mid_body_does_not_charge_the_breaker() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = accepted.clone();
+    let closer = tokio::spawn(async move {
+        use tokio::io::AsyncReadExt;
+        loop {
+            let Ok((mut sock, _)) = listener.accept().await else {
+                return;
+            };
+            let mut head = Vec::new();
+            let mut buf = [0u8; 4096];
+            while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                match sock.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => head.extend_from_slice(&buf[..n]),
+                }
+            }
+            if !head.starts_with(b"GET /health") {
+                count.fetch_add(1, Ordering::SeqCst);
+            }
+            if head.starts_with(b"GET /health") {
+                use tokio::io::AsyncWriteExt;
+                let _ = sock
+                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                    .await;
+                continue;
+            }
+            drop(sock); // unread body: the peer sees a reset
+        }
+    });
+    let b = fake("b", Behavior::default()).await;
+    let mut cfg = config(&[&url, &b.url], PolicyKind::RoundRobin);
+    cfg.health.failure_threshold = 1;
+    cfg.health.interval_ms = 0;
+    let gw = start(cfg).await.unwrap();
+    let c = client();
+    let big = json!({"model": "m", "messages": [{"role": "user", "content": "x".repeat(8 << 20)}]});
+    let (s, v) = error_of(
+        c.post(format!("{}/v1/chat/completions", gw.url()))
+            .json(&big)
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(
+        (s, v["error"]["code"].as_str()),
+        (502, Some("upstream_refused_body")),
+        "{v}"
+    );
+    assert_eq!(b.hits(), 0, "the body was not sent elsewhere");
+    for w in gw.gateway().model("m").unwrap().workers().iter() {
+        assert!(!w.breaker.is_open(), "{} was charged", w.url);
+    }
+    assert_eq!(accepted.load(Ordering::SeqCst), 1);
+    closer.abort();
+    gw.shutdown().await;
+}

@@ -42,6 +42,9 @@ pub struct Behavior {
     pub repeat: usize,
     /// Never answer completions (an engine that died behind a live HTTP server).
     pub hang: bool,
+    /// Refuse bodies declared larger than this with a text/plain 413 without reading
+    /// them (a web server's body limit in front of an engine).
+    pub body_limit: Option<usize>,
 }
 
 impl Default for Behavior {
@@ -52,6 +55,7 @@ impl Default for Behavior {
             chunk_delay: Duration::ZERO,
             repeat: 1,
             hang: false,
+            body_limit: None,
         }
     }
 }
@@ -115,6 +119,21 @@ impl Drop for StreamGuard {
 
 async fn completions(State(s): State<FakeState>, req: Request) -> Response {
     s.stats.hits.fetch_add(1, Ordering::SeqCst);
+    let declared = req
+        .headers()
+        .get("content-length")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if let (Some(limit), Some(len)) = (s.behavior.body_limit, declared) {
+        if len > limit {
+            return (
+                http::StatusCode::PAYLOAD_TOO_LARGE,
+                [("content-type", "text/plain; charset=utf-8")],
+                "length limit exceeded",
+            )
+                .into_response();
+        }
+    }
     *s.stats.last_auth.lock() = req
         .headers()
         .get("authorization")
