@@ -225,6 +225,50 @@ pub enum BenchCommand {
     /// Routers under a changing fleet (steady, worker added, restart, cache reset,
     /// bypass traffic, Zipf tenants, overload): one table and plot per scenario.
     Scenarios(ScenariosArgs),
+    /// The fault suite: steady streaming load through kvgate while engines are killed
+    /// and restarted, caches reset, event sockets paused and fed garbage, clients cancel
+    /// and send oversized bodies, then a SIGTERM; fails unless every request ended
+    /// cleanly and no booking is left.
+    Chaos(ChaosArgs),
+}
+
+/// `kvgate bench chaos`.
+#[derive(clap::Args, Debug)]
+pub struct ChaosArgs {
+    /// Seconds of load (the SIGTERM phase follows).
+    #[arg(long, default_value_t = 60.0)]
+    pub duration: f64,
+    /// Clients in the closed loop.
+    #[arg(long, default_value_t = 16)]
+    pub concurrency: usize,
+    /// Seconds between faults (kinds cycle: garbage events, event pause, cache reset,
+    /// kill and restart).
+    #[arg(long, default_value_t = 5.0)]
+    pub fault_every: f64,
+    /// Mock engines.
+    #[arg(long, default_value_t = 3)]
+    pub engines: usize,
+    /// Simulated-time speedup of the engines.
+    #[arg(long, default_value_t = 10.0)]
+    pub engine_speedup: f64,
+    /// kvgate policy.
+    #[arg(long, default_value = "kv_aware")]
+    pub policy: String,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Per-request timeout in seconds (a request without an end by then is a silent
+    /// failure).
+    #[arg(long, default_value_t = 60.0)]
+    pub request_timeout: f64,
+    /// Extra argument for `kvgate serve` (repeatable).
+    #[arg(long, allow_hyphen_values = true)]
+    pub kvgate_arg: Vec<String>,
+    /// The kvgate binary (default: this executable, or `kvgate` on PATH).
+    #[arg(long)]
+    pub kvgate_bin: Option<PathBuf>,
+    /// Output folder (chaos.md, chaos.json, logs/).
+    #[arg(long, default_value = "bench-out/chaos")]
+    pub out_dir: PathBuf,
 }
 
 /// `kvgate bench scenarios`.
@@ -431,6 +475,7 @@ pub async fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     match args.command {
         Some(BenchCommand::Compare(c)) => interruptible(run_compare(c)).await,
         Some(BenchCommand::Scenarios(a)) => interruptible(run_scenario_suite(a)).await,
+        Some(BenchCommand::Chaos(a)) => interruptible(run_chaos_suite(a)).await,
         None => {
             interruptible(run_single(
                 args.target,
@@ -543,6 +588,40 @@ async fn run_scenario_suite(args: ScenariosArgs) -> anyhow::Result<()> {
     eprintln!(
         "wrote {}/scenarios.md, scenarios.json and one <scenario>-share.svg per scenario",
         cfg.out_dir.display()
+    );
+    Ok(())
+}
+
+async fn run_chaos_suite(args: ChaosArgs) -> anyhow::Result<()> {
+    let secs = |v: f64, flag: &str| {
+        Duration::try_from_secs_f64(v)
+            .ok()
+            .filter(|d| !d.is_zero())
+            .with_context(|| format!("{flag} must be a positive number of seconds"))
+    };
+    let cfg = crate::chaos::ChaosConfig {
+        kvgate_bin: resolve_kvgate_bin(args.kvgate_bin.as_deref())?,
+        engines: args.engines,
+        duration: secs(args.duration, "--duration")?,
+        concurrency: args.concurrency.max(1),
+        fault_every: secs(args.fault_every, "--fault-every")?,
+        engine_speedup: args.engine_speedup,
+        seed: args.seed,
+        policy: args.policy.clone(),
+        request_timeout: secs(args.request_timeout, "--request-timeout")?,
+        out_dir: args.out_dir.clone(),
+        kvgate_extra_args: args.kvgate_arg.clone(),
+    };
+    let summary = crate::chaos::run_chaos(&cfg).await?;
+    println!("{}", crate::chaos::render_markdown(&summary));
+    eprintln!("wrote {}/chaos.md and chaos.json", cfg.out_dir.display());
+    anyhow::ensure!(
+        summary.passed(),
+        "the fault suite failed: {} request(s) failed without a clean error, {} booking(s) left",
+        summary.silent_failures(),
+        summary
+            .bookings_left
+            .map_or_else(|| "unknown".into(), |b| b.to_string())
     );
     Ok(())
 }

@@ -1,10 +1,11 @@
 //! kvgate-bench: trace replay, synthetic workloads, router comparison and the demo.
 //!
-//! Owns the `kvgate bench`, `kvgate bench compare`, `kvgate bench scenarios` and
-//! `kvgate demo` subcommands. It
+//! Owns the `kvgate bench`, `kvgate bench compare`, `kvgate bench scenarios`,
+//! `kvgate bench chaos` and `kvgate demo` subcommands. It
 //! talks to routers and engines only over HTTP and by spawning `kvgate` child
 //! processes; it must not link routing or engine logic.
 
+pub mod chaos;
 pub mod cli;
 pub mod client;
 pub mod compare;

@@ -74,6 +74,18 @@ impl ManagedChild {
         })
     }
 
+    /// The child's process id, while it has not been killed.
+    pub fn pid(&self) -> Option<u32> {
+        self.pid
+    }
+
+    /// Waits up to `timeout` for the child to exit on its own; true if it did.
+    pub async fn wait_exit(&mut self, timeout: Duration) -> bool {
+        tokio::time::timeout(timeout, self.child.wait())
+            .await
+            .is_ok_and(|r| r.is_ok())
+    }
+
     /// The child's name (used for its log files).
     pub fn name(&self) -> &str {
         &self.name

@@ -41,6 +41,8 @@ pub async fn admit(gw: &Gateway, req: Request) -> Result<Admitted, ApiError> {
     check_json_content_type(&parts.headers)?;
     let max = gw.config.limits.max_body_bytes;
     if declared_length(&parts.headers).is_some_and(|len| len > max) {
+        // Read (and drop) what the client is sending so it can read the 413.
+        discard_body(body, max.saturating_mul(4)).await;
         return Err(ApiError::body_too_large(max));
     }
     let slot = match gw.limiter.acquire().await {
@@ -85,19 +87,27 @@ fn check_json_content_type(headers: &HeaderMap) -> Result<(), ApiError> {
     }
 }
 
-async fn read_body(body: Body, max: usize) -> Result<Bytes, ApiError> {
-    match Limited::new(body, max).collect().await {
-        Ok(c) => Ok(c.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(ApiError::body_too_large(max)),
-        Err(e) => Err(ApiError::bad_request(
-            "invalid_body",
-            format!("cannot read the request body: {e}"),
-        )),
+async fn read_body(mut body: Body, max: usize) -> Result<Bytes, ApiError> {
+    let mut buf = bytes::BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| {
+            ApiError::bad_request("invalid_body", format!("cannot read the request body: {e}"))
+        })?;
+        let Ok(data) = frame.into_data() else {
+            continue; // trailers
+        };
+        if buf.len() + data.len() > max {
+            discard_body(body, max.saturating_mul(4)).await;
+            return Err(ApiError::body_too_large(max));
+        }
+        buf.extend_from_slice(&data);
     }
+    Ok(buf.freeze())
 }
 
-/// Reads and drops a refused request's body (bounded in size and time), so its client
-/// can read the answer instead of a connection reset.
+/// Reads and drops a refused request's body (up to `max` bytes, for at most
+/// [`DISCARD_BODY_FOR`]), so its client can read the answer instead of a connection
+/// reset (what web servers call a lingering close).
 async fn discard_body(body: Body, max: usize) {
     let mut body = Limited::new(body, max);
     let drain = async { while let Some(Ok(_)) = body.frame().await {} };

@@ -107,6 +107,7 @@ pub async fn spawn(config: EngineConfig) -> anyhow::Result<RunningEngine> {
     let kv_events_endpoint = publisher.as_ref().map(|p| p.endpoint.clone());
     let replay_endpoint = publisher.as_ref().and_then(|p| p.replay_endpoint.clone());
 
+    let faults = publisher.clone();
     let engine = crate::driver::start(sim, config.speedup, publisher, cancel.clone());
     let state = AppState {
         engine,
@@ -117,6 +118,7 @@ pub async fn spawn(config: EngineConfig) -> anyhow::Result<RunningEngine> {
         created: unix_now(),
         next_response: Arc::new(AtomicU64::new(0)),
         max_body_bytes: config.max_body_bytes,
+        publisher: faults,
     };
     let listener = tokio::net::TcpListener::bind((config.host.as_str(), config.port))
         .await

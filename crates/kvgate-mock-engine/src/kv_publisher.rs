@@ -3,13 +3,15 @@
 //! answers `["", start_seq]` with every buffered batch whose seq ≥ start, as
 //! `["", topic, seq, payload]`, then `["", "", -1, ""]`.
 //!
-//! Owns the sockets, the sequence counter and the bounded replay buffer. It does not
-//! decide what the events are (the simulation core does) nor how they are encoded
-//! (`wire`).
+//! Owns the sockets, the sequence counter and the bounded replay buffer, and two faults
+//! for testing routers ([`KvPublisher::pause`]: batches keep their sequence numbers and
+//! enter the replay buffer but are not sent, as when the socket stalls;
+//! [`KvPublisher::send_garbage`]: malformed messages). It does not decide what the
+//! events are (the simulation core does) nor how they are encoded (`wire`).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
 use bytes::Bytes;
@@ -54,10 +56,21 @@ struct Buffered {
     payload: Bytes,
 }
 
+/// What the publishing task is asked to do.
+#[derive(Debug)]
+enum Command {
+    Batch(Vec<KvEvent>),
+    /// Send nothing live for this long (batches still take sequence numbers and enter
+    /// the replay buffer).
+    Pause(Duration),
+    /// Send this many malformed messages.
+    Garbage(u32),
+}
+
 /// A running publisher: send event batches with [`KvPublisher::publish`].
 #[derive(Debug, Clone)]
 pub struct KvPublisher {
-    tx: mpsc::UnboundedSender<Vec<KvEvent>>,
+    tx: mpsc::UnboundedSender<Command>,
     /// `tcp://host:port` of the PUB socket.
     pub endpoint: String,
     /// `tcp://host:port` of the replay ROUTER socket.
@@ -108,8 +121,21 @@ impl KvPublisher {
     pub fn publish(&self, events: Vec<KvEvent>) {
         if !events.is_empty() {
             // A closed channel means we are shutting down: dropping is correct.
-            let _ = self.tx.send(events);
+            let _ = self.tx.send(Command::Batch(events));
         }
+    }
+
+    /// Fault: stop sending live messages for `d` (a stalled socket). Batches produced
+    /// meanwhile are numbered and buffered for replay, so a subscriber sees a gap it
+    /// can recover only if the replay buffer still holds them.
+    pub fn pause(&self, d: Duration) {
+        let _ = self.tx.send(Command::Pause(d));
+    }
+
+    /// Fault: send `n` malformed messages (wrong frame count, a short sequence frame,
+    /// or an undecodable payload under the next sequence number).
+    pub fn send_garbage(&self, n: u32) {
+        let _ = self.tx.send(Command::Garbage(n));
     }
 }
 
@@ -122,20 +148,55 @@ fn now_secs() -> f64 {
 
 async fn publish_loop(
     mut socket: zeromq::PubSocket,
-    mut rx: mpsc::UnboundedReceiver<Vec<KvEvent>>,
+    mut rx: mpsc::UnboundedReceiver<Command>,
     buffer: Arc<Mutex<VecDeque<Buffered>>>,
     topic: Bytes,
     cfg: PublisherConfig,
     shutdown: CancellationToken,
 ) {
     let mut seq: u64 = 0;
+    let mut paused_until: Option<Instant> = None;
     loop {
-        let events = tokio::select! {
+        let command = tokio::select! {
             _ = shutdown.cancelled() => break,
-            ev = rx.recv() => match ev {
-                Some(ev) => ev,
+            c = rx.recv() => match c {
+                Some(c) => c,
                 None => break,
             },
+        };
+        let events = match command {
+            Command::Batch(events) => events,
+            Command::Pause(d) => {
+                paused_until = Some(Instant::now() + d);
+                continue;
+            }
+            Command::Garbage(n) => {
+                for i in 0..n {
+                    let frames = match i % 3 {
+                        0 => vec![Bytes::from_static(b"garbage")],
+                        1 => vec![
+                            topic.clone(),
+                            Bytes::from_static(b"\x01\x02\x03"),
+                            Bytes::new(),
+                        ],
+                        _ => {
+                            // An undecodable payload under the next sequence number
+                            // (it consumes the number, as a real batch would).
+                            let f = vec![
+                                topic.clone(),
+                                Bytes::copy_from_slice(&seq_frame(seq)),
+                                Bytes::from_static(b"\xc1\xc1 not msgpack"),
+                            ];
+                            seq += 1;
+                            f
+                        }
+                    };
+                    if let Ok(msg) = ZmqMessage::try_from(frames) {
+                        let _ = socket.send(msg).await;
+                    }
+                }
+                continue;
+            }
         };
         let payload = match encode_batch(now_secs(), &events, cfg.dp_rank) {
             Ok(p) => Bytes::from(p),
@@ -144,14 +205,18 @@ async fn publish_loop(
                 continue;
             }
         };
-        let frames = vec![
-            topic.clone(),
-            Bytes::copy_from_slice(&seq_frame(seq)),
-            payload.clone(),
-        ];
-        if let Ok(msg) = ZmqMessage::try_from(frames) {
-            if let Err(err) = socket.send(msg).await {
-                tracing::warn!(%err, seq, "KV events PUB send failed");
+        let live = paused_until.is_none_or(|t| Instant::now() >= t);
+        if live {
+            paused_until = None;
+            let frames = vec![
+                topic.clone(),
+                Bytes::copy_from_slice(&seq_frame(seq)),
+                payload.clone(),
+            ];
+            if let Ok(msg) = ZmqMessage::try_from(frames) {
+                if let Err(err) = socket.send(msg).await {
+                    tracing::warn!(%err, seq, "KV events PUB send failed");
+                }
             }
         }
         {

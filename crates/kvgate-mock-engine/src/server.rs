@@ -36,6 +36,8 @@ pub struct AppState {
     pub next_response: Arc<AtomicU64>,
     /// Larger request bodies are refused with a text/plain 413.
     pub max_body_bytes: usize,
+    /// The KV event publisher, for the fault-injection endpoints.
+    pub publisher: Option<crate::kv_publisher::KvPublisher>,
 }
 
 /// The router with every endpoint.
@@ -51,6 +53,8 @@ pub fn router(state: AppState) -> Router {
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/get_load", get(get_load))
         .route("/version", get(version))
+        .route("/fault/kv_events/pause", post(fault_pause_events))
+        .route("/fault/kv_events/garbage", post(fault_garbage_events))
         .fallback(not_found)
         .layer(body_limit)
         .with_state(state)
@@ -288,6 +292,46 @@ async fn reset_prefix_cache(State(st): State<AppState>, Query(q): Query<ResetQue
             "cannot reset the prefix cache while requests are running (pass reset_running_requests=true to preempt them)",
         ),
         Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+    }
+}
+
+#[derive(Deserialize)]
+struct PauseQuery {
+    ms: u64,
+}
+
+/// Fault injection (not a vLLM endpoint): the KV event socket sends nothing for `ms`.
+async fn fault_pause_events(State(st): State<AppState>, Query(q): Query<PauseQuery>) -> Response {
+    match &st.publisher {
+        Some(p) => {
+            p.pause(std::time::Duration::from_millis(q.ms));
+            StatusCode::OK.into_response()
+        }
+        None => error(StatusCode::NOT_FOUND, "KV events are off"),
+    }
+}
+
+#[derive(Deserialize)]
+struct GarbageQuery {
+    #[serde(default = "one")]
+    count: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// Fault injection (not a vLLM endpoint): `count` malformed KV event messages.
+async fn fault_garbage_events(
+    State(st): State<AppState>,
+    Query(q): Query<GarbageQuery>,
+) -> Response {
+    match &st.publisher {
+        Some(p) => {
+            p.send_garbage(q.count.min(10_000));
+            StatusCode::OK.into_response()
+        }
+        None => error(StatusCode::NOT_FOUND, "KV events are off"),
     }
 }
 
