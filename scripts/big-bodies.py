@@ -62,10 +62,12 @@ def main():
     a = ap.parse_args()
     tok = os.path.join(ROOT, "fixtures/qwen3-tokenizer")
     ep, gp = free_port(), free_port()
-    engine = subprocess.Popen([a.engine_kvgate or a.kvgate, "mock-engine", "--port", str(ep), "--log", "warn"])
+    engine = subprocess.Popen([a.engine_kvgate or a.kvgate, "mock-engine", "--port", str(ep), "--log", "warn"],
+                              stdout=subprocess.DEVNULL)
     gw = subprocess.Popen([a.kvgate, "serve", "--port", str(gp), "--model", "m",
                            "--worker", f"http://127.0.0.1:{ep}", "--policy", "prefix_affinity",
-                           "--tokenizer", tok, "--max-in-flight", a.max_in_flight, "--log", "warn"] + a.extra)
+                           "--tokenizer", tok, "--max-in-flight", a.max_in_flight, "--log", "warn"] + a.extra,
+                          stdout=subprocess.DEVNULL)
     try:
         wait_http(ep, "/health")
         wait_http(gp, "/health")

@@ -169,8 +169,12 @@ pub(crate) async fn dispatch(
                 body.clone(),
                 cfg.timeouts.first_byte(),
             ) => sent,
-            () = cut_off.cancelled() => Err(SendError::WorkerDown),
-            () = gw.grace_over.cancelled() => return Err(ApiError::gateway_shutting_down()),
+            () = cut_off.cancelled() => {
+                if gw.grace_over.is_cancelled() {
+                    return Err(ApiError::gateway_shutting_down());
+                }
+                Err(SendError::WorkerDown)
+            }
         };
         match sent {
             Ok(resp) if retryable(resp.status()) && !last => {

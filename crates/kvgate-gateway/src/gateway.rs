@@ -40,8 +40,10 @@ pub struct Gateway {
     pub metrics: Metrics,
     pub events: Arc<EventMetrics>,
     pub(crate) shutdown: CancellationToken,
-    /// Cancelled when the shutdown grace period ends: every request still running ends
-    /// now with an error (an SSE error event, or a JSON 503 before the first byte).
+    /// Cancelled when the shutdown grace period ends, just before every worker's
+    /// in-flight requests are cut off: a request cut off with this set ends with
+    /// `gateway_shutting_down` (an SSE error event, or a JSON 503 before the first
+    /// byte); requests still queued or tokenizing watch it directly.
     pub(crate) grace_over: CancellationToken,
     forward_auth: ForwardAuth,
 }

@@ -115,12 +115,12 @@ pub struct ObservedBody {
     obs: Observer,
     deadline: Option<Pin<Box<Sleep>>>,
     cut_off: Pin<Box<WaitForCancellationFutureOwned>>,
-    grace_over: Pin<Box<WaitForCancellationFutureOwned>>,
 }
 
 impl ObservedBody {
     /// Wraps `inner`. `sse` selects event-stream observation; `deadline` is the total
-    /// request timeout; `cut_off` ends the response when the worker is declared dead.
+    /// request timeout; `cut_off` ends the response when the worker is declared dead or
+    /// the gateway's shutdown grace period ends.
     pub fn new(
         inner: Incoming,
         life: Lifecycle,
@@ -128,7 +128,6 @@ impl ObservedBody {
         deadline: Option<Pin<Box<Sleep>>>,
         cut_off: CancellationToken,
     ) -> Self {
-        let grace_over = Box::pin(life.gw.grace_over.clone().cancelled_owned());
         Self {
             inner,
             obs: Observer {
@@ -144,7 +143,6 @@ impl ObservedBody {
             },
             deadline,
             cut_off: Box::pin(cut_off.cancelled_owned()),
-            grace_over,
         }
     }
 
@@ -183,10 +181,11 @@ impl Body for ObservedBody {
                 return this.fail(Outcome::Timeout, ApiError::upstream_total_timeout());
             }
         }
-        if this.grace_over.as_mut().poll(cx).is_ready() {
-            return this.fail(Outcome::Shutdown, ApiError::gateway_shutting_down());
-        }
         if this.cut_off.as_mut().poll(cx).is_ready() {
+            // Cut off because the shutdown grace period ended, or the worker died.
+            if this.obs.life.gw.grace_over.is_cancelled() {
+                return this.fail(Outcome::Shutdown, ApiError::gateway_shutting_down());
+            }
             let err = ApiError::worker_gone(this.obs.worker_url());
             return this.fail(Outcome::WorkerDown, err);
         }

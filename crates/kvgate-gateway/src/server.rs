@@ -464,6 +464,11 @@ impl RunningGateway {
             // Every response still running ends with an error event or a JSON 503;
             // give them a moment to reach their clients before closing the sockets.
             self.gateway.grace_over.cancel();
+            for m in self.gateway.models() {
+                for w in m.workers().iter() {
+                    w.cut_off_in_flight();
+                }
+            }
             if tokio::time::timeout(GRACE_OVER_FLUSH, &mut self.server)
                 .await
                 .is_err()

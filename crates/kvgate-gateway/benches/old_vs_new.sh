@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Side-by-side overhead of two kvgate builds (e.g. before and after a request-path
+# change) in one run: the same fast fake engine, reached through each build's
+# examples/serve in turn (A B A B), JSON and streaming, 1 and 64 connections, with wrk.
+#
+# Usage: [PASSES=2] crates/kvgate-gateway/benches/old_vs_new.sh OLD_EXAMPLES_DIR NEW_EXAMPLES_DIR [SECS]
+#   (each dir holds a release build's `serve` and `bench_engine` examples:
+#    cargo build --release -p kvgate-gateway --examples; for the old build check out
+#    the old commit and build with CARGO_TARGET_DIR=/tmp/old-target)
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+OLD=$1; NEW=$2; DUR=${3:-8}
+HERE=crates/kvgate-gateway/benches
+E=18101; PORT=18000
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+trap cleanup EXIT
+BENCH_ENGINE_THREADS=1 "$NEW/bench_engine" $E m & PIDS+=($!)
+
+wait_up() {
+  for _ in $(seq 1 300); do
+    if curl -s -o /dev/null -w '%{http_code}' -X POST -H 'content-type: application/json' \
+      -d '{"model":"m","messages":[{"role":"user","content":"x"}]}' "http://127.0.0.1:$1/v1/chat/completions" | grep -q 200; then
+      return 0
+    fi
+    sleep 0.2
+  done
+  echo "port $1 never answered" >&2; return 1
+}
+wait_up $E
+
+echo "| build | workload | conns | req/s | p50 | p99 |"
+echo "|---|---|---:|---:|---:|---:|"
+for pass in $(seq 1 "${PASSES:-2}"); do
+  for build in old new; do
+    dir=$OLD; [ $build = new ] && dir=$NEW
+    KVGATE_LOG=warn "$dir/serve" --host 127.0.0.1 --port $PORT --model m \
+      --worker http://127.0.0.1:$E --policy round_robin >/tmp/kvgate-old-vs-new.log 2>&1 &
+    gw=$!
+    wait_up $PORT
+    for script in chat.lua chat_stream.lua; do
+      for conns in 1 64; do
+        threads=1; [ $conns -gt 1 ] && threads=2
+        out=$(wrk -t$threads -c$conns -d"${DUR}s" --latency -s "$HERE/$script" "http://127.0.0.1:$PORT/v1/chat/completions")
+        rps=$(echo "$out" | awk '/Requests\/sec/ {print $2}')
+        p50=$(echo "$out" | awk '$1=="50%" {print $2}')
+        p99=$(echo "$out" | awk '$1=="99%" {print $2}')
+        echo "| $build (pass $pass) | ${script%.lua} | $conns | $rps | $p50 | $p99 |"
+      done
+    done
+    kill $gw; wait $gw 2>/dev/null || true
+  done
+done
