@@ -2,9 +2,10 @@
 //!
 //! Wires the core policies, prefix index and ledger (kvgate-core), KV-event ingestion
 //! (kvgate-events) and pre-routing tokenization (kvgate-tokenize) into one HTTP
-//! process. Request path: `server` (endpoints, auth, body limit) → `routing` (parse,
-//! model, tokenize, select) → `failover` (book, forward, retry before the first byte)
-//! → `proxy` (upstream HTTP) → `observe` (pass bytes through, drive the ledger).
+//! process. Request path: `server` (endpoints) → `front_door` (auth, Content-Type,
+//! admission, body limit) → `routing` (parse, model, tokenize, select) → `failover`
+//! (book, forward, retry before the first byte) → `proxy` (upstream HTTP) → `observe`
+//! (pass bytes through, drive the ledger).
 //! Background: `health` (checks, ledger sweep). State: `gateway`, `registry`,
 //! `breaker`, `limits`. Must not contain policy scoring (kvgate-core) or event
 //! decoding (kvgate-events).

@@ -1,10 +1,12 @@
 //! The HTTP surface: axum router, request handlers, and starting/stopping the gateway
 //! in-process ([`start`] → [`RunningGateway`]).
 //!
-//! Owns endpoint wiring, body-size limiting, auth checks at the door, and mapping
-//! failures to responses (with the request counter for gateway-made answers). Routing,
-//! proxying and failover live in their own modules; this file must not grow policy or
-//! streaming logic.
+//! Owns endpoint wiring, the shutdown sequence (grace period, then every running
+//! response ended with an error), and mapping failures to responses (with the request
+//! counter for gateway-made answers). Every API request enters through
+//! `front_door::admit` (auth, Content-Type, admission, body); routing, proxying and
+//! failover live in their own modules; this file must not grow policy or streaming
+//! logic.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
