@@ -163,7 +163,8 @@ fn rewrite_generation_tags(source: &str) -> String {
     while let Some(start) = rest.find("{%") {
         out.push_str(&rest[..start]);
         let tag = &rest[start..];
-        let Some(end) = tag.find("%}") else {
+        // The closing `%}` comes after the opening `{%` (in `{%}` they overlap).
+        let Some(end) = tag[2..].find("%}").map(|e| e + 2) else {
             out.push_str(tag);
             return out;
         };
@@ -297,6 +298,22 @@ mod tests {
         assert_eq!(detect_content_format(o), ContentFormat::OpenAi);
         let chained = "{% set loop_messages = messages[1:] %}{% for m in loop_messages %}{% for part in m.content | selectattr('type', 'equalto', 'text') %}{% endfor %}{% endfor %}";
         assert_eq!(detect_content_format(chained), ContentFormat::OpenAi);
+    }
+
+    /// A malformed tag is a clear error when the template loads, never a panic.
+    #[test]
+    fn malformed_tags_are_load_errors() {
+        for source in ["{%}", "{%}%}", "a {%", "{%- %}", "{% generation %}{%}"] {
+            let loaded = std::panic::catch_unwind(|| {
+                TemplateSet::new(vec![("default".into(), source.into())])
+            });
+            match loaded {
+                Ok(Ok(_)) => {} // minijinja may accept some; what matters is no panic
+                Ok(Err(e)) => assert!(!e.to_string().is_empty()),
+                Err(_) => panic!("loading {source:?} panicked"),
+            }
+        }
+        assert!(TemplateSet::new(vec![("default".into(), "{%}".into())]).is_err());
     }
 
     #[test]
