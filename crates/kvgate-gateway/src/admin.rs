@@ -96,8 +96,11 @@ pub async fn add(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
         url: add.url,
         kv_events: add.kv_events,
         kv_events_replay: add.kv_events_replay,
-        dp_size: add.dp_size.unwrap_or(1).max(1),
+        dp_size: add.dp_size.unwrap_or(1),
     };
+    if let Err(e) = config.validate() {
+        return ApiError::bad_request("invalid_worker", format!("{e:#}")).into_response();
+    }
     match gw.add_worker(&model.name, config) {
         Ok(w) => (StatusCode::CREATED, Json(worker_json(&model, &w))).into_response(),
         Err(e) => ApiError::new(

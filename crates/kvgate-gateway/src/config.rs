@@ -150,6 +150,9 @@ pub struct WorkerConfig {
     pub dp_size: u32,
 }
 
+/// Most data-parallel ranks one worker may declare (one event subscriber each).
+pub const MAX_DP_SIZE: u32 = 1024;
+
 impl WorkerConfig {
     pub fn new(url: impl Into<String>) -> Self {
         Self {
@@ -159,6 +162,55 @@ impl WorkerConfig {
             dp_size: 1,
         }
     }
+
+    /// The one check of a worker's settings, used by flags, YAML and the admin API:
+    /// the URL is `http://host:port[/prefix]`, each KV event endpoint is
+    /// `tcp://HOST:PORT` and its port plus every rank fits in a port number, a replay
+    /// endpoint comes with an events endpoint, and `dp_size` is 1 to [`MAX_DP_SIZE`].
+    pub fn validate(&self) -> anyhow::Result<()> {
+        validate_worker_url(&self.url)?;
+        if self.dp_size == 0 || self.dp_size > MAX_DP_SIZE {
+            bail!(
+                "worker {}: dp_size {} must be between 1 and {MAX_DP_SIZE}",
+                self.url,
+                self.dp_size
+            );
+        }
+        for ep in [&self.kv_events, &self.kv_events_replay]
+            .into_iter()
+            .flatten()
+        {
+            for rank in [0, self.dp_size - 1] {
+                rank_endpoint(ep, rank).with_context(|| format!("worker {}", self.url))?;
+            }
+        }
+        if self.kv_events_replay.is_some() && self.kv_events.is_none() {
+            bail!(
+                "worker {} has a replay endpoint but no --kv-events endpoint",
+                self.url
+            );
+        }
+        Ok(())
+    }
+}
+
+/// The endpoint data-parallel rank `rank` publishes on: `tcp://HOST:PORT` with the port
+/// offset by the rank (vLLM's convention).
+pub fn rank_endpoint(endpoint: &str, rank: u32) -> anyhow::Result<String> {
+    let shape = || format!("KV event endpoint {endpoint:?} must look like tcp://HOST:PORT");
+    let rest = endpoint.strip_prefix("tcp://").with_context(shape)?;
+    let (host, port) = rest.rsplit_once(':').with_context(shape)?;
+    if host.is_empty() {
+        bail!(shape());
+    }
+    let port: u16 = port.parse().with_context(shape)?;
+    let ranked = u16::try_from(rank)
+        .ok()
+        .and_then(|r| port.checked_add(r))
+        .with_context(|| {
+            format!("KV event endpoint {endpoint:?}: port {port} + rank {rank} exceeds 65535")
+        })?;
+    Ok(format!("tcp://{host}:{ranked}"))
 }
 
 #[derive(Deserialize)]
@@ -390,23 +442,9 @@ impl ModelConfig {
         }
         let mut urls = HashSet::new();
         for w in &self.workers {
-            validate_worker_url(&w.url).with_context(|| format!("model {name:?}"))?;
+            w.validate().with_context(|| format!("model {name:?}"))?;
             if !urls.insert(normalize_url(&w.url)) {
                 bail!("model {name:?}: worker {} is listed twice", w.url);
-            }
-            for ep in [&w.kv_events, &w.kv_events_replay].into_iter().flatten() {
-                if !ep.starts_with("tcp://") {
-                    bail!("model {name:?}: KV event endpoint {ep:?} of worker {} must look like tcp://HOST:PORT", w.url);
-                }
-            }
-            if w.kv_events_replay.is_some() && w.kv_events.is_none() {
-                bail!(
-                    "model {name:?}: worker {} has a replay endpoint but no --kv-events endpoint",
-                    w.url
-                );
-            }
-            if w.dp_size == 0 {
-                bail!("model {name:?}: worker {} has dp_size 0", w.url);
             }
         }
         if self.needs_tokens() && self.tokenizer.is_none() && !self.remote_tokenize {
@@ -474,6 +512,48 @@ pub fn parse_assignment(s: &str) -> anyhow::Result<(String, String)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dp_rank_ports() {
+        assert_eq!(rank_endpoint("tcp://h:5557", 0).unwrap(), "tcp://h:5557");
+        assert_eq!(rank_endpoint("tcp://h:5557", 2).unwrap(), "tcp://h:5559");
+        assert!(rank_endpoint("tcp://h:65535", 1).is_err());
+        assert!(rank_endpoint("tcp://h:65535", u32::MAX).is_err());
+        for bad in [
+            "tcp://h",
+            "tcp://:5557",
+            "tcp://h:99999",
+            "udp://h:1",
+            "h:1",
+            "tcp://h:x",
+        ] {
+            assert!(rank_endpoint(bad, 0).is_err(), "{bad}");
+        }
+    }
+
+    /// One check for every way a worker arrives (flags, YAML, admin API).
+    #[test]
+    fn worker_settings_are_checked_once() {
+        let ok = WorkerConfig {
+            url: "http://10.0.0.1:8000".into(),
+            kv_events: Some("tcp://10.0.0.1:5557".into()),
+            kv_events_replay: Some("tcp://10.0.0.1:5600".into()),
+            dp_size: 4,
+        };
+        assert!(ok.validate().is_ok());
+        let with = |f: &dyn Fn(&mut WorkerConfig)| {
+            let mut w = ok.clone();
+            f(&mut w);
+            w.validate()
+        };
+        assert!(with(&|w| w.dp_size = 0).is_err());
+        assert!(with(&|w| w.dp_size = u32::MAX).is_err());
+        assert!(with(&|w| w.dp_size = MAX_DP_SIZE + 1).is_err());
+        assert!(with(&|w| w.kv_events = Some("tcp://10.0.0.1:65534".into())).is_err());
+        assert!(with(&|w| w.kv_events = None).is_err());
+        assert!(with(&|w| w.url = "https://x:1".into()).is_err());
+        assert!(with(&|w| w.url = "not a url".into()).is_err());
+    }
 
     #[test]
     fn yaml_with_two_models() {

@@ -21,7 +21,7 @@ use parking_lot::RwLock;
 use rustc_hash::FxHashMap;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{Config, ModelConfig, WorkerConfig};
+use crate::config::{rank_endpoint, Config, ModelConfig, WorkerConfig};
 use crate::errors::ApiError;
 use crate::limits::GlobalLimiter;
 use crate::metrics::Metrics;
@@ -176,21 +176,13 @@ impl Gateway {
         model: &Arc<ModelState>,
         config: WorkerConfig,
     ) -> anyhow::Result<Arc<Worker>> {
-        crate::config::validate_worker_url(&config.url)?;
+        config.validate()?;
         if model.worker_by_url(&config.url).is_some() {
             anyhow::bail!(
                 "worker {} is already registered for model {:?}",
                 config.url,
                 &*model.name
             );
-        }
-        for ep in [&config.kv_events, &config.kv_events_replay]
-            .into_iter()
-            .flatten()
-        {
-            if !ep.starts_with("tcp://") {
-                anyhow::bail!("KV event endpoint {ep:?} must look like tcp://HOST:PORT");
-            }
         }
         let id = WorkerId(self.next_worker_id.fetch_add(1, Ordering::Relaxed));
         let remote = if model.config.remote_tokenize {
@@ -214,12 +206,12 @@ impl Gateway {
             for rank in 0..worker.config.dp_size {
                 let source = EventSource {
                     worker: id,
-                    endpoint: offset_port(endpoint, rank)?,
+                    endpoint: rank_endpoint(endpoint, rank)?,
                     replay_endpoint: worker
                         .config
                         .kv_events_replay
                         .as_deref()
-                        .map(|r| offset_port(r, rank))
+                        .map(|r| rank_endpoint(r, rank))
                         .transpose()?,
                     topic: model.config.kv_topic.clone(),
                     dp_rank: rank,
@@ -328,34 +320,4 @@ fn build_model(mc: &ModelConfig) -> anyhow::Result<ModelState> {
         tokenizer,
         session_header,
     ))
-}
-
-/// `tcp://host:5557` with rank 2 → `tcp://host:5559` (vLLM data-parallel ports).
-fn offset_port(endpoint: &str, rank: u32) -> anyhow::Result<String> {
-    if rank == 0 {
-        return Ok(endpoint.to_string());
-    }
-    let (host, port) = endpoint
-        .rsplit_once(':')
-        .ok_or_else(|| anyhow::anyhow!("endpoint {endpoint:?} has no port"))?;
-    let port: u32 = port
-        .parse()
-        .with_context(|| format!("endpoint {endpoint:?} has an invalid port"))?;
-    let p = port + rank;
-    if p > u32::from(u16::MAX) {
-        anyhow::bail!("endpoint {endpoint:?} + rank {rank} exceeds port 65535");
-    }
-    Ok(format!("{host}:{p}"))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn dp_rank_ports() {
-        assert_eq!(offset_port("tcp://h:5557", 0).unwrap(), "tcp://h:5557");
-        assert_eq!(offset_port("tcp://h:5557", 2).unwrap(), "tcp://h:5559");
-        assert!(offset_port("tcp://h:65535", 1).is_err());
-    }
 }

@@ -644,6 +644,27 @@ async fn workers_are_added_and_removed_at_run_time() {
         .await
         .unwrap();
     assert_eq!(dup.status(), 409);
+    // Bad settings are a 400 before anything is started (a huge dp_size would mean a
+    // billion event subscribers; a port past 65535 used to overflow).
+    for bad in [
+        json!({"model": "m", "url": "http://127.0.0.1:9", "kv_events": "tcp://127.0.0.1:5557", "dp_size": 4_294_967_295u64}),
+        json!({"model": "m", "url": "http://127.0.0.1:9", "kv_events": "tcp://127.0.0.1:65535", "dp_size": 2}),
+        json!({"model": "m", "url": "http://127.0.0.1:9", "dp_size": 0}),
+    ] {
+        let r = c
+            .post(&admin)
+            .bearer_auth("adm")
+            .json(&bad)
+            .send()
+            .await
+            .unwrap();
+        let (s, v) = error_of(r).await;
+        assert_eq!(
+            (s, v["error"]["code"].as_str()),
+            (400, Some("invalid_worker")),
+            "{bad} {v}"
+        );
+    }
     let mut set = std::collections::HashSet::new();
     for _ in 0..4 {
         let r = c
