@@ -140,13 +140,15 @@ async fn round_robin_random_and_session_policies() {
     assert_eq!(set.len(), 2);
     gw.shutdown().await;
 
-    // session: one session id sticks to one worker; different sessions spread.
+    // session: one session id sticks to one worker; different sessions spread. The
+    // ring is keyed by worker URL (ephemeral ports here), so spreading is checked over
+    // 64 sessions: all on one worker has probability 2^-63 whatever the ports.
     let gw = start(config(&[&a.url, &b.url], PolicyKind::Session))
         .await
         .unwrap();
     let mut per_session = std::collections::HashMap::new();
-    for i in 0..40 {
-        let sid = format!("s{}", i % 8);
+    for i in 0..192 {
+        let sid = format!("s{}", i % 64);
         let r = c
             .post(format!("{}/v1/chat/completions", gw.url()))
             .header("x-session-id", &sid)
@@ -159,7 +161,7 @@ async fn round_robin_random_and_session_policies() {
         assert_eq!(*prev, w, "a session moved");
     }
     let distinct: std::collections::HashSet<_> = per_session.values().collect();
-    assert_eq!(distinct.len(), 2, "8 sessions all on one worker");
+    assert_eq!(distinct.len(), 2, "64 sessions all on one worker");
     gw.shutdown().await;
 }
 
