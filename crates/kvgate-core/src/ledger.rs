@@ -213,6 +213,24 @@ impl Ledger {
         prompt_keys: &[BlockKey],
         now: Instant,
     ) -> BookingGuard {
+        match self.try_book(worker, spec, prompt_keys, now, 0) {
+            Some(guard) => guard,
+            None => unreachable!("a booking without a limit is never refused"),
+        }
+    }
+
+    /// [`Ledger::book`] if `worker` has fewer than `max_in_flight` bookings (0 = no
+    /// limit), in one step under the ledger's lock: the limit check and the count are the
+    /// same counter, so a request is never chosen without being counted. `None` (and
+    /// nothing changed) when the worker is full.
+    pub fn try_book(
+        self: &Arc<Self>,
+        worker: WorkerId,
+        spec: BookingSpec,
+        prompt_keys: &[BlockKey],
+        now: Instant,
+        max_in_flight: u32,
+    ) -> Option<BookingGuard> {
         let cached_tokens = spec.cached_tokens.min(spec.prompt_tokens);
         let spec = BookingSpec {
             cached_tokens,
@@ -237,6 +255,14 @@ impl Ledger {
         };
         booking.decode_blocks = self.decode_blocks(&booking);
         let mut inner = self.inner.lock();
+        if max_in_flight > 0
+            && inner
+                .loads
+                .get(&worker)
+                .is_some_and(|l| l.in_flight >= max_in_flight)
+        {
+            return None;
+        }
         inner.next_id += 1;
         let id = inner.next_id;
         for key in booking.prefilling.iter() {
@@ -250,11 +276,11 @@ impl Ledger {
         inner.stats.booked += 1;
         inner.stats.active += 1;
         drop(inner);
-        BookingGuard {
+        Some(BookingGuard {
             ledger: Arc::clone(self),
             id,
             worker,
-        }
+        })
     }
 
     fn decode_blocks(&self, b: &Booking) -> f64 {
@@ -519,6 +545,30 @@ impl Drop for BookingGuard {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// The per-worker limit and the booking are one step on one counter: a booking
+    /// beyond the limit is refused and changes nothing; freeing one makes room.
+    #[test]
+    fn booking_within_a_limit_is_one_step() {
+        let l = Ledger::new(16);
+        let now = Instant::now();
+        let w = WorkerId(0);
+        let a = l.try_book(w, spec(100, 0, None), &[], now, 2).unwrap();
+        let _b = l.try_book(w, spec(100, 0, None), &[], now, 2).unwrap();
+        assert!(l.try_book(w, spec(100, 0, None), &[], now, 2).is_none());
+        assert_eq!(l.load(w).in_flight, 2);
+        assert_eq!(l.stats().booked, 2);
+        // Another worker has its own count; 0 means no limit.
+        assert!(l
+            .try_book(WorkerId(1), spec(1, 0, None), &[], now, 1)
+            .is_some());
+        drop(a);
+        assert!(l.try_book(w, spec(100, 0, None), &[], now, 2).is_some());
+        let many: Vec<_> = (0..10)
+            .map(|_| l.try_book(w, spec(1, 0, None), &[], now, 0))
+            .collect();
+        assert!(many.iter().all(Option::is_some));
+    }
 
     fn spec(prompt: u32, cached: u32, expected: Option<u32>) -> BookingSpec {
         BookingSpec {

@@ -39,7 +39,7 @@ pub fn worker_json(model: &ModelState, w: &Worker) -> Value {
         "url": &*w.url,
         "healthy": !w.breaker.is_open(),
         "consecutive_failures": w.breaker.consecutive_failures(),
-        "in_flight": w.in_flight(),
+        "in_flight": load.in_flight,
         "ledger": load,
         "kv_events": w.config.kv_events,
         "kv_events_replay": w.config.kv_events_replay,

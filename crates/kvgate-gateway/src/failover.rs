@@ -7,12 +7,12 @@
 //! itself (routing.rs).
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::response::Response;
 use http::{header, StatusCode};
-use kvgate_core::{BlockKey, Decision, PolicyKind, WorkerId, WorkerScore};
+use kvgate_core::{Decision, WorkerId, WorkerScore};
 use smallvec::SmallVec;
 
 use crate::errors::ApiError;
@@ -112,18 +112,10 @@ pub(crate) async fn dispatch(
     let Admitted {
         headers,
         body,
-        slot,
+        admission,
     } = admitted;
     let headers = &headers;
-    let mut global = slot;
     let policy = model.kind().as_str();
-    // Only kv_aware reads the prompts in prefill (its credit); no other policy needs
-    // the ledger to track them.
-    let prefill_keys: &[BlockKey] = if model.kind() == PolicyKind::KvAware {
-        p.keys.as_deref().unwrap_or_default()
-    } else {
-        &[]
-    };
     let cfg = &gw.config;
     let auth = gw.forward_auth();
     let mut excluded: SmallVec<[WorkerId; 4]> = SmallVec::new();
@@ -134,7 +126,7 @@ pub(crate) async fn dispatch(
             tokio::time::sleep(backoff).await;
             backoff = backoff.saturating_mul(2);
         }
-        let (decision, worker, permit) = match pick(gw, &p, headers, &excluded).await {
+        let (decision, lease) = match pick(gw, &p, headers, &excluded, &admission).await {
             Ok(x) => x,
             Err(e) => {
                 // After a failed attempt, "nobody left" means the attempts failed.
@@ -144,18 +136,13 @@ pub(crate) async fn dispatch(
                 });
             }
         };
+        let worker = lease.worker().clone();
         record.worker = Some(worker.clone());
         log_decision(
             &model.name,
             &worker.url,
             &decision,
             model.ledger.block_size(),
-        );
-        let guard = model.ledger.book(
-            worker.id,
-            decision.booking(p.prompt_tokens, p.max_tokens),
-            prefill_keys,
-            Instant::now(),
         );
         let last = attempt + 1 == cfg.failover.max_attempts;
         let cut_off = worker.cut_off_signal();
@@ -198,7 +185,7 @@ pub(crate) async fn dispatch(
                     "upstream_error",
                     format!("worker {} answered {status}", worker.url),
                 ));
-                drop((resp, guard, permit));
+                drop((resp, lease));
             }
             Ok(resp) => {
                 let status = resp.status();
@@ -224,11 +211,8 @@ pub(crate) async fn dispatch(
                     .get(header::CONTENT_TYPE)
                     .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
                 let life = Lifecycle {
-                    guard: Some(guard),
-                    permit: Some(permit),
-                    global: global.take(),
+                    lease: Some(lease),
                     gw: gw.clone(),
-                    model: model.clone(),
                     predicted_cached: decision.predicted_cached_tokens,
                 };
                 let deadline = cfg
@@ -246,6 +230,7 @@ pub(crate) async fn dispatch(
                 let alive =
                     matches!(e, SendError::Transport(_)) && answers_health(gw, &worker).await;
                 if alive && body.len() >= REFUSED_BODY_MIN_BYTES {
+                    drop(lease);
                     tracing::debug!(worker = %worker.url, error = %e, "worker hung up on a large request body");
                     return Err(ApiError::upstream_refused_body(&worker.url));
                 }
@@ -271,7 +256,7 @@ pub(crate) async fn dispatch(
                     code,
                     format!("worker {} failed: {e}", worker.url),
                 ));
-                drop((guard, permit));
+                drop(lease);
             }
         }
     }
@@ -370,6 +355,8 @@ fn log_decision(model: &str, worker_url: &str, decision: &Decision, block_size: 
 mod tests {
     use std::io::Write;
     use std::sync::{Arc, Mutex};
+
+    use kvgate_core::PolicyKind;
 
     use super::*;
 

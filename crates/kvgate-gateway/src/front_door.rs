@@ -11,27 +11,30 @@
 //! Admission comes before the body is read, so `--max-in-flight` bounds the memory and
 //! CPU of everything after it (body, parsing, tokenization, routing, proxying): at most
 //! `max_in_flight` requests hold a body and tokenize at once. The slot travels with the
-//! request ([`Admitted::slot`]) until its response ends. Owns no routing or proxying;
-//! the per-worker slot is taken when a worker is chosen (routing.rs).
+//! request ([`Admitted::admission`], then each attempt's lease) until its response
+//! ends. Owns no routing or proxying; the per-worker slot is taken with the lease when
+//! a worker is chosen (routing.rs, lease.rs).
 
 use axum::body::Body;
 use axum::extract::Request;
 use bytes::Bytes;
 use http::{header, HeaderMap, StatusCode};
 use http_body_util::{BodyExt, Limited};
-use tokio::sync::OwnedSemaphorePermit;
+use std::sync::Arc;
 
 use crate::auth::check_bearer;
 use crate::errors::ApiError;
 use crate::gateway::Gateway;
+use crate::limits::Admission;
 
 /// A request past the front door.
 pub struct Admitted {
     pub headers: HeaderMap,
     /// The whole body: a JSON object (checked by its first byte; parsed later).
     pub body: Bytes,
-    /// The gateway-wide in-flight slot (`None` when `--max-in-flight` is 0).
-    pub slot: Option<OwnedSemaphorePermit>,
+    /// The request's admission (its gateway-wide in-flight slot), shared with the
+    /// leases of its attempts.
+    pub admission: Arc<Admission>,
 }
 
 /// Runs the front door's checks and admission for one API request.
@@ -45,8 +48,8 @@ pub async fn admit(gw: &Gateway, req: Request) -> Result<Admitted, ApiError> {
         discard_body(body, max.saturating_mul(4)).await;
         return Err(ApiError::body_too_large(max));
     }
-    let slot = match gw.limiter.acquire().await {
-        Ok(slot) => slot,
+    let admission = match gw.limiter.acquire().await {
+        Ok(a) => Arc::new(a),
         Err(refused) => {
             // A client still sending its body would see a reset, not the 429.
             discard_body(body, max).await;
@@ -58,7 +61,7 @@ pub async fn admit(gw: &Gateway, req: Request) -> Result<Admitted, ApiError> {
     Ok(Admitted {
         headers: parts.headers,
         body,
-        slot,
+        admission,
     })
 }
 

@@ -4,8 +4,9 @@
 //! (kvgate-events) and pre-routing tokenization (kvgate-tokenize) into one HTTP
 //! process. Request path: `server` (endpoints) → `front_door` (auth, Content-Type,
 //! admission, body limit) → `routing` (parse, model, tokenize, select) → `failover`
-//! (book, forward, retry before the first byte) → `proxy` (upstream HTTP) → `observe`
-//! (pass bytes through, drive the ledger).
+//! (an attempt's `lease`: admission plus booking; forward, retry before the first
+//! byte) → `proxy` (upstream HTTP) → `observe` (pass bytes through, drive the
+//! booking, end the lease).
 //! Background: `health` (checks, ledger sweep). State: `gateway`, `registry`,
 //! `breaker`, `limits`. Must not contain policy scoring (kvgate-core) or event
 //! decoding (kvgate-events).
@@ -20,6 +21,7 @@ pub mod failover;
 pub mod front_door;
 pub mod gateway;
 pub mod health;
+pub mod lease;
 pub mod limits;
 pub mod metrics;
 pub mod observe;

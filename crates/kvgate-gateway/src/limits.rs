@@ -1,13 +1,13 @@
 //! Backpressure: the global in-flight limit with a bounded wait queue, and waiting
 //! for a per-worker slot.
 //!
-//! Owns admission. A request first takes a global slot (waiting in a bounded queue for
-//! at most the queue timeout) at the front door, before its body is read; a body of
-//! 16 KiB or more also takes one of a few large-body slots while it is parsed and
-//! tokenized (one per core by default), which bounds the memory tokenization can
-//! take at once; after routing it takes a slot on its worker
-//! ([`crate::registry::Worker::try_reserve`]); when every healthy candidate is full it
-//! waits for a slot to free, bounded by the same timeout. Beyond either bound the answer
+//! Owns admission. A request first takes a global slot ([`Admission`], waiting in a
+//! bounded queue for at most the queue timeout) at the front door, before its body is
+//! read; a body of 16 KiB or more also takes one of a few large-body slots while it is
+//! parsed and tokenized (one per core by default), which bounds the memory tokenization
+//! can take at once; after routing it takes a slot on its worker with its lease
+//! ([`crate::lease::Lease::try_take`]); when every healthy candidate is full it waits
+//! for a slot to free ([`wait_for_slot`]), bounded by the same timeout. Beyond either bound the answer
 //! is 429 with `Retry-After`, never a hang. Must not choose workers.
 
 use std::future::Future;
@@ -26,10 +26,17 @@ use crate::registry::ModelState;
 /// and tokenized (the size from which tokenization moves to the blocking pool).
 pub const LARGE_BODY_BYTES: usize = kvgate_tokenize::local::SPAWN_BLOCKING_MIN_BYTES;
 
+/// A request's admission: its gateway-wide in-flight slot (none when unlimited), freed
+/// when dropped. Shared (`Arc`) by the request's leases, so the slot lasts until the
+/// request's last attempt ends.
+#[derive(Debug)]
+pub struct Admission(#[allow(dead_code)] Option<OwnedSemaphorePermit>);
+
 /// The gateway-wide in-flight limit, and the limit on large bodies in preparation.
 #[derive(Debug)]
 pub struct GlobalLimiter {
     sem: Option<Arc<Semaphore>>,
+    max_in_flight: usize,
     large_bodies: Semaphore,
     waiting: AtomicUsize,
     max_queue: usize,
@@ -41,6 +48,7 @@ impl GlobalLimiter {
     pub fn new(cfg: &LimitsConfig) -> Self {
         Self {
             sem: (cfg.max_in_flight > 0).then(|| Arc::new(Semaphore::new(cfg.max_in_flight))),
+            max_in_flight: cfg.max_in_flight,
             large_bodies: Semaphore::new(match cfg.large_body_concurrency {
                 0 => std::thread::available_parallelism().map_or(2, |n| n.get()),
                 n => n,
@@ -52,8 +60,13 @@ impl GlobalLimiter {
         }
     }
 
-    /// Takes a global slot (`None` when unlimited), waiting in the bounded queue.
-    pub async fn acquire(&self) -> Result<Option<OwnedSemaphorePermit>, ApiError> {
+    /// Admits a request: takes a global slot (none when unlimited), waiting in the
+    /// bounded queue.
+    pub async fn acquire(&self) -> Result<Admission, ApiError> {
+        self.acquire_slot().await.map(Admission)
+    }
+
+    async fn acquire_slot(&self) -> Result<Option<OwnedSemaphorePermit>, ApiError> {
         let Some(sem) = &self.sem else {
             return Ok(None);
         };
@@ -111,6 +124,13 @@ impl GlobalLimiter {
 
     pub fn timeout(&self) -> Duration {
         self.timeout
+    }
+
+    /// Global slots taken (0 when unlimited).
+    pub fn in_use(&self) -> usize {
+        self.sem
+            .as_ref()
+            .map_or(0, |s| self.max_in_flight - s.available_permits())
     }
 
     /// Requests waiting for a global slot.
@@ -190,7 +210,7 @@ mod tests {
         };
         let lim = GlobalLimiter::new(&cfg);
         let held = lim.acquire().await.unwrap();
-        assert!(held.is_some());
+        assert!(held.0.is_some());
         let err = lim.acquire().await.unwrap_err();
         assert_eq!(err.status, http::StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(err.retry_after, Some(10));
@@ -209,7 +229,7 @@ mod tests {
         let err = lim.acquire().await.unwrap_err();
         assert_eq!(err.status, http::StatusCode::TOO_MANY_REQUESTS);
         let l2 = lim.clone();
-        let waiter = tokio::spawn(async move { l2.acquire().await.map(|p| p.is_some()) });
+        let waiter = tokio::spawn(async move { l2.acquire().await.map(|p| p.0.is_some()) });
         tokio::task::yield_now().await;
         drop(held);
         assert_eq!(waiter.await.unwrap(), Ok(true));
@@ -220,7 +240,7 @@ mod tests {
     fn unlimited_has_no_semaphore() {
         let lim = GlobalLimiter::new(&LimitsConfig::default());
         let p = futures_lite_block_on(lim.acquire());
-        assert!(matches!(p, Ok(None)));
+        assert!(matches!(p, Ok(Admission(None))));
     }
 
     fn futures_lite_block_on<F: Future>(f: F) -> F::Output {

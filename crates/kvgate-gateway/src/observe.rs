@@ -1,8 +1,9 @@
 //! The proxied response body: the worker's bytes, passed on frame by frame unchanged,
 //! observed only to drive the request's ledger booking.
 //!
-//! Owns the request's lifecycle after routing: the [`BookingGuard`], the worker and
-//! global slots, and the end-of-request accounting. For SSE it watches `data:` lines:
+//! Owns the request's lifecycle after routing: its [`Lease`] (booking, worker slot,
+//! admission), the progress it reports to the booking, and the end-of-request
+//! accounting. For SSE it watches `data:` lines:
 //! the first one marks prefill done, later ones count output tokens (or the `usage`
 //! object's `completion_tokens` when present), `[DONE]`/end/error/drop free everything.
 //! For JSON it keeps the body (bounded) to read the final `usage` object once. A client
@@ -24,13 +25,12 @@ use hyper::body::Incoming;
 use kvgate_core::BookingGuard;
 use memchr::memmem;
 use serde::Deserialize;
-use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Sleep;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use crate::errors::ApiError;
 use crate::gateway::Gateway;
-use crate::registry::{ModelState, WorkerPermit};
+use crate::lease::Lease;
 
 /// Longest SSE line kept across frame boundaries.
 const MAX_LINE: usize = 1 << 20;
@@ -87,14 +87,22 @@ struct UsageChunk {
     usage: Option<Usage>,
 }
 
-/// Everything a routed request holds until it ends.
+/// Everything a routed request holds until it ends: its lease (admission and the
+/// worker's booking), freed at the response's end.
 pub struct Lifecycle {
-    pub(crate) guard: Option<BookingGuard>,
-    pub(crate) permit: Option<WorkerPermit>,
-    pub(crate) global: Option<OwnedSemaphorePermit>,
+    pub(crate) lease: Option<Lease>,
     pub(crate) gw: Arc<Gateway>,
-    pub(crate) model: Arc<ModelState>,
     pub(crate) predicted_cached: u32,
+}
+
+impl Lifecycle {
+    fn booking(&self) -> Option<&BookingGuard> {
+        self.lease.as_ref().and_then(Lease::booking)
+    }
+
+    fn model_name(&self) -> &str {
+        self.lease.as_ref().map_or("", |l| &*l.model().name)
+    }
 }
 
 struct Observer {
@@ -154,7 +162,7 @@ impl ObservedBody {
         outcome: Outcome,
         err: ApiError,
     ) -> Poll<Option<Result<Frame<Bytes>, axum::BoxError>>> {
-        tracing::warn!(model = %self.obs.life.model.name, worker = self.obs.worker_url(), outcome = outcome.as_str(), error = %err.message, "response ended early");
+        tracing::warn!(model = self.obs.life.model_name(), worker = self.obs.worker_url(), outcome = outcome.as_str(), error = %err.message, "response ended early");
         self.obs.finish(outcome);
         if self.obs.sse {
             Poll::Ready(Some(Ok(Frame::data(err.sse_event()))))
@@ -234,7 +242,7 @@ impl Drop for ObservedBody {
 
 impl Observer {
     fn worker_url(&self) -> &str {
-        self.life.permit.as_ref().map_or("", |p| &*p.worker().url)
+        self.life.lease.as_ref().map_or("", |l| &*l.worker().url)
     }
 
     fn observe(&mut self, data: &[u8]) {
@@ -295,7 +303,7 @@ impl Observer {
 
     fn first_token(&mut self) {
         self.first_seen = true;
-        if let Some(g) = &self.life.guard {
+        if let Some(g) = self.life.booking() {
             g.prefill_done();
         }
     }
@@ -317,7 +325,7 @@ impl Observer {
             if let Ok(UsageChunk { usage: Some(u) }) = serde_json::from_slice::<UsageChunk>(payload)
             {
                 self.usage = Some(u);
-                if let (Some(n), Some(g)) = (u.completion_tokens, &self.life.guard) {
+                if let (Some(n), Some(g)) = (u.completion_tokens, self.life.booking()) {
                     g.progress(n.min(u64::from(u32::MAX)) as u32);
                     self.reported = self.events;
                 }
@@ -326,7 +334,7 @@ impl Observer {
         }
         if self.events - self.reported >= PROGRESS_EVERY {
             self.reported = self.events;
-            if let Some(g) = &self.life.guard {
+            if let Some(g) = self.life.booking() {
                 g.progress(self.events);
             }
         }
@@ -342,7 +350,7 @@ impl Observer {
         }
         self.buf = Vec::new();
         let life = &self.life;
-        let model = &*life.model.name;
+        let model = life.model_name();
         let m = &life.gw.metrics;
         m.stream_ends
             .with_label_values(&[model, outcome.as_str()])
@@ -354,7 +362,7 @@ impl Observer {
                     .inc_by(p);
             }
             if let Some(cached) = u.prompt_tokens_details.and_then(|d| d.cached_tokens) {
-                if let Some(g) = &life.guard {
+                if let Some(g) = life.booking() {
                     g.engine_reported_cached(cached.min(u64::from(u32::MAX)) as u32);
                 }
                 let predicted = u64::from(life.predicted_cached);
@@ -376,10 +384,9 @@ impl Observer {
                 );
             }
         }
-        // Free the booking and the slots now, not whenever the body is dropped.
-        self.life.guard = None;
-        self.life.permit = None;
-        self.life.global = None;
+        // End the lease now (booking, worker slot, admission), not whenever the body
+        // is dropped.
+        self.life.lease = None;
     }
 }
 

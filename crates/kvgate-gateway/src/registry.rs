@@ -1,13 +1,13 @@
 //! Workers and models as the running gateway knows them.
 //!
 //! Owns [`Worker`] (identity, URL pieces precomputed for the hot path, circuit breaker,
-//! in-flight count, KV-event subscribers) and [`ModelState`] (policy, prefix index,
+//! KV-event subscribers; its in-flight count is the ledger's, taken with a lease) and [`ModelState`] (policy, prefix index,
 //! ledger, tokenizer, the current worker list). Worker ids come from one counter in the
 //! gateway and are never reused. Adding and removing workers happens through
 //! [`ModelState::insert_worker`] / [`ModelState::remove_worker`]; the gateway
 //! (`gateway.rs`) wires subscribers and purges. Must not do HTTP.
 
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use http::uri::{Authority, PathAndQuery, Scheme};
@@ -54,7 +54,6 @@ pub struct Worker {
     authority: Authority,
     paths: [PathAndQuery; 4],
     pub breaker: Breaker,
-    in_flight: AtomicU32,
     pub config: WorkerConfig,
     pub(crate) subscribers: Mutex<Vec<SubscriberHandle>>,
     pub remote_tokenizer: Option<RemoteTokenizer>,
@@ -104,7 +103,6 @@ impl Worker {
                 path(&health)?,
             ],
             breaker: Breaker::new(),
-            in_flight: AtomicU32::new(0),
             config,
             subscribers: Mutex::new(Vec::new()),
             remote_tokenizer,
@@ -132,33 +130,6 @@ impl Worker {
     pub(crate) fn cut_off_in_flight(&self) {
         std::mem::take(&mut *self.cut_off.lock()).cancel();
     }
-
-    /// Requests currently proxied to this worker by this gateway.
-    pub fn in_flight(&self) -> u32 {
-        self.in_flight.load(Ordering::Relaxed)
-    }
-
-    /// Takes an in-flight slot if fewer than `limit` are taken (0 = unlimited).
-    #[inline]
-    pub(crate) fn try_reserve(&self, limit: u32) -> bool {
-        if limit == 0 {
-            self.in_flight.fetch_add(1, Ordering::Relaxed);
-            return true;
-        }
-        self.in_flight
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < limit).then_some(n + 1)
-            })
-            .is_ok()
-    }
-
-    pub(crate) fn has_capacity(&self, limit: u32) -> bool {
-        limit == 0 || self.in_flight.load(Ordering::Relaxed) < limit
-    }
-
-    pub(crate) fn release(&self) {
-        self.in_flight.fetch_sub(1, Ordering::AcqRel);
-    }
 }
 
 /// One served model and its fleet.
@@ -176,7 +147,7 @@ pub struct ModelState {
     pub tokenizer: Option<Tokenizer>,
     pub session_header: HeaderName,
     workers: RwLock<Arc<Vec<Arc<Worker>>>>,
-    /// Signalled when a worker slot frees while someone waits for one.
+    /// Signalled when a lease ends while someone waits for a worker slot.
     pub(crate) capacity: Notify,
     pub(crate) waiting: AtomicUsize,
     tokenize_cursor: AtomicUsize,
@@ -217,6 +188,11 @@ impl ModelState {
             waiting: AtomicUsize::new(0),
             tokenize_cursor: AtomicUsize::new(0),
         }
+    }
+
+    /// Requests waiting for a slot on one of this model's workers.
+    pub fn waiting_for_slot(&self) -> usize {
+        self.waiting.load(Ordering::Acquire)
     }
 
     pub fn kind(&self) -> PolicyKind {
@@ -307,32 +283,6 @@ impl ModelState {
     }
 }
 
-/// Frees a worker slot when dropped and wakes requests waiting for one.
-#[derive(Debug)]
-pub struct WorkerPermit {
-    worker: Arc<Worker>,
-    model: Arc<ModelState>,
-}
-
-impl WorkerPermit {
-    pub(crate) fn new(worker: Arc<Worker>, model: Arc<ModelState>) -> Self {
-        Self { worker, model }
-    }
-
-    pub fn worker(&self) -> &Arc<Worker> {
-        &self.worker
-    }
-}
-
-impl Drop for WorkerPermit {
-    fn drop(&mut self) {
-        self.worker.release();
-        if self.model.waiting.load(Ordering::Acquire) > 0 {
-            self.model.capacity.notify_waiters();
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -355,23 +305,5 @@ mod tests {
             "http://127.0.0.1:9/engine/health"
         );
         assert_eq!(&*w.url, "http://127.0.0.1:9/engine");
-    }
-
-    #[test]
-    fn reserve_respects_limit() {
-        let w = Worker::new(
-            WorkerId(0),
-            WorkerConfig::new("http://h:1"),
-            "/health",
-            None,
-        )
-        .unwrap();
-        assert!(w.try_reserve(2));
-        assert!(w.try_reserve(2));
-        assert!(!w.try_reserve(2));
-        w.release();
-        assert!(w.try_reserve(2));
-        assert!(w.try_reserve(0));
-        assert_eq!(w.in_flight(), 3);
     }
 }

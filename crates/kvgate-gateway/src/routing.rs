@@ -2,9 +2,10 @@
 //! tokenize when the policy scores on tokens, hash block keys, and run the policy over
 //! the healthy candidates with free slots.
 //!
-//! Owns request preparation and selection (including waiting for a worker slot). It
-//! must not book the ledger or talk to workers about the request itself (failover.rs
-//! and proxy.rs do), and never holds the index lock across an `.await`.
+//! Owns request preparation and selection, and taking the chosen worker's lease
+//! (lease.rs books it) including waiting for a worker slot. It must not talk to
+//! workers about the request itself (failover.rs and proxy.rs do), and never holds the
+//! index lock across an `.await`.
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -20,7 +21,9 @@ use smallvec::SmallVec;
 
 use crate::errors::ApiError;
 use crate::gateway::Gateway;
-use crate::registry::{ModelState, Worker, WorkerPermit};
+use crate::lease::Lease;
+use crate::limits::Admission;
+use crate::registry::{ModelState, Worker};
 
 /// The request fields routing reads; everything else is skipped while parsing.
 #[derive(Deserialize)]
@@ -152,12 +155,20 @@ async fn tokenize(
     })
 }
 
+/// Which healthy workers a selection may choose from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Candidates {
+    /// Only workers below `--max-in-flight-per-worker` (a request about to be sent).
+    WithFreeSlot,
+    /// Every healthy worker (`/v1/route/explain`: nothing is booked).
+    AllHealthy,
+}
+
 /// Outcome of one selection attempt.
 pub enum Pick {
     Chosen {
         decision: Decision,
         worker: Arc<Worker>,
-        permit: Option<WorkerPermit>,
     },
     /// Healthy candidates exist but all are at their in-flight limit.
     Full,
@@ -177,14 +188,14 @@ fn no_event_source(model: &ModelState) -> ApiError {
     )
 }
 
-/// One synchronous selection attempt. With `reserve`, takes a slot on the chosen
-/// worker (the returned permit frees it).
+/// One synchronous selection over the healthy workers not in `excluded`. Books
+/// nothing: the caller takes a lease on the chosen worker.
 pub fn try_pick(
     gw: &Gateway,
     p: &Prepared,
     session_key: Option<&str>,
     excluded: &[WorkerId],
-    reserve: bool,
+    candidates_from: Candidates,
 ) -> Result<Pick, ApiError> {
     let model = &p.model;
     let workers = model.workers();
@@ -199,7 +210,8 @@ pub fn try_pick(
             continue;
         }
         any_healthy = true;
-        if !reserve || w.has_capacity(limit) {
+        let has_slot = || limit == 0 || model.ledger.load(w.id).in_flight < limit;
+        if candidates_from == Candidates::AllHealthy || has_slot() {
             candidates.push(w.id);
         }
     }
@@ -257,19 +269,7 @@ pub fn try_pick(
     let Some(worker) = workers.iter().find(|w| w.id == decision.worker).cloned() else {
         return Err(ApiError::internal("the policy chose an unknown worker"));
     };
-    let permit = if reserve {
-        if !worker.try_reserve(limit) {
-            return Ok(Pick::Full);
-        }
-        Some(WorkerPermit::new(worker.clone(), model.clone()))
-    } else {
-        None
-    };
-    Ok(Pick::Chosen {
-        decision,
-        worker,
-        permit,
-    })
+    Ok(Pick::Chosen { decision, worker })
 }
 
 fn select_fallback(
@@ -294,44 +294,44 @@ pub fn session_key<'h>(model: &ModelState, headers: &'h HeaderMap) -> Option<&'h
         .and_then(|v| v.to_str().ok())
 }
 
-/// Selects a worker and takes a slot on it, waiting (bounded) when all are full.
+/// Selects a worker and takes a lease on it (admission plus booking, in one step on
+/// the worker's in-flight count), waiting (bounded) when every healthy worker is full.
 pub async fn pick(
     gw: &Gateway,
     p: &Prepared,
     headers: &HeaderMap,
     excluded: &[WorkerId],
-) -> Result<(Decision, Arc<Worker>, WorkerPermit), ApiError> {
+    admission: &Arc<Admission>,
+) -> Result<(Decision, Lease), ApiError> {
     let session = session_key(&p.model, headers);
-    let chosen = |pick: Pick| match pick {
-        Pick::Chosen {
-            decision,
-            worker,
-            permit: Some(permit),
-        } => Some(Ok((decision, worker, permit))),
-        Pick::Chosen { permit: None, .. } => Some(Err(ApiError::internal("no slot was reserved"))),
-        Pick::Full => None,
-        Pick::NoneHealthy => Some(Err(ApiError::no_healthy_worker(
+    let limit = gw.config.limits.max_in_flight_per_worker;
+    // Only kv_aware reads the prompts in prefill (its credit); no other policy needs
+    // the ledger to track them.
+    let prefill_keys: &[BlockKey] = if p.model.kind() == PolicyKind::KvAware {
+        p.keys.as_deref().unwrap_or_default()
+    } else {
+        &[]
+    };
+    // `None`: every candidate is full (or the chosen one filled up meanwhile): wait.
+    let attempt = || match try_pick(gw, p, session, excluded, Candidates::WithFreeSlot) {
+        Err(e) => Some(Err(e)),
+        Ok(Pick::Chosen { decision, worker }) => {
+            let spec = decision.booking(p.prompt_tokens, p.max_tokens);
+            Lease::try_take(&p.model, &worker, spec, prefill_keys, admission, limit)
+                .map(|lease| Ok((decision, lease)))
+        }
+        Ok(Pick::Full) => None,
+        Ok(Pick::NoneHealthy) => Some(Err(ApiError::no_healthy_worker(
             &p.model.name,
             gw.config.health.open_ms.div_ceil(1000),
         ))),
     };
-    match try_pick(gw, p, session, excluded, true) {
-        Err(e) => return Err(e),
-        Ok(pk) => {
-            if let Some(r) = chosen(pk) {
-                return r;
-            }
-        }
+    if let Some(r) = attempt() {
+        return r;
     }
     let deadline = tokio::time::Instant::now() + gw.limiter.timeout();
     let waited =
-        crate::limits::wait_for_slot(&p.model, gw.config.limits.max_queue, deadline, || {
-            match try_pick(gw, p, session, excluded, true) {
-                Err(e) => Some(Err(e)),
-                Ok(pk) => chosen(pk),
-            }
-        })
-        .await;
+        crate::limits::wait_for_slot(&p.model, gw.config.limits.max_queue, deadline, attempt).await;
     waited.unwrap_or_else(|| {
         Err(ApiError::overloaded(
             format!(

@@ -34,7 +34,7 @@ use crate::front_door::{admit, Admitted};
 use crate::gateway::Gateway;
 use crate::proxy::{prepare_response_headers, send};
 use crate::registry::{Endpoint, ModelState};
-use crate::routing::{prepare, session_key, try_pick, Pick};
+use crate::routing::{prepare, session_key, try_pick, Candidates, Pick};
 
 /// Builds the router over a gateway.
 pub fn router(gw: Arc<Gateway>) -> Router {
@@ -147,7 +147,7 @@ async fn tokenize(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
     let Admitted {
         headers,
         body: bytes,
-        slot: _slot,
+        admission: _admission,
     } = match admit(&gw, req).await {
         Ok(a) => a,
         Err(e) => return e.into_response(),
@@ -226,7 +226,7 @@ async fn explain(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
     let Admitted {
         headers,
         body: bytes,
-        slot: _slot,
+        admission: _admission,
     } = match admit(&gw, req).await {
         Ok(a) => a,
         Err(e) => return e.into_response(),
@@ -240,10 +240,8 @@ async fn explain(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
         Err(e) => return e.into_response(),
     };
     let session = session_key(&p.model, &headers);
-    let (decision, worker) = match try_pick(&gw, &p, session, &[], false) {
-        Ok(Pick::Chosen {
-            decision, worker, ..
-        }) => (decision, worker),
+    let (decision, worker) = match try_pick(&gw, &p, session, &[], Candidates::AllHealthy) {
+        Ok(Pick::Chosen { decision, worker }) => (decision, worker),
         Ok(_) => return ApiError::no_healthy_worker(&p.model.name, 1).into_response(),
         Err(e) => return e.into_response(),
     };
@@ -429,6 +427,15 @@ impl RunningGateway {
     /// Bookings the model's ledger holds (requests routed and not yet ended).
     pub fn ledger_in_flight(&self, model: &str) -> Option<u64> {
         self.gateway.model(model).map(|m| m.ledger.in_flight())
+    }
+
+    /// Admission slots taken (requests admitted and not yet ended), and requests
+    /// waiting for one.
+    pub fn admitted(&self) -> (usize, usize) {
+        (
+            self.gateway.limiter.in_use(),
+            self.gateway.limiter.waiting(),
+        )
     }
 
     /// Prefix-index entries of a model (kv_aware only).

@@ -47,6 +47,26 @@ pub struct Behavior {
     pub body_limit: Option<usize>,
 }
 
+/// Request header that overrides a fake engine's behaviour for one request: `ok`,
+/// `error-status` (a 500 before any byte), `fail-after-first` (the stream breaks after
+/// its first chunk), `slow` (a long stream, 50 ms between chunks).
+pub const BEHAVIOR_HEADER: &str = "x-fake-behavior";
+
+impl Behavior {
+    fn with_override(mut self, header: Option<&str>) -> Self {
+        match header {
+            Some("error-status") => self.status = 500,
+            Some("fail-after-first") => self.fail_after_first = true,
+            Some("slow") => {
+                self.chunk_delay = Duration::from_millis(50);
+                self.repeat = 40;
+            }
+            _ => {}
+        }
+        self
+    }
+}
+
 impl Default for Behavior {
     fn default() -> Self {
         Self {
@@ -119,6 +139,11 @@ impl Drop for StreamGuard {
 
 async fn completions(State(s): State<FakeState>, req: Request) -> Response {
     s.stats.hits.fetch_add(1, Ordering::SeqCst);
+    let override_header = req
+        .headers()
+        .get(BEHAVIOR_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
     let declared = req
         .headers()
         .get("content-length")
@@ -143,7 +168,7 @@ async fn completions(State(s): State<FakeState>, req: Request) -> Response {
         .await
         .unwrap_or_default();
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
-    let b = s.behavior.clone();
+    let b = s.behavior.clone().with_override(override_header.as_deref());
     if b.hang {
         let _guard = StreamGuard {
             stats: s.stats.clone(),

@@ -1,0 +1,79 @@
+//! The request lease: everything one attempt holds on the fleet, taken in one place and
+//! given back in one place.
+//!
+//! A [`Lease`] holds the request's admission (its gateway-wide in-flight slot, shared by
+//! the request's attempts through an `Arc`) and, on one worker, the ledger booking. The
+//! booking *is* the worker's in-flight count: [`Lease::try_take`] checks the per-worker
+//! limit and books in one step on the ledger's counter, so no request can be chosen
+//! without being counted and there is no second count to drift. The only way to end a
+//! lease is to drop it (the response finished, failed, or the client left; a retry takes
+//! a new lease): that frees the booking, wakes requests waiting for a worker slot, and
+//! frees the admission slot once the request's last lease is gone. Must not choose
+//! workers (routing.rs) or talk to them (failover.rs, proxy.rs).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvgate_core::{BlockKey, BookingGuard, BookingSpec};
+
+use crate::limits::Admission;
+use crate::registry::{ModelState, Worker};
+
+/// One attempt's hold: admission, and a booking on one worker.
+#[derive(Debug)]
+pub struct Lease {
+    booking: Option<BookingGuard>,
+    worker: Arc<Worker>,
+    model: Arc<ModelState>,
+    _admission: Arc<Admission>,
+}
+
+impl Lease {
+    /// Books `worker` for one attempt if it has fewer than `max_in_flight` requests in
+    /// flight (0 = no limit); `None` when it is full. `prefill_keys` are the prompt's
+    /// block keys while it is prefilled (empty unless the policy credits them).
+    pub(crate) fn try_take(
+        model: &Arc<ModelState>,
+        worker: &Arc<Worker>,
+        spec: BookingSpec,
+        prefill_keys: &[BlockKey],
+        admission: &Arc<Admission>,
+        max_in_flight: u32,
+    ) -> Option<Lease> {
+        let booking =
+            model
+                .ledger
+                .try_book(worker.id, spec, prefill_keys, Instant::now(), max_in_flight)?;
+        Some(Lease {
+            booking: Some(booking),
+            worker: worker.clone(),
+            model: model.clone(),
+            _admission: admission.clone(),
+        })
+    }
+
+    pub fn worker(&self) -> &Arc<Worker> {
+        &self.worker
+    }
+
+    pub fn model(&self) -> &Arc<ModelState> {
+        &self.model
+    }
+
+    /// The ledger booking, to report the request's progress (first token, output
+    /// tokens, the engine's cached-token count).
+    pub fn booking(&self) -> Option<&BookingGuard> {
+        self.booking.as_ref()
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        // Free the booking first, then wake whoever waits for a slot on this model.
+        self.booking = None;
+        if self.model.waiting.load(Ordering::Acquire) > 0 {
+            self.model.capacity.notify_waiters();
+        }
+    }
+}
