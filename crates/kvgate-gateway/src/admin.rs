@@ -103,13 +103,7 @@ pub async fn add(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
     }
     match gw.add_worker(&model.name, config) {
         Ok(w) => (StatusCode::CREATED, Json(worker_json(&model, &w))).into_response(),
-        Err(e) => ApiError::new(
-            StatusCode::CONFLICT,
-            "invalid_request_error",
-            "invalid_worker",
-            format!("{e:#}"),
-        )
-        .into_response(),
+        Err(e) => ApiError::worker_conflict(format!("{e:#}")).into_response(),
     }
 }
 

@@ -146,6 +146,97 @@ impl ApiError {
         )
     }
 
+    /// 405: a known path with another method.
+    pub fn method_not_allowed(method: &http::Method, path: &str) -> Self {
+        Self::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "invalid_request_error",
+            "method_not_allowed",
+            format!("{method} is not allowed on {path}"),
+        )
+    }
+
+    /// 409: the admin API cannot add this worker (e.g. it is already registered).
+    pub fn worker_conflict(detail: impl std::fmt::Display) -> Self {
+        Self::new(
+            StatusCode::CONFLICT,
+            "invalid_request_error",
+            "invalid_worker",
+            detail.to_string(),
+        )
+    }
+
+    /// 400: the prompt is longer than the model's context.
+    pub fn context_length_exceeded(limit: u32) -> Self {
+        Self::bad_request(
+            "context_length_exceeded",
+            format!(
+                "This model's maximum context length is {limit} tokens. However, your prompt is longer; shorten it"
+            ),
+        )
+    }
+
+    /// 400: the request cannot be tokenized (its shape, or the chat template refused it).
+    pub fn untokenizable(detail: impl std::fmt::Display) -> Self {
+        Self::bad_request(
+            "invalid_prompt",
+            format!("the request cannot be tokenized: {detail}"),
+        )
+    }
+
+    /// 503: the tokenizer (a worker's `/tokenize`) could not be reached.
+    pub fn tokenizer_unavailable(detail: impl std::fmt::Display) -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            "tokenizer_unavailable",
+            format!("cannot tokenize the request for routing: {detail}"),
+        )
+        .with_retry_after(1)
+    }
+
+    /// 503: kv_aware routing without any KV event source, and no fallback.
+    pub fn kv_events_not_configured(model: &str) -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            "kv_events_not_configured",
+            format!(
+                "model {model:?} uses kv_aware routing but no worker has a KV event source: start the gateway with --kv-events WORKER_URL=tcp://HOST:PORT for its workers (and run the engines with --kv-events-config), or pass --kv-fallback POLICY to route without the index"
+            ),
+        )
+    }
+
+    /// 502: the worker answered an error status (and every retry did too).
+    pub fn upstream_status(worker: &str, status: StatusCode) -> Self {
+        Self::new(
+            StatusCode::BAD_GATEWAY,
+            "upstream_error",
+            "upstream_error",
+            format!("worker {worker} answered {status}"),
+        )
+    }
+
+    /// 502: no connection to the worker, or it broke before the response head.
+    pub fn upstream_unreachable(worker: &str, detail: impl std::fmt::Display) -> Self {
+        Self::new(
+            StatusCode::BAD_GATEWAY,
+            "upstream_error",
+            "upstream_unreachable",
+            format!("worker {worker} failed: {detail}"),
+        )
+    }
+
+    /// 504: the worker sent no response head within the first-byte timeout.
+    pub fn upstream_first_byte_timeout(worker: &str) -> Self {
+        Self::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            "upstream_error",
+            "upstream_timeout",
+            format!("worker {worker} sent no response within the first-byte timeout"),
+        )
+    }
+
     /// 502: the worker was declared dead (health checks) while the request was on it.
     pub fn worker_gone(worker: &str) -> Self {
         Self::new(

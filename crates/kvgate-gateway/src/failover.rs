@@ -1,7 +1,8 @@
 //! The attempt loop: book, forward, and on a failure before any byte reached the
 //! client, retry on another healthy worker (bounded attempts, exponential backoff).
 //!
-//! Owns the retry decision and the breaker bookkeeping for proxied requests. A
+//! Owns the retry decision for proxied requests (what a failure counts against a
+//! worker is health.rs's). A
 //! response whose head has been accepted is committed: from then on bytes flow to the
 //! client and nothing is retried. Must not parse bodies (observe.rs) or pick workers
 //! itself (routing.rs).
@@ -18,6 +19,7 @@ use smallvec::SmallVec;
 use crate::errors::ApiError;
 use crate::front_door::Admitted;
 use crate::gateway::Gateway;
+use crate::health::{worker_failed, worker_ok, Failure};
 use crate::observe::{Lifecycle, ObservedBody};
 use crate::proxy::{get_status, prepare_response_headers, send, SendError};
 use crate::registry::{Endpoint, ModelState, Worker};
@@ -26,31 +28,6 @@ use crate::routing::{pick, Prepared};
 /// Statuses worth another worker: the engine failed or is overloaded.
 fn retryable(status: StatusCode) -> bool {
     status.is_server_error() || status == StatusCode::TOO_MANY_REQUESTS
-}
-
-/// Counts a failure against a worker's breaker, logging when it opens.
-pub(crate) fn worker_failed(gw: &Gateway, model: &ModelState, worker: &Worker, why: &str) {
-    if worker
-        .breaker
-        .record_failure(gw.config.health.failure_threshold)
-    {
-        tracing::warn!(model = %model.name, worker = %worker.url, why, "circuit breaker opened: worker taken out of rotation");
-        gw.metrics
-            .health_transitions
-            .with_label_values(&[&*model.name, &*worker.url, "open"])
-            .inc();
-    }
-}
-
-/// Counts a success, logging when it closes an open breaker.
-pub(crate) fn worker_ok(gw: &Gateway, model: &ModelState, worker: &Worker) {
-    if worker.breaker.record_success() {
-        tracing::info!(model = %model.name, worker = %worker.url, "circuit breaker closed: worker back in rotation");
-        gw.metrics
-            .health_transitions
-            .with_label_values(&[&*model.name, &*worker.url, "closed"])
-            .inc();
-    }
 }
 
 /// Counts a request that ended without an answer from the gateway (the client went
@@ -167,7 +144,7 @@ pub(crate) async fn dispatch(
             Ok(resp) if retryable(resp.status()) && !last => {
                 let status = resp.status();
                 if status.is_server_error() {
-                    worker_failed(gw, &model, &worker, "error status");
+                    worker_failed(gw, &model, &worker, Failure::Request("error status"));
                 }
                 gw.metrics
                     .requests
@@ -179,18 +156,13 @@ pub(crate) async fn dispatch(
                     .inc();
                 tracing::debug!(worker = %worker.url, %status, attempt, "retrying on another worker");
                 excluded.push(worker.id);
-                last_err = Some(ApiError::new(
-                    StatusCode::BAD_GATEWAY,
-                    "upstream_error",
-                    "upstream_error",
-                    format!("worker {} answered {status}", worker.url),
-                ));
+                last_err = Some(ApiError::upstream_status(&worker.url, status));
                 drop((resp, lease));
             }
             Ok(resp) => {
                 let status = resp.status();
                 if status.is_server_error() {
-                    worker_failed(gw, &model, &worker, "error status");
+                    worker_failed(gw, &model, &worker, Failure::Request("error status"));
                 } else {
                     worker_ok(gw, &model, &worker);
                 }
@@ -235,7 +207,7 @@ pub(crate) async fn dispatch(
                     return Err(ApiError::upstream_refused_body(&worker.url));
                 }
                 if !alive {
-                    worker_failed(gw, &model, &worker, e.reason());
+                    worker_failed(gw, &model, &worker, Failure::Request(e.reason()));
                 }
                 gw.metrics
                     .retries
@@ -243,24 +215,23 @@ pub(crate) async fn dispatch(
                     .inc();
                 tracing::debug!(worker = %worker.url, error = %e, attempt, "attempt failed before the first byte");
                 excluded.push(worker.id);
-                let (status, code) = match e {
-                    SendError::Timeout => (StatusCode::GATEWAY_TIMEOUT, "upstream_timeout"),
-                    SendError::Connect(_) | SendError::Transport(_) => {
-                        (StatusCode::BAD_GATEWAY, "upstream_unreachable")
-                    }
-                    SendError::WorkerDown => (StatusCode::BAD_GATEWAY, "worker_down"),
-                };
-                last_err = Some(ApiError::new(
-                    status,
-                    "upstream_error",
-                    code,
-                    format!("worker {} failed: {e}", worker.url),
-                ));
+                last_err = Some(attempt_error(&worker.url, &e));
                 drop(lease);
             }
         }
     }
     Err(last_err.unwrap_or_else(|| ApiError::internal("no attempt was made")))
+}
+
+/// The client-facing error for an attempt that got no response head.
+pub(crate) fn attempt_error(worker: &str, e: &SendError) -> ApiError {
+    match e {
+        SendError::Timeout => ApiError::upstream_first_byte_timeout(worker),
+        SendError::Connect(_) | SendError::Transport(_) => {
+            ApiError::upstream_unreachable(worker, e)
+        }
+        SendError::WorkerDown => ApiError::worker_gone(worker),
+    }
 }
 
 /// A body at least this large that a live worker hung up on is taken as refused

@@ -18,7 +18,7 @@
 use axum::body::Body;
 use axum::extract::Request;
 use bytes::Bytes;
-use http::{header, HeaderMap, StatusCode};
+use http::{header, HeaderMap};
 use http_body_util::{BodyExt, Limited};
 use std::sync::Arc;
 
@@ -138,19 +138,13 @@ fn check_json_object(body: &[u8]) -> Result<(), ApiError> {
 /// A wrong method on a known path: a JSON 405 (axum's own answer has no body).
 pub async fn method_not_allowed(req: Request) -> axum::response::Response {
     use axum::response::IntoResponse;
-    ApiError::new(
-        StatusCode::METHOD_NOT_ALLOWED,
-        "invalid_request_error",
-        "method_not_allowed",
-        format!("{} is not allowed on {}", req.method(), req.uri().path()),
-    )
-    .into_response()
+    ApiError::method_not_allowed(req.method(), req.uri().path()).into_response()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use http::HeaderValue;
+    use http::{HeaderValue, StatusCode};
 
     #[test]
     fn json_content_types() {

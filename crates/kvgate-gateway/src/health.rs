@@ -1,4 +1,6 @@
-//! Background tasks: active health checks and the ledger TTL sweep.
+//! Worker health: what a failure or success counts against a worker's circuit breaker
+//! (one place, for proxied requests and health probes alike), and the background
+//! tasks: active health checks and the ledger TTL sweep.
 //!
 //! Owns the periodic `GET {worker}/health` probes that feed each worker's circuit
 //! breaker (a worker declared dead has its prefix-index entries purged and the requests
@@ -13,10 +15,65 @@ use std::time::{Duration, Instant};
 
 use tokio::task::JoinSet;
 
-use crate::failover::worker_ok;
 use crate::gateway::Gateway;
 use crate::proxy::get_status;
-use crate::registry::Endpoint;
+use crate::registry::{Endpoint, ModelState, Worker};
+
+/// What a worker failed at.
+#[derive(Clone, Copy, Debug)]
+pub enum Failure<'a> {
+    /// A proxied request's attempt (transport error, timeout, 5xx), with its reason.
+    Request(&'a str),
+    /// An active health probe, with what it got.
+    HealthCheck(&'a str),
+}
+
+/// Counts a failure against a worker's breaker, logging when it opens. A worker whose
+/// health check fails is, once its breaker is open, declared dead: its prefix-index
+/// entries are purged (when the breaker opens) and the requests in flight on it are
+/// cut off (each time its probe fails while open), so none waits on a dead engine.
+pub(crate) fn worker_failed(gw: &Gateway, model: &ModelState, worker: &Worker, failure: Failure) {
+    let opened = worker
+        .breaker
+        .record_failure(gw.config.health.failure_threshold);
+    if opened {
+        gw.metrics
+            .health_transitions
+            .with_label_values(&[&*model.name, &*worker.url, "open"])
+            .inc();
+    }
+    match failure {
+        Failure::Request(why) => {
+            if opened {
+                tracing::warn!(model = %model.name, worker = %worker.url, why, "circuit breaker opened: worker taken out of rotation");
+            }
+        }
+        Failure::HealthCheck(why) => {
+            if opened {
+                tracing::warn!(model = %model.name, worker = %worker.url, why, "worker declared dead: taken out of rotation");
+                gw.purge(model, worker, "dead");
+            } else {
+                tracing::debug!(model = %model.name, worker = %worker.url, why);
+            }
+            if worker.breaker.is_open() {
+                // Its engine does not answer health checks: requests waiting on it
+                // would wait for the first-byte timeout.
+                worker.cut_off_in_flight();
+            }
+        }
+    }
+}
+
+/// Counts a success, logging when it closes an open breaker.
+pub(crate) fn worker_ok(gw: &Gateway, model: &ModelState, worker: &Worker) {
+    if worker.breaker.record_success() {
+        tracing::info!(model = %model.name, worker = %worker.url, "circuit breaker closed: worker back in rotation");
+        gw.metrics
+            .health_transitions
+            .with_label_values(&[&*model.name, &*worker.url, "closed"])
+            .inc();
+    }
+}
 
 /// Runs health checks every `health.interval_ms` until shutdown (no-op when 0).
 pub async fn run_health_checks(gw: Arc<Gateway>) {
@@ -41,26 +98,13 @@ pub async fn run_health_checks(gw: Arc<Gateway>) {
                     let result = get_status(&gw.client, &worker, Endpoint::Health, timeout).await;
                     match result {
                         Ok(s) if s.is_success() => worker_ok(&gw, &model, &worker),
-                        other => {
-                            let why = match &other {
-                                Ok(s) => format!("health check answered {s}"),
-                                Err(e) => format!("health check failed: {e}"),
-                            };
-                            if worker.breaker.record_failure(gw.config.health.failure_threshold) {
-                                tracing::warn!(model = %model.name, worker = %worker.url, %why, "worker declared dead: taken out of rotation");
-                                gw.metrics
-                                    .health_transitions
-                                    .with_label_values(&[&*model.name, &*worker.url, "open"])
-                                    .inc();
-                                gw.purge(&model, &worker, "dead");
-                            } else {
-                                tracing::debug!(model = %model.name, worker = %worker.url, %why);
-                            }
-                            if worker.breaker.is_open() {
-                                // Its engine does not answer health checks: requests
-                                // waiting on it would wait for the first-byte timeout.
-                                worker.cut_off_in_flight();
-                            }
+                        Ok(s) => {
+                            let why = format!("health check answered {s}");
+                            worker_failed(&gw, &model, &worker, Failure::HealthCheck(&why));
+                        }
+                        Err(e) => {
+                            let why = format!("health check failed: {e}");
+                            worker_failed(&gw, &model, &worker, Failure::HealthCheck(&why));
                         }
                     }
                 });

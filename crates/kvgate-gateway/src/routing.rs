@@ -11,7 +11,7 @@ use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Instant;
 
-use http::{HeaderMap, StatusCode};
+use http::HeaderMap;
 use kvgate_core::{
     BlockKey, Decision, FleetView, PolicyKind, RouteRequest, RoutingPolicy, SelectError, WorkerId,
 };
@@ -135,23 +135,9 @@ async fn tokenize(
         .with_label_values(&[&*model.name])
         .observe(start.elapsed().as_secs_f64());
     result.map_err(|e| match e {
-        TokenizeError::Invalid(msg) => ApiError::bad_request(
-            "invalid_prompt",
-            format!("the request cannot be tokenized: {msg}"),
-        ),
-        TokenizeError::TooLong { limit } => ApiError::bad_request(
-            "context_length_exceeded",
-            format!(
-                "This model's maximum context length is {limit} tokens. However, your prompt is longer; shorten it"
-            ),
-        ),
-        TokenizeError::Unavailable(msg) => ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "service_unavailable",
-            "tokenizer_unavailable",
-            format!("cannot tokenize the request for routing: {msg}"),
-        )
-        .with_retry_after(1),
+        TokenizeError::Invalid(msg) => ApiError::untokenizable(msg),
+        TokenizeError::TooLong { limit } => ApiError::context_length_exceeded(limit),
+        TokenizeError::Unavailable(msg) => ApiError::tokenizer_unavailable(msg),
     })
 }
 
@@ -174,18 +160,6 @@ pub enum Pick {
     Full,
     /// No healthy candidate (after exclusions).
     NoneHealthy,
-}
-
-fn no_event_source(model: &ModelState) -> ApiError {
-    ApiError::new(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "service_unavailable",
-        "kv_events_not_configured",
-        format!(
-            "model {:?} uses kv_aware routing but no worker has a KV event source: start the gateway with --kv-events WORKER_URL=tcp://HOST:PORT for its workers (and run the engines with --kv-events-config), or pass --kv-fallback POLICY to route without the index",
-            &*model.name
-        ),
-    )
 }
 
 /// One synchronous selection over the healthy workers not in `excluded`. Books
@@ -254,7 +228,7 @@ pub fn try_pick(
         .observe(start.elapsed().as_secs_f64());
     let decision = match result {
         Ok(d) => d,
-        Err(SelectError::NoIndex) => return Err(no_event_source(model)),
+        Err(SelectError::NoIndex) => return Err(ApiError::kv_events_not_configured(&model.name)),
         Err(SelectError::MissingTokens) => {
             return Err(ApiError::bad_request(
                 "missing_tokens",

@@ -29,9 +29,10 @@ use tokio_util::sync::CancellationToken;
 use crate::auth::check_bearer;
 use crate::config::Config;
 use crate::errors::ApiError;
-use crate::failover::{dispatch, worker_failed, worker_ok, Unanswered};
+use crate::failover::{attempt_error, dispatch, Unanswered};
 use crate::front_door::{admit, Admitted};
 use crate::gateway::Gateway;
+use crate::health::{worker_failed, worker_ok, Failure};
 use crate::proxy::{prepare_response_headers, send};
 use crate::registry::{Endpoint, ModelState};
 use crate::routing::{prepare, session_key, try_pick, Candidates, Pick};
@@ -209,13 +210,8 @@ async fn forward_tokenize(
                 return Response::from_parts(parts, Body::new(incoming));
             }
             Err(e) => {
-                worker_failed(gw, model, w, e.reason());
-                last = ApiError::new(
-                    StatusCode::BAD_GATEWAY,
-                    "upstream_error",
-                    "upstream_unreachable",
-                    format!("worker {} failed: {e}", w.url),
-                );
+                worker_failed(gw, model, w, Failure::Request(e.reason()));
+                last = attempt_error(&w.url, &e);
             }
         }
     }
