@@ -21,7 +21,7 @@ use crate::front_door::Admitted;
 use crate::gateway::Gateway;
 use crate::health::{worker_failed, worker_ok, Failure};
 use crate::observe::{Lifecycle, ObservedBody};
-use crate::proxy::{get_status, prepare_response_headers, send, SendError};
+use crate::proxy::{get_status, prepare_response_headers, SendError};
 use crate::registry::{Endpoint, ModelState, Worker};
 use crate::routing::{pick, Prepared};
 
@@ -94,7 +94,7 @@ pub(crate) async fn dispatch(
     let headers = &headers;
     let policy = model.kind().as_str();
     let cfg = &gw.config;
-    let auth = gw.forward_auth();
+    let upstream = gw.upstream();
     let mut excluded: SmallVec<[WorkerId; 4]> = SmallVec::new();
     let mut last_err: Option<ApiError> = None;
     let mut backoff = Duration::from_millis(cfg.failover.backoff_ms);
@@ -124,15 +124,7 @@ pub(crate) async fn dispatch(
         let last = attempt + 1 == cfg.failover.max_attempts;
         let cut_off = worker.cut_off_signal();
         let sent = tokio::select! {
-            sent = send(
-                &gw.client,
-                &worker,
-                endpoint,
-                headers,
-                auth,
-                body.clone(),
-                cfg.timeouts.first_byte(),
-            ) => sent,
+            sent = upstream.send(&worker, endpoint, headers, body.clone()) => sent,
             () = cut_off.cancelled() => {
                 if gw.grace_over.is_cancelled() {
                     return Err(ApiError::gateway_shutting_down());

@@ -25,7 +25,7 @@ use crate::config::{rank_endpoint, Config, ModelConfig, WorkerConfig};
 use crate::errors::ApiError;
 use crate::limits::GlobalLimiter;
 use crate::metrics::Metrics;
-use crate::proxy::{build_client, ForwardAuth, HttpClient};
+use crate::proxy::{build_client, ForwardAuth, HttpClient, Upstream};
 use crate::registry::{ModelState, Worker};
 
 /// Shared state of one gateway process.
@@ -152,8 +152,13 @@ impl Gateway {
     }
 
     /// Header handling for forwarded requests.
-    pub(crate) fn forward_auth(&self) -> &ForwardAuth {
-        &self.forward_auth
+    /// How this gateway sends requests to workers.
+    pub(crate) fn upstream(&self) -> Upstream<'_> {
+        Upstream {
+            client: &self.client,
+            auth: &self.forward_auth,
+            first_byte_timeout: self.config.timeouts.first_byte(),
+        }
     }
 
     /// Health-check based recovery is the probe unless active checks are off.

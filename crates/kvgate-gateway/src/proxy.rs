@@ -85,25 +85,35 @@ pub struct ForwardAuth {
     pub worker_auth: Option<HeaderValue>,
 }
 
-/// POSTs `body` to `endpoint` of `worker`, returning the response head.
-pub async fn send(
-    client: &HttpClient,
-    worker: &Worker,
-    endpoint: Endpoint,
-    client_headers: &HeaderMap,
-    auth: &ForwardAuth,
-    body: Bytes,
-    first_byte_timeout: Option<Duration>,
-) -> Result<Response<Incoming>, SendError> {
-    let mut req = Request::new(Full::new(body));
-    *req.method_mut() = Method::POST;
-    *req.uri_mut() = worker.uri(endpoint);
-    copy_request_headers(client_headers, req.headers_mut(), auth);
-    match maybe_timeout(first_byte_timeout, client.request(req)).await {
-        Err(()) => Err(SendError::Timeout),
-        Ok(Err(e)) if e.is_connect() => Err(SendError::Connect(error_chain(&e))),
-        Ok(Err(e)) => Err(SendError::Transport(error_chain(&e))),
-        Ok(Ok(resp)) => Ok(resp),
+/// How requests go upstream: the pooled client, the credentials rule, and how long
+/// to wait for a response head. Built by the gateway ([`crate::Gateway::upstream`]).
+#[derive(Clone, Copy)]
+pub struct Upstream<'a> {
+    pub client: &'a HttpClient,
+    pub auth: &'a ForwardAuth,
+    pub first_byte_timeout: Option<Duration>,
+}
+
+impl Upstream<'_> {
+    /// POSTs `body` to `endpoint` of `worker` with the client's headers (cleaned),
+    /// returning the response head.
+    pub async fn send(
+        &self,
+        worker: &Worker,
+        endpoint: Endpoint,
+        client_headers: &HeaderMap,
+        body: Bytes,
+    ) -> Result<Response<Incoming>, SendError> {
+        let mut req = Request::new(Full::new(body));
+        *req.method_mut() = Method::POST;
+        *req.uri_mut() = worker.uri(endpoint);
+        copy_request_headers(client_headers, req.headers_mut(), self.auth);
+        match maybe_timeout(self.first_byte_timeout, self.client.request(req)).await {
+            Err(()) => Err(SendError::Timeout),
+            Ok(Err(e)) if e.is_connect() => Err(SendError::Connect(error_chain(&e))),
+            Ok(Err(e)) => Err(SendError::Transport(error_chain(&e))),
+            Ok(Ok(resp)) => Ok(resp),
+        }
     }
 }
 

@@ -36,6 +36,9 @@ struct Head<'a> {
     max_tokens: Option<f64>,
     #[serde(default)]
     max_completion_tokens: Option<f64>,
+    /// Present in chat requests (its content is skipped, not parsed).
+    #[serde(default)]
+    messages: Option<serde::de::IgnoredAny>,
 }
 
 /// A request ready to be routed.
@@ -56,18 +59,34 @@ fn to_u32(v: Option<f64>) -> Option<u32> {
         .map(|x| x.min(f64::from(u32::MAX)) as u32)
 }
 
-/// Parses, resolves the model, and tokenizes when the model's policy needs tokens (or
-/// `force_tokens`). `keep_ids` keeps the token ids in the result.
+/// What a prepared request needs its tokens for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TokenUse {
+    /// Routing: tokenize only when the model's policy scores on tokens.
+    ForPolicy,
+    /// `/tokenize`: always tokenize, and keep the ids in [`Prepared::token_ids`].
+    ReturnIds,
+}
+
+/// Reads the routing fields (a borrowed scan that skips everything else), resolves
+/// the model, and tokenizes when `tokens` asks for it: only then is the body parsed
+/// into a document, once. `kind` is the endpoint's request kind; `None` detects it
+/// (`messages` present means chat). With [`TokenUse::ReturnIds`] and no local
+/// tokenizer nothing is tokenized: the caller forwards `/tokenize` to a worker.
 pub async fn prepare(
     gw: &Gateway,
-    kind: RequestKind,
+    kind: Option<RequestKind>,
     body: &[u8],
-    force_tokens: bool,
-    keep_ids: bool,
+    tokens: TokenUse,
 ) -> Result<Prepared, ApiError> {
     // Parsing and tokenizing a large body costs several times its size in memory.
     let _large_body = gw.limiter.acquire_large_body(body.len()).await?;
     let head: Head<'_> = serde_json::from_slice(body).map_err(ApiError::malformed_json)?;
+    let kind = kind.unwrap_or(if head.messages.is_some() {
+        RequestKind::Chat
+    } else {
+        RequestKind::Completion
+    });
     let (model, lora) = gw.resolve(head.model.as_deref())?;
     let (model, lora) = (model.clone(), lora.cloned());
     let mut p = Prepared {
@@ -79,18 +98,22 @@ pub async fn prepare(
         model,
         lora,
     };
-    if !(force_tokens || p.model.kind().uses_tokens()) {
+    let needed = match tokens {
+        TokenUse::ForPolicy => p.model.kind().uses_tokens(),
+        TokenUse::ReturnIds => p.model.tokenizer.is_some(),
+    };
+    if !needed {
         return Ok(p);
     }
     let value: serde_json::Value =
         serde_json::from_slice(body).map_err(ApiError::malformed_json)?;
-    let tokens = tokenize(gw, &p.model, kind, &value).await?;
-    match tokens {
+    let value = &value;
+    match tokenize(gw, &p.model, kind, value).await? {
         RoutingTokens::Tokens { ids, .. } => {
             let hasher = p.model.hasher.for_lora(p.lora.as_deref());
             p.keys = Some(hasher.block_keys(&ids));
             p.prompt_tokens = u32::try_from(ids.len()).unwrap_or(u32::MAX);
-            if keep_ids {
+            if tokens == TokenUse::ReturnIds {
                 p.token_ids = Some(ids);
             }
         }

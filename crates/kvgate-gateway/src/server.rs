@@ -33,9 +33,9 @@ use crate::failover::{attempt_error, dispatch, Unanswered};
 use crate::front_door::{admit, Admitted};
 use crate::gateway::Gateway;
 use crate::health::{worker_failed, worker_ok, Failure};
-use crate::proxy::{prepare_response_headers, send};
+use crate::proxy::prepare_response_headers;
 use crate::registry::{Endpoint, ModelState};
-use crate::routing::{prepare, session_key, try_pick, Candidates, Pick};
+use crate::routing::{prepare, session_key, try_pick, Candidates, Pick, TokenUse};
 
 /// Builds the router over a gateway.
 pub fn router(gw: Arc<Gateway>) -> Router {
@@ -108,7 +108,7 @@ async fn route_and_forward(
         Ok(a) => a,
         Err(e) => return fail(gw, None, e),
     };
-    let p = match prepare(gw, kind, &admitted.body, false, false).await {
+    let p = match prepare(gw, Some(kind), &admitted.body, TokenUse::ForPolicy).await {
         Ok(p) => p,
         Err(e) => return fail(gw, None, e),
     };
@@ -153,29 +153,21 @@ async fn tokenize(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
         Ok(a) => a,
         Err(e) => return e.into_response(),
     };
-    let value: Value = match serde_json::from_slice(&bytes) {
-        Ok(v) => v,
-        Err(e) => return ApiError::malformed_json(e).into_response(),
-    };
-    let kind = RequestKind::detect(&value);
-    let model = match gw.resolve(value.get("model").and_then(Value::as_str)) {
-        Ok((m, _)) => m.clone(),
+    let p = match prepare(&gw, None, &bytes, TokenUse::ReturnIds).await {
+        Ok(p) => p,
         Err(e) => return e.into_response(),
     };
-    if model.tokenizer.is_none() {
-        return forward_tokenize(&gw, &model, &headers, bytes).await;
+    if p.model.tokenizer.is_none() {
+        return forward_tokenize(&gw, &p.model, &headers, bytes).await;
     }
-    match prepare(&gw, kind, &bytes, true, true).await {
-        Ok(p) => match p.token_ids {
-            Some(ids) => Json(json!({"model": &*model.name, "count": ids.len(), "tokens": ids}))
-                .into_response(),
-            None => ApiError::bad_request(
-                "nothing_to_tokenize",
-                "the body has no single prompt or messages to tokenize",
-            )
+    match p.token_ids {
+        Some(ids) => Json(json!({"model": &*p.model.name, "count": ids.len(), "tokens": ids}))
             .into_response(),
-        },
-        Err(e) => e.into_response(),
+        None => ApiError::bad_request(
+            "nothing_to_tokenize",
+            "the body has no single prompt or messages to tokenize",
+        )
+        .into_response(),
     }
 }
 
@@ -192,16 +184,10 @@ async fn forward_tokenize(
         .iter()
         .take(gw.config.failover.max_attempts as usize)
     {
-        match send(
-            &gw.client,
-            w,
-            Endpoint::Tokenize,
-            headers,
-            gw.forward_auth(),
-            body.clone(),
-            gw.config.timeouts.first_byte(),
-        )
-        .await
+        match gw
+            .upstream()
+            .send(w, Endpoint::Tokenize, headers, body.clone())
+            .await
         {
             Ok(resp) => {
                 worker_ok(gw, model, w);
@@ -227,11 +213,7 @@ async fn explain(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
         Ok(a) => a,
         Err(e) => return e.into_response(),
     };
-    let kind = match serde_json::from_slice::<Value>(&bytes) {
-        Ok(v) => RequestKind::detect(&v),
-        Err(e) => return ApiError::malformed_json(e).into_response(),
-    };
-    let p = match prepare(&gw, kind, &bytes, false, false).await {
+    let p = match prepare(&gw, None, &bytes, TokenUse::ForPolicy).await {
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
