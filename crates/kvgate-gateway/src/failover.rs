@@ -1,5 +1,7 @@
-//! The attempt loop: book, forward, and on a failure before any byte reached the
-//! client, retry on another healthy worker (bounded attempts, exponential backoff).
+//! Calling workers: the attempt loop for proxied requests (take a lease, forward, and on
+//! a failure before any byte reached the client, retry on another healthy worker;
+//! bounded attempts, exponential backoff), and [`side_call`] for calls that book
+//! nothing (`/tokenize` forwarding, remote tokenization).
 //!
 //! Owns the retry decision for proxied requests (what a failure counts against a
 //! worker is health.rs's). A
@@ -213,6 +215,48 @@ pub(crate) async fn dispatch(
         }
     }
     Err(last_err.unwrap_or_else(|| ApiError::internal("no attempt was made")))
+}
+
+/// A side call to a worker, one that books nothing (`/tokenize` forwarding, remote
+/// tokenization): the available workers from a rotating start, at most
+/// `failover.max_attempts` of them, each failure counted against its worker as for a
+/// proxied request. A transport failure, first-byte timeout or 5xx/429 moves on to the
+/// next worker; the first other answer (or the last worker's 5xx/429) is returned with
+/// the worker that gave it.
+pub(crate) async fn side_call(
+    gw: &Gateway,
+    model: &ModelState,
+    endpoint: Endpoint,
+    headers: &http::HeaderMap,
+    body: bytes::Bytes,
+) -> Result<(Arc<Worker>, http::Response<hyper::body::Incoming>), ApiError> {
+    let workers = model.rotated_available(gw.passive_open_ms());
+    let tries = workers.len().min(gw.config.failover.max_attempts as usize);
+    let mut last =
+        ApiError::no_healthy_worker(&model.name, gw.config.health.open_ms.div_ceil(1000));
+    for (i, w) in workers.iter().take(tries).enumerate() {
+        match gw.upstream().send(w, endpoint, headers, body.clone()).await {
+            Ok(resp) if retryable(resp.status()) && i + 1 < tries => {
+                if resp.status().is_server_error() {
+                    worker_failed(gw, model, w, Failure::Request("error status"));
+                }
+                last = ApiError::upstream_status(&w.url, resp.status());
+            }
+            Ok(resp) => {
+                if resp.status().is_server_error() {
+                    worker_failed(gw, model, w, Failure::Request("error status"));
+                } else {
+                    worker_ok(gw, model, w);
+                }
+                return Ok((w.clone(), resp));
+            }
+            Err(e) => {
+                worker_failed(gw, model, w, Failure::Request(e.reason()));
+                last = attempt_error(&w.url, &e);
+            }
+        }
+    }
+    Err(last)
 }
 
 /// The client-facing error for an attempt that got no response head.

@@ -8,7 +8,6 @@
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::Context;
 use http::{HeaderName, HeaderValue};
@@ -16,7 +15,7 @@ use kvgate_core::{
     build_policy, BlockHasher, IndexConfig, PolicyConfig, PolicyKind, PrefixIndex, WorkerId,
 };
 use kvgate_events::{spawn_subscriber, EventMetrics, EventSource, SharedIndex};
-use kvgate_tokenize::{LocalTokenizer, RemoteTokenizer, Tokenizer};
+use kvgate_tokenize::{LocalTokenizer, Tokenizer};
 use parking_lot::RwLock;
 use rustc_hash::FxHashMap;
 use tokio_util::sync::CancellationToken;
@@ -190,22 +189,7 @@ impl Gateway {
             );
         }
         let id = WorkerId(self.next_worker_id.fetch_add(1, Ordering::Relaxed));
-        let remote = if model.config.remote_tokenize {
-            let timeout = self
-                .config
-                .timeouts
-                .first_byte()
-                .unwrap_or(Duration::from_secs(30))
-                .min(Duration::from_secs(30));
-            let mut r = RemoteTokenizer::new(&crate::config::normalize_url(&config.url), timeout)?;
-            if let Some(k) = &self.config.worker_api_key {
-                r = r.with_bearer_token(k.clone());
-            }
-            Some(r)
-        } else {
-            None
-        };
-        let worker = Arc::new(Worker::new(id, config, &self.config.health.path, remote)?);
+        let worker = Arc::new(Worker::new(id, config, &self.config.health.path)?);
         if let (Some(index), Some(endpoint)) = (&model.index, &worker.config.kv_events) {
             let mut subs = worker.subscribers.lock();
             for rank in 0..worker.config.dp_size {

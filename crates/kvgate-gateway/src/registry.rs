@@ -14,7 +14,7 @@ use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{HeaderName, HeaderValue, Uri};
 use kvgate_core::{BlockHasher, Ledger, PolicyKind, RoutingPolicy, WorkerId};
 use kvgate_events::{SharedIndex, SubscriberHandle};
-use kvgate_tokenize::{RemoteTokenizer, Tokenizer};
+use kvgate_tokenize::Tokenizer;
 use parking_lot::{Mutex, RwLock};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -56,7 +56,6 @@ pub struct Worker {
     pub breaker: Breaker,
     pub config: WorkerConfig,
     pub(crate) subscribers: Mutex<Vec<SubscriberHandle>>,
-    pub remote_tokenizer: Option<RemoteTokenizer>,
     /// Cancelled (and replaced) when health checks declare the worker dead, so requests
     /// in flight on it end now instead of waiting on an engine that will not answer.
     cut_off: Mutex<CancellationToken>,
@@ -64,12 +63,7 @@ pub struct Worker {
 
 impl Worker {
     /// Builds a worker from a validated config. `health_path` replaces `/health`.
-    pub fn new(
-        id: WorkerId,
-        config: WorkerConfig,
-        health_path: &str,
-        remote_tokenizer: Option<RemoteTokenizer>,
-    ) -> anyhow::Result<Worker> {
+    pub fn new(id: WorkerId, config: WorkerConfig, health_path: &str) -> anyhow::Result<Worker> {
         let url = crate::config::normalize_url(&config.url);
         crate::config::validate_worker_url(&url)?;
         let uri: Uri = url.parse()?;
@@ -105,7 +99,6 @@ impl Worker {
             breaker: Breaker::new(),
             config,
             subscribers: Mutex::new(Vec::new()),
-            remote_tokenizer,
             cut_off: Mutex::new(CancellationToken::new()),
         })
     }
@@ -258,8 +251,8 @@ impl ModelState {
         }
     }
 
-    /// Available workers, starting at a rotating position (spreads side traffic such
-    /// as remote tokenization over the fleet).
+    /// Available workers, starting at a rotating position (spreads side calls such as
+    /// remote tokenization over the fleet).
     pub(crate) fn rotated_available(&self, passive_open_ms: Option<u64>) -> Vec<Arc<Worker>> {
         let workers = self.workers();
         let n = workers.len();
@@ -271,14 +264,6 @@ impl ModelState {
             .map(|i| &workers[(start + i) % n])
             .filter(|w| w.breaker.available(passive_open_ms))
             .cloned()
-            .collect()
-    }
-
-    /// Remote tokenizers of available workers, starting at a rotating position.
-    pub(crate) fn remote_tokenizers(&self, passive_open_ms: Option<u64>) -> Vec<RemoteTokenizer> {
-        self.rotated_available(passive_open_ms)
-            .iter()
-            .filter_map(|w| w.remote_tokenizer.clone())
             .collect()
     }
 }
@@ -293,7 +278,6 @@ mod tests {
             WorkerId(0),
             WorkerConfig::new("http://127.0.0.1:9/engine/"),
             "/health",
-            None,
         )
         .unwrap();
         assert_eq!(

@@ -12,18 +12,22 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use http::HeaderMap;
+use http_body_util::BodyExt;
 use kvgate_core::{
     BlockKey, Decision, FleetView, PolicyKind, RouteRequest, RoutingPolicy, SelectError, WorkerId,
 };
-use kvgate_tokenize::{RequestKind, RoutingTokens, TokenizeError};
+use kvgate_tokenize::{
+    remote_answer, remote_request, RemoteRequest, RequestKind, RoutingTokens, TokenizeError,
+};
 use serde::Deserialize;
 use smallvec::SmallVec;
 
 use crate::errors::ApiError;
+use crate::failover::side_call;
 use crate::gateway::Gateway;
 use crate::lease::Lease;
 use crate::limits::Admission;
-use crate::registry::{ModelState, Worker};
+use crate::registry::{Endpoint, ModelState, Worker};
 
 /// The request fields routing reads; everything else is skipped while parsing.
 #[derive(Deserialize)]
@@ -135,19 +139,7 @@ async fn tokenize(
     let result = if let Some(t) = &model.tokenizer {
         t.tokenize(kind, value).await
     } else if model.config.remote_tokenize {
-        let remotes = model.remote_tokenizers(gw.passive_open_ms());
-        let mut last = TokenizeError::Unavailable("no healthy worker to tokenize with".into());
-        let mut out = None;
-        for r in remotes.iter().take(3) {
-            match r.tokenize(kind, value).await {
-                Err(e @ TokenizeError::Unavailable(_)) => last = e,
-                other => {
-                    out = Some(other);
-                    break;
-                }
-            }
-        }
-        out.unwrap_or(Err(last))
+        return tokenize_remotely(gw, model, kind, value).await;
     } else {
         return Ok(RoutingTokens::NoRoutingTokens {
             reason: "no tokenizer configured",
@@ -157,12 +149,73 @@ async fn tokenize(
         .tokenize_seconds
         .with_label_values(&[&*model.name])
         .observe(start.elapsed().as_secs_f64());
-    result.map_err(|e| match e {
+    result.map_err(tokenize_error)
+}
+
+fn tokenize_error(e: TokenizeError) -> ApiError {
+    match e {
         TokenizeError::Invalid(msg) => ApiError::untokenizable(msg),
         TokenizeError::TooLong { limit } => ApiError::context_length_exceeded(limit),
         TokenizeError::Unavailable(msg) => ApiError::tokenizer_unavailable(msg),
-    })
+    }
 }
+
+/// Remote tokenization through the gateway's worker client ([`side_call`]: failover
+/// and breaker accounting as for any call to a worker); kvgate-tokenize supplies the
+/// `/tokenize` protocol.
+async fn tokenize_remotely(
+    gw: &Gateway,
+    model: &ModelState,
+    kind: RequestKind,
+    value: &serde_json::Value,
+) -> Result<RoutingTokens, ApiError> {
+    let start = Instant::now();
+    let (payload, non_text_parts) = match remote_request(kind, value).map_err(tokenize_error)? {
+        RemoteRequest::Answered(tokens) => return Ok(tokens),
+        RemoteRequest::Post {
+            payload,
+            non_text_parts,
+        } => (payload, non_text_parts),
+    };
+    let body = serde_json::to_vec(&payload)
+        .map_err(|e| ApiError::internal(format!("cannot encode a /tokenize request: {e}")))?;
+    let mut headers = HeaderMap::new();
+    headers.insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
+    let (worker, resp) = side_call(gw, model, Endpoint::Tokenize, &headers, body.into())
+        .await
+        .map_err(|e| ApiError::tokenizer_unavailable(e.message))?;
+    let status = resp.status().as_u16();
+    let read = http_body_util::Limited::new(resp.into_body(), REMOTE_TOKENIZE_MAX_BYTES);
+    let bytes = match tokio::time::timeout(REMOTE_TOKENIZE_READ_TIMEOUT, read.collect()).await {
+        Ok(Ok(b)) => b.to_bytes(),
+        Ok(Err(e)) => {
+            return Err(ApiError::tokenizer_unavailable(format!(
+                "{}: {e}",
+                worker.url
+            )))
+        }
+        Err(_) => {
+            return Err(ApiError::tokenizer_unavailable(format!(
+                "{}: the /tokenize answer did not arrive in time",
+                worker.url
+            )))
+        }
+    };
+    let result = remote_answer(&worker.url, status, &bytes, non_text_parts);
+    gw.metrics
+        .tokenize_seconds
+        .with_label_values(&[&*model.name])
+        .observe(start.elapsed().as_secs_f64());
+    result.map_err(tokenize_error)
+}
+
+/// Largest `/tokenize` answer read (ids of a prompt at any context length fit).
+const REMOTE_TOKENIZE_MAX_BYTES: usize = 64 << 20;
+/// How long the body of a `/tokenize` answer may take once its head arrived.
+const REMOTE_TOKENIZE_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Which healthy workers a selection may choose from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

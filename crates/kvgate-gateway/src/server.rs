@@ -29,10 +29,9 @@ use tokio_util::sync::CancellationToken;
 use crate::auth::check_bearer;
 use crate::config::Config;
 use crate::errors::ApiError;
-use crate::failover::{attempt_error, dispatch, Unanswered};
+use crate::failover::{dispatch, side_call, Unanswered};
 use crate::front_door::{admit, Admitted};
 use crate::gateway::Gateway;
-use crate::health::{worker_failed, worker_ok, Failure};
 use crate::proxy::prepare_response_headers;
 use crate::registry::{Endpoint, ModelState};
 use crate::routing::{prepare, session_key, try_pick, Candidates, Pick, TokenUse};
@@ -178,30 +177,14 @@ async fn forward_tokenize(
     headers: &HeaderMap,
     body: Bytes,
 ) -> Response {
-    let workers = model.rotated_available(gw.passive_open_ms());
-    let mut last = ApiError::no_healthy_worker(&model.name, 1);
-    for w in workers
-        .iter()
-        .take(gw.config.failover.max_attempts as usize)
-    {
-        match gw
-            .upstream()
-            .send(w, Endpoint::Tokenize, headers, body.clone())
-            .await
-        {
-            Ok(resp) => {
-                worker_ok(gw, model, w);
-                let (mut parts, incoming) = resp.into_parts();
-                prepare_response_headers(&mut parts.headers, w);
-                return Response::from_parts(parts, Body::new(incoming));
-            }
-            Err(e) => {
-                worker_failed(gw, model, w, Failure::Request(e.reason()));
-                last = attempt_error(&w.url, &e);
-            }
+    match side_call(gw, model, Endpoint::Tokenize, headers, body).await {
+        Ok((w, resp)) => {
+            let (mut parts, incoming) = resp.into_parts();
+            prepare_response_headers(&mut parts.headers, &w);
+            Response::from_parts(parts, Body::new(incoming))
         }
+        Err(e) => e.into_response(),
     }
-    last.into_response()
 }
 
 async fn explain(State(gw): State<Arc<Gateway>>, req: Request) -> Response {

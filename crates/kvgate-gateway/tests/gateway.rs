@@ -1373,3 +1373,43 @@ async fn every_counter_returns_to_its_start_after_a_random_mix_of_endings() {
     assert_eq!(stats.swept, 0, "a booking leaked until the TTL sweep");
     gw.shutdown().await;
 }
+
+/// Remote tokenization calls workers the way every other request does: through the
+/// gateway's worker client, failing over to another worker, with the failure counted
+/// against the worker's breaker (it had its own client, a fixed three tries and no
+/// breaker accounting).
+#[tokio::test]
+async fn remote_tokenization_fails_over_and_charges_the_breaker() {
+    let broken = fake(
+        "broken",
+        Behavior {
+            tokenize_fails: true,
+            ..Behavior::default()
+        },
+    )
+    .await;
+    let good = fake("good", Behavior::default()).await;
+    let mut cfg = config(&[&broken.url, &good.url], PolicyKind::PrefixAffinity);
+    cfg.models[0].remote_tokenize = true;
+    cfg.health.failure_threshold = 2;
+    let gw = start(cfg).await.unwrap();
+    let c = client();
+    for _ in 0..6 {
+        let r = c
+            .post(format!("{}/v1/completions", gw.url()))
+            .json(&json!({"model": "m", "prompt": "hello there"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    let model = gw.gateway().model("m").unwrap().clone();
+    let broken_worker = model.worker_by_url(&broken.url).unwrap();
+    assert!(
+        broken_worker.breaker.is_open(),
+        "the failing tokenizer was not charged ({} calls)",
+        broken.stats.tokenize_calls.load(Ordering::SeqCst)
+    );
+    assert!(good.stats.tokenize_calls.load(Ordering::SeqCst) >= 6);
+    gw.shutdown().await;
+}

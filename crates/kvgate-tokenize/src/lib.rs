@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 pub use local::LocalTokenizer;
-pub use remote::RemoteTokenizer;
+pub use remote::{remote_answer, remote_request, RemoteRequest, RemoteTokenizer};
 
 /// Which OpenAI endpoint a body was sent to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,9 +1,11 @@
 //! Remote tokenization: POST the request to an engine replica's `/tokenize` (vLLM
 //! schema) and route on the ids it returns.
 //!
-//! Owns the HTTP client, the request body sent (vLLM's `TokenizeChatRequest` /
-//! `TokenizeCompletionRequest` fields), and the mapping of engine answers onto
-//! [`TokenizeError`]: a rejection of the request (400/413/422) is `Invalid` with the
+//! Owns the protocol, without transport ([`remote_request`], [`remote_answer`]: the
+//! gateway sends it through its own worker client), and a standalone client on top of
+//! it ([`RemoteTokenizer`], for `kvgate tokenize --remote`): the request body sent
+//! (vLLM's `TokenizeChatRequest` / `TokenizeCompletionRequest` fields), and the mapping
+//! of engine answers onto [`TokenizeError`]: a rejection of the request (400/413/422) is `Invalid` with the
 //! engine's message; timeouts, transport failures, 5xx and other statuses (404 when the
 //! engine has no `/tokenize`, 401/403, 429) are `Unavailable`. Shapes that need no
 //! engine (token-id prompts, several prompts, no prompt) are answered locally, with the
@@ -84,47 +86,14 @@ impl RemoteTokenizer {
         kind: RequestKind,
         body: &Value,
     ) -> Result<RoutingTokens, TokenizeError> {
-        let (payload, non_text_parts) = match request::classify(kind, body)? {
-            Shape::NoTokens(reason) => return Ok(RoutingTokens::NoRoutingTokens { reason }),
-            Shape::Ids(ids) => {
-                return Ok(RoutingTokens::Tokens {
-                    ids,
-                    non_text_parts: 0,
-                })
-            }
-            Shape::Text {
-                prompt,
-                add_special_tokens,
-            } => {
-                let mut p = Map::new();
-                if let Some(model) = body.get("model") {
-                    p.insert("model".into(), model.clone());
-                }
-                p.insert("prompt".into(), Value::String(prompt.to_owned()));
-                p.insert("add_special_tokens".into(), Value::Bool(add_special_tokens));
-                (Value::Object(p), 0)
-            }
-            Shape::Chat(obj) => {
-                // Same validation as local mode, so both modes reject the same bodies.
-                ChatOptions::parse(obj)?;
-                let non_text = request::count_non_text(obj)?;
-                count_non_text_parts(non_text);
-                let p: Map<String, Value> = CHAT_FIELDS
-                    .iter()
-                    .filter_map(|k| obj.get(*k).map(|v| ((*k).to_owned(), v.clone())))
-                    .collect();
-                (Value::Object(p), non_text)
-            }
+        let (payload, non_text_parts) = match remote_request(kind, body)? {
+            RemoteRequest::Answered(tokens) => return Ok(tokens),
+            RemoteRequest::Post {
+                payload,
+                non_text_parts,
+            } => (payload, non_text_parts),
         };
-        let ids = self.post(&payload).await?;
-        Ok(RoutingTokens::Tokens {
-            ids,
-            non_text_parts,
-        })
-    }
-
-    async fn post(&self, payload: &Value) -> Result<Vec<u32>, TokenizeError> {
-        let mut req = self.client.post(&self.url).json(payload);
+        let mut req = self.client.post(&self.url).json(&payload);
         if let Some(token) = &self.bearer_token {
             req = req.bearer_auth(token);
         }
@@ -132,28 +101,96 @@ impl RemoteTokenizer {
             .send()
             .await
             .map_err(|e| transport_error(&self.url, &e))?;
-        let status = resp.status();
+        let status = resp.status().as_u16();
         let bytes = resp
             .bytes()
             .await
             .map_err(|e| transport_error(&self.url, &e))?;
-        if status.is_success() {
-            let parsed: TokenizeResponse = serde_json::from_slice(&bytes).map_err(|e| {
-                TokenizeError::Unavailable(format!(
-                    "{}: malformed /tokenize response: {e}",
-                    self.url
-                ))
-            })?;
-            return Ok(parsed.tokens);
+        remote_answer(&self.url, status, &bytes, non_text_parts)
+    }
+}
+
+/// What tokenizing a body remotely takes: nothing (the body's shape answers it), or a
+/// `POST /tokenize` with this payload.
+#[derive(Debug)]
+pub enum RemoteRequest {
+    Answered(RoutingTokens),
+    Post {
+        /// vLLM's `TokenizeChatRequest` / `TokenizeCompletionRequest`.
+        payload: Value,
+        /// Non-text content parts skipped (images, audio), for the answer.
+        non_text_parts: usize,
+    },
+}
+
+/// The `/tokenize` request for one OpenAI body (or its answer, when the body's shape
+/// needs no engine). The protocol half of remote tokenization, without transport: the
+/// gateway sends it through its own worker client.
+pub fn remote_request(kind: RequestKind, body: &Value) -> Result<RemoteRequest, TokenizeError> {
+    match request::classify(kind, body)? {
+        Shape::NoTokens(reason) => Ok(RemoteRequest::Answered(RoutingTokens::NoRoutingTokens {
+            reason,
+        })),
+        Shape::Ids(ids) => Ok(RemoteRequest::Answered(RoutingTokens::Tokens {
+            ids,
+            non_text_parts: 0,
+        })),
+        Shape::Text {
+            prompt,
+            add_special_tokens,
+        } => {
+            let mut p = Map::new();
+            if let Some(model) = body.get("model") {
+                p.insert("model".into(), model.clone());
+            }
+            p.insert("prompt".into(), Value::String(prompt.to_owned()));
+            p.insert("add_special_tokens".into(), Value::Bool(add_special_tokens));
+            Ok(RemoteRequest::Post {
+                payload: Value::Object(p),
+                non_text_parts: 0,
+            })
         }
-        let message = error_message(&bytes);
-        match status.as_u16() {
-            400 | 413 | 422 => Err(TokenizeError::Invalid(message)),
-            code => Err(TokenizeError::Unavailable(format!(
-                "{} answered HTTP {code}: {message}",
-                self.url
-            ))),
+        Shape::Chat(obj) => {
+            // Same validation as local mode, so both modes reject the same bodies.
+            ChatOptions::parse(obj)?;
+            let non_text = request::count_non_text(obj)?;
+            count_non_text_parts(non_text);
+            let p: Map<String, Value> = CHAT_FIELDS
+                .iter()
+                .filter_map(|k| obj.get(*k).map(|v| ((*k).to_owned(), v.clone())))
+                .collect();
+            Ok(RemoteRequest::Post {
+                payload: Value::Object(p),
+                non_text_parts: non_text,
+            })
         }
+    }
+}
+
+/// The engine's answer to a `/tokenize` request (`source` names it in errors): the
+/// ids on success; the engine's message as `Invalid` when it rejected the request
+/// (400/413/422); `Unavailable` for any other status or a malformed answer.
+pub fn remote_answer(
+    source: &str,
+    status: u16,
+    body: &[u8],
+    non_text_parts: usize,
+) -> Result<RoutingTokens, TokenizeError> {
+    if (200..300).contains(&status) {
+        let parsed: TokenizeResponse = serde_json::from_slice(body).map_err(|e| {
+            TokenizeError::Unavailable(format!("{source}: malformed /tokenize response: {e}"))
+        })?;
+        return Ok(RoutingTokens::Tokens {
+            ids: parsed.tokens,
+            non_text_parts,
+        });
+    }
+    let message = error_message(body);
+    match status {
+        400 | 413 | 422 => Err(TokenizeError::Invalid(message)),
+        code => Err(TokenizeError::Unavailable(format!(
+            "{source} answered HTTP {code}: {message}"
+        ))),
     }
 }
 

@@ -2,7 +2,6 @@
 //! configs on loopback with ephemeral ports.
 #![allow(dead_code)]
 
-use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -45,6 +44,8 @@ pub struct Behavior {
     /// Refuse bodies declared larger than this with a text/plain 413 without reading
     /// them (a web server's body limit in front of an engine).
     pub body_limit: Option<usize>,
+    /// `/tokenize` answers 500.
+    pub tokenize_fails: bool,
 }
 
 /// Request header that overrides a fake engine's behaviour for one request: `ok`,
@@ -76,6 +77,7 @@ impl Default for Behavior {
             repeat: 1,
             hang: false,
             body_limit: None,
+            tokenize_fails: false,
         }
     }
 }
@@ -93,6 +95,7 @@ pub struct Stats {
     pub completed: AtomicUsize,
     pub aborted: AtomicUsize,
     pub health_checks: AtomicUsize,
+    pub tokenize_calls: AtomicUsize,
     pub healthy: AtomicBool,
     pub last_auth: parking_lot::Mutex<Option<String>>,
 }
@@ -237,8 +240,21 @@ async fn health(State(s): State<FakeState>) -> Response {
     }
 }
 
-async fn tokenize_stub() -> Result<&'static str, Infallible> {
-    Ok("{\"count\":3,\"tokens\":[1,2,3]}")
+async fn tokenize_stub(State(s): State<FakeState>) -> Response {
+    s.stats.tokenize_calls.fetch_add(1, Ordering::SeqCst);
+    if s.behavior.tokenize_fails {
+        return (
+            http::StatusCode::INTERNAL_SERVER_ERROR,
+            [("content-type", "application/json")],
+            "{\"error\":{\"message\":\"tokenizer crashed\",\"type\":\"InternalServerError\",\"code\":500}}",
+        )
+            .into_response();
+    }
+    (
+        [("content-type", "application/json")],
+        "{\"count\":3,\"tokens\":[1,2,3]}",
+    )
+        .into_response()
 }
 
 /// Starts a fake engine on an ephemeral loopback port.
