@@ -22,6 +22,7 @@ use crate::errors::ApiError;
 use crate::front_door::Admitted;
 use crate::gateway::Gateway;
 use crate::health::{worker_failed, worker_ok, Failure};
+use crate::lease::Lease;
 use crate::observe::{Lifecycle, ObservedBody};
 use crate::proxy::{get_status, prepare_response_headers, SendError};
 use crate::registry::{Endpoint, ModelState, Worker};
@@ -86,135 +87,185 @@ pub(crate) async fn dispatch(
     p: Prepared,
     record: &mut Unanswered,
 ) -> Result<Response, ApiError> {
-    let started = tokio::time::Instant::now();
-    let model = p.model.clone();
     let Admitted {
         headers,
         body,
         admission,
     } = admitted;
-    let headers = &headers;
-    let policy = model.kind().as_str();
-    let cfg = &gw.config;
-    let upstream = gw.upstream();
+    let request = Forwarded {
+        endpoint,
+        headers,
+        body,
+        started: tokio::time::Instant::now(),
+    };
+    let max_attempts = gw.config.failover.max_attempts;
     let mut excluded: SmallVec<[WorkerId; 4]> = SmallVec::new();
     let mut last_err: Option<ApiError> = None;
-    let mut backoff = Duration::from_millis(cfg.failover.backoff_ms);
-    for attempt in 0..cfg.failover.max_attempts {
+    let mut backoff = Duration::from_millis(gw.config.failover.backoff_ms);
+    for attempt in 0..max_attempts {
         if attempt > 0 {
             tokio::time::sleep(backoff).await;
             backoff = backoff.saturating_mul(2);
         }
-        let (decision, lease) = match pick(gw, &p, headers, &excluded, &admission).await {
+        let (decision, lease) = match pick(gw, &p, &request.headers, &excluded, &admission).await {
             Ok(x) => x,
+            // After a failed attempt, "nobody left" means the attempts failed.
             Err(e) => {
-                // After a failed attempt, "nobody left" means the attempts failed.
                 return Err(match last_err {
                     Some(prev) if e.status == StatusCode::SERVICE_UNAVAILABLE => prev,
                     _ => e,
-                });
+                })
             }
         };
         let worker = lease.worker().clone();
         record.worker = Some(worker.clone());
         log_decision(
-            &model.name,
+            &p.model.name,
             &worker.url,
             &decision,
-            model.ledger.block_size(),
+            p.model.ledger.block_size(),
         );
-        let last = attempt + 1 == cfg.failover.max_attempts;
-        let cut_off = worker.cut_off_signal();
-        let sent = tokio::select! {
-            sent = upstream.send(&worker, endpoint, headers, body.clone()) => sent,
-            () = cut_off.cancelled() => {
-                if gw.grace_over.is_cancelled() {
-                    return Err(ApiError::gateway_shutting_down());
-                }
-                Err(SendError::WorkerDown)
-            }
-        };
-        match sent {
-            Ok(resp) if retryable(resp.status()) && !last => {
-                let status = resp.status();
-                if status.is_server_error() {
-                    worker_failed(gw, &model, &worker, Failure::Request("error status"));
-                }
-                gw.metrics
-                    .requests
-                    .with_label_values(&[&*model.name, &*worker.url, policy, status.as_str()])
-                    .inc();
-                gw.metrics
-                    .retries
-                    .with_label_values(&[&*model.name, "status"])
-                    .inc();
-                tracing::debug!(worker = %worker.url, %status, attempt, "retrying on another worker");
+        let last = attempt + 1 == max_attempts;
+        match try_worker(gw, &request, &decision, lease, last).await {
+            Attempt::Answered(response) => return Ok(response),
+            Attempt::Final(e) => return Err(e),
+            Attempt::Retry(e) => {
+                tracing::debug!(worker = %worker.url, error = %e.message, attempt, "attempt failed before the first byte");
                 excluded.push(worker.id);
-                last_err = Some(ApiError::upstream_status(&worker.url, status));
-                drop((resp, lease));
-            }
-            Ok(resp) => {
-                let status = resp.status();
-                if status.is_server_error() {
-                    worker_failed(gw, &model, &worker, Failure::Request("error status"));
-                } else {
-                    worker_ok(gw, &model, &worker);
-                }
-                gw.metrics
-                    .requests
-                    .with_label_values(&[&*model.name, &*worker.url, policy, status.as_str()])
-                    .inc();
-                if (status.is_client_error() || status.is_server_error())
-                    && !is_json(resp.headers())
-                {
-                    // A web server's or proxy's text page: OpenAI-style JSON instead.
-                    return Ok(json_error_of(resp, &worker).await);
-                }
-                let (mut parts, incoming) = resp.into_parts();
-                prepare_response_headers(&mut parts.headers, &worker);
-                let sse = parts
-                    .headers
-                    .get(header::CONTENT_TYPE)
-                    .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-                let life = Lifecycle {
-                    lease: Some(lease),
-                    gw: gw.clone(),
-                    predicted_cached: decision.predicted_cached_tokens,
-                };
-                let deadline = cfg
-                    .timeouts
-                    .total()
-                    .map(|d| Box::pin(tokio::time::sleep_until(started + d)));
-                let body = ObservedBody::new(incoming, life, sse, deadline, cut_off);
-                return Ok(Response::from_parts(parts, Body::new(body)));
-            }
-            Err(e) => {
-                // A broken connection from a worker that still answers its health
-                // check is this request's doing (a body refused for its size, a closed
-                // keep-alive connection), not the worker's: no breaker charge, and a
-                // large body is not sent to another worker to be refused again.
-                let alive =
-                    matches!(e, SendError::Transport(_)) && answers_health(gw, &worker).await;
-                if alive && body.len() >= REFUSED_BODY_MIN_BYTES {
-                    drop(lease);
-                    tracing::debug!(worker = %worker.url, error = %e, "worker hung up on a large request body");
-                    return Err(ApiError::upstream_refused_body(&worker.url));
-                }
-                if !alive {
-                    worker_failed(gw, &model, &worker, Failure::Request(e.reason()));
-                }
-                gw.metrics
-                    .retries
-                    .with_label_values(&[&*model.name, e.reason()])
-                    .inc();
-                tracing::debug!(worker = %worker.url, error = %e, attempt, "attempt failed before the first byte");
-                excluded.push(worker.id);
-                last_err = Some(attempt_error(&worker.url, &e));
-                drop(lease);
+                last_err = Some(e);
             }
         }
     }
     Err(last_err.unwrap_or_else(|| ApiError::internal("no attempt was made")))
+}
+
+/// The request as it is sent to each worker it tries.
+struct Forwarded {
+    endpoint: Endpoint,
+    headers: http::HeaderMap,
+    body: bytes::Bytes,
+    /// When the first attempt began (the total timeout counts from here).
+    started: tokio::time::Instant,
+}
+
+/// What one attempt came to.
+enum Attempt {
+    /// A response head was accepted: the request is committed to this worker.
+    Answered(Response),
+    /// Failed before the first byte: another worker may be tried.
+    Retry(ApiError),
+    /// Failed in a way another worker would not fix.
+    Final(ApiError),
+}
+
+/// Sends the request to the lease's worker and judges the outcome (breaker, metrics).
+async fn try_worker(
+    gw: &Arc<Gateway>,
+    request: &Forwarded,
+    decision: &Decision,
+    lease: Lease,
+    last: bool,
+) -> Attempt {
+    let worker = lease.worker().clone();
+    let model = lease.model().clone();
+    let cut_off = worker.cut_off_signal();
+    let upstream = gw.upstream();
+    let sent = tokio::select! {
+        sent = upstream.send(&worker, request.endpoint, &request.headers, request.body.clone()) => sent,
+        () = cut_off.cancelled() => {
+            if gw.grace_over.is_cancelled() {
+                return Attempt::Final(ApiError::gateway_shutting_down());
+            }
+            Err(SendError::WorkerDown)
+        }
+    };
+    let resp = match sent {
+        Ok(resp) => resp,
+        Err(e) => return after_send_error(gw, request, &model, &worker, e).await,
+    };
+    let status = resp.status();
+    if status.is_server_error() {
+        worker_failed(gw, &model, &worker, Failure::Request("error status"));
+    } else if !retryable(status) {
+        worker_ok(gw, &model, &worker);
+    }
+    gw.metrics
+        .requests
+        .with_label_values(&[
+            &*model.name,
+            &*worker.url,
+            model.kind().as_str(),
+            status.as_str(),
+        ])
+        .inc();
+    if retryable(status) && !last {
+        gw.metrics
+            .retries
+            .with_label_values(&[&*model.name, "status"])
+            .inc();
+        return Attempt::Retry(ApiError::upstream_status(&worker.url, status));
+    }
+    if (status.is_client_error() || status.is_server_error()) && !is_json(resp.headers()) {
+        // A web server's or proxy's text page: OpenAI-style JSON instead.
+        return Attempt::Answered(json_error_of(resp, &worker).await);
+    }
+    Attempt::Answered(commit(gw, request, decision, lease, resp, cut_off))
+}
+
+/// The response the client gets: the worker's head, and its body observed until it
+/// ends (the lease ends with it).
+fn commit(
+    gw: &Arc<Gateway>,
+    request: &Forwarded,
+    decision: &Decision,
+    lease: Lease,
+    resp: http::Response<hyper::body::Incoming>,
+    cut_off: tokio_util::sync::CancellationToken,
+) -> Response {
+    let (mut parts, incoming) = resp.into_parts();
+    prepare_response_headers(&mut parts.headers, lease.worker());
+    let sse = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    let life = Lifecycle {
+        lease: Some(lease),
+        gw: gw.clone(),
+        predicted_cached: decision.predicted_cached_tokens,
+    };
+    let deadline = gw
+        .config
+        .timeouts
+        .total()
+        .map(|d| Box::pin(tokio::time::sleep_until(request.started + d)));
+    let body = ObservedBody::new(incoming, life, sse, deadline, cut_off);
+    Response::from_parts(parts, Body::new(body))
+}
+
+/// An attempt that got no response head. A broken connection from a worker that still
+/// answers its health check is this request's doing (a body refused for its size, a
+/// closed keep-alive connection), not the worker's: no breaker charge, and a large body
+/// is not sent to another worker to be refused again.
+async fn after_send_error(
+    gw: &Gateway,
+    request: &Forwarded,
+    model: &ModelState,
+    worker: &Worker,
+    e: SendError,
+) -> Attempt {
+    let alive = matches!(e, SendError::Transport(_)) && answers_health(gw, worker).await;
+    if alive && request.body.len() >= REFUSED_BODY_MIN_BYTES {
+        tracing::debug!(worker = %worker.url, error = %e, "worker hung up on a large request body");
+        return Attempt::Final(ApiError::upstream_refused_body(&worker.url));
+    }
+    if !alive {
+        worker_failed(gw, model, worker, Failure::Request(e.reason()));
+    }
+    gw.metrics
+        .retries
+        .with_label_values(&[&*model.name, e.reason()])
+        .inc();
+    Attempt::Retry(attempt_error(&worker.url, &e))
 }
 
 /// A side call to a worker, one that books nothing (`/tokenize` forwarding, remote
