@@ -216,30 +216,100 @@ impl RoutingPolicy for KvAwarePolicy {
         if view.candidates.is_empty() {
             return Err(SelectError::NoCandidates);
         }
+        let mut lines = load_lines(view);
+        let credits = self.prefill_credits(req, view, keys);
+        let cached = self.cached_blocks(&mut lines, &index.overlaps(keys), &credits);
         let block_size = f64::from(index.block_size());
         let prompt_blocks = f64::from(req.prompt_tokens) / block_size;
-        let overlaps = index.overlaps(keys);
-        let mut lines = load_lines(view);
+        let costs = self.costs(&mut lines, &cached.blocks, prompt_blocks, block_size);
+        let entries = index.entries_of(view.candidates);
+        let choice = self.choose(&lines, &cached.blocks, &costs, keys, &entries);
+        let i = choice.index;
+        let bs = index.block_size();
+        let indexed_cached_tokens = cached.indexed_device[i] * bs;
+        let credited_tokens = cached.credited[i] * bs;
+        let trusted_credit = (credits[i].trust * f64::from(credited_tokens)).round() as u32;
+        let best_cost = costs.iter().copied().fold(f64::INFINITY, f64::min);
+        let reason = if choice.home {
+            "cold miss: the prefix's home worker (cached nowhere)"
+        } else if costs[i] > best_cost && choice.warmup_excluded {
+            "warm-up: a worker with little cached is further behind on load"
+        } else if costs[i] > best_cost {
+            "load bound: the cheapest workers are overloaded"
+        } else if lines[i].overlap_blocks.iter().any(|b| *b > 0) {
+            "lowest cost: cached prefix outweighs load"
+        } else {
+            "lowest cost: no cached prefix, least work"
+        };
+        Ok(Decision {
+            worker: lines[i].worker,
+            policy: PolicyKind::KvAware,
+            predicted_cached_tokens: indexed_cached_tokens + trusted_credit,
+            indexed_cached_tokens,
+            credited_tokens,
+            reason,
+            scores: lines,
+        })
+    }
+}
+
+/// Each candidate's cached prefix as kv_aware counts it.
+struct Cached {
+    /// Device blocks plus tier-credited host/disk blocks plus trusted prefill credit.
+    blocks: Vec<f64>,
+    /// Device blocks the index shows.
+    indexed_device: Vec<u32>,
+    /// Blocks credited for prompts in prefill there, beyond the index.
+    credited: Vec<u32>,
+}
+
+/// The candidate chosen, and why it may not be the cheapest.
+struct Choice {
+    index: usize,
+    /// Cold homing chose it (the prompt is cached nowhere).
+    home: bool,
+    /// The warm-up rule made some candidates ineligible.
+    warmup_excluded: bool,
+}
+
+impl KvAwarePolicy {
+    /// Credits for prompts in prefill, per candidate (none when the credit is off).
+    fn prefill_credits(
+        &self,
+        req: &RouteRequest<'_>,
+        view: &FleetView<'_>,
+        keys: &[crate::BlockKey],
+    ) -> Vec<PrefillCredit> {
         let c = &self.config;
-        let pending_ttl =
+        let ttl =
             Duration::try_from_secs_f64(c.pending_credit_secs.max(0.0)).unwrap_or(Duration::ZERO);
-        let credits = if pending_ttl.is_zero() {
-            vec![
+        if ttl.is_zero() {
+            return vec![
                 PrefillCredit {
                     blocks: 0,
                     trust: 1.0
                 };
                 view.candidates.len()
-            ]
-        } else {
-            view.ledger
-                .prefill_credits(keys, view.candidates, req.now, pending_ttl)
-        };
+            ];
+        }
+        view.ledger
+            .prefill_credits(keys, view.candidates, req.now, ttl)
+    }
+
+    /// Each candidate's cached prefix (index overlap by tier, plus the prefill credit
+    /// beyond it), recorded in its score line too.
+    fn cached_blocks(
+        &self,
+        lines: &mut [WorkerScore],
+        overlaps: &crate::index::OverlapScores,
+        credits: &[PrefillCredit],
+    ) -> Cached {
+        let c = &self.config;
         let mut indexed_device = vec![0u32; lines.len()];
         let mut credited = vec![0u32; lines.len()];
-        let cached: Vec<f64> = lines
+        let blocks = lines
             .iter_mut()
-            .zip(&credits)
+            .zip(credits)
             .enumerate()
             .map(|(i, (line, credit))| {
                 if let Some(o) = overlaps.best_for(line.worker) {
@@ -259,9 +329,25 @@ impl RoutingPolicy for KvAwarePolicy {
                 indexed + credit.trust * f64::from(credited[i])
             })
             .collect();
+        Cached {
+            blocks,
+            indexed_device,
+            credited,
+        }
+    }
+
+    /// The cost of each candidate (module comment), recorded in its score line too.
+    fn costs(
+        &self,
+        lines: &mut [WorkerScore],
+        cached: &[f64],
+        prompt_blocks: f64,
+        block_size: f64,
+    ) -> Vec<f64> {
+        let c = &self.config;
         // Only a unique leader has an advantage: its lead over the runner-up.
         let (mut first, mut second) = (f64::NEG_INFINITY, f64::NEG_INFINITY);
-        for &x in &cached {
+        for &x in cached {
             if x > first {
                 second = first;
                 first = x;
@@ -269,9 +355,9 @@ impl RoutingPolicy for KvAwarePolicy {
                 second = x;
             }
         }
-        let costs: Vec<f64> = lines
+        lines
             .iter_mut()
-            .zip(&cached)
+            .zip(cached)
             .map(|(line, cached)| {
                 let advantage = if *cached >= first && second.is_finite() {
                     cached - second
@@ -285,16 +371,29 @@ impl RoutingPolicy for KvAwarePolicy {
                 line.cost = Some(cost);
                 cost
             })
-            .collect();
-        let entries = index.entries_of(view.candidates);
-        let (eligible, warmup_excluded) = self.eligible(&lines, &entries);
+            .collect()
+    }
+
+    /// The candidate to route to: among the eligible ones (load bound, warm-up), the
+    /// prompt's home when it is cached nowhere (cold homing), else the cheapest (or a
+    /// softmax sample at a temperature), ties broken at random.
+    fn choose(
+        &self,
+        lines: &[WorkerScore],
+        cached: &[f64],
+        costs: &[f64],
+        keys: &[crate::BlockKey],
+        entries: &[usize],
+    ) -> Choice {
+        let c = &self.config;
+        let (eligible, warmup_excluded) = self.eligible(lines, entries);
         let cold = keys.first().filter(|_| cached.iter().all(|x| *x <= 0.0));
         let home = cold.filter(|_| c.cold_homing).and_then(|first| {
             eligible.iter().copied().max_by_key(|&i| {
                 xxh3_64_with_seed(&first.0.to_le_bytes(), u64::from(lines[i].worker.0))
             })
         });
-        let i = if let Some(home) = home {
+        let index = if let Some(home) = home {
             home
         } else {
             let mut rng = self.rng.lock();
@@ -306,32 +405,10 @@ impl RoutingPolicy for KvAwarePolicy {
             };
             eligible[pick]
         };
-        let chosen = &lines[i];
-        let bs = index.block_size();
-        let indexed_cached_tokens = indexed_device[i] * bs;
-        let credited_tokens = credited[i] * bs;
-        let trusted_credit = (credits[i].trust * f64::from(credited_tokens)).round() as u32;
-        let predicted_cached_tokens = indexed_cached_tokens + trusted_credit;
-        let best_cost = costs.iter().copied().fold(f64::INFINITY, f64::min);
-        let reason = if home.is_some() {
-            "cold miss: the prefix's home worker (cached nowhere)"
-        } else if costs[i] > best_cost && warmup_excluded {
-            "warm-up: a worker with little cached is further behind on load"
-        } else if costs[i] > best_cost {
-            "load bound: the cheapest workers are overloaded"
-        } else if chosen.overlap_blocks.iter().any(|b| *b > 0) {
-            "lowest cost: cached prefix outweighs load"
-        } else {
-            "lowest cost: no cached prefix, least work"
-        };
-        Ok(Decision {
-            worker: chosen.worker,
-            policy: PolicyKind::KvAware,
-            predicted_cached_tokens,
-            indexed_cached_tokens,
-            credited_tokens,
-            reason,
-            scores: lines,
-        })
+        Choice {
+            index,
+            home: home.is_some(),
+            warmup_excluded,
+        }
     }
 }
