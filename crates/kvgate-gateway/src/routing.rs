@@ -249,24 +249,9 @@ pub fn try_pick(
 ) -> Result<Pick, ApiError> {
     let model = &p.model;
     let workers = model.workers();
-    let passive = gw.passive_open_ms();
-    let limit = gw.config.limits.max_in_flight_per_worker;
-    let mut candidates: SmallVec<[WorkerId; 16]> = SmallVec::new();
-    let mut any_healthy = false;
-    let mut events = false;
-    for w in workers.iter() {
-        events |= w.config.kv_events.is_some();
-        if !w.breaker.available(passive) || excluded.contains(&w.id) {
-            continue;
-        }
-        any_healthy = true;
-        let has_slot = || limit == 0 || model.ledger.load(w.id).in_flight < limit;
-        if candidates_from == Candidates::AllHealthy || has_slot() {
-            candidates.push(w.id);
-        }
-    }
-    if candidates.is_empty() {
-        return Ok(if any_healthy {
+    let found = candidates(gw, model, &workers, excluded, candidates_from);
+    if found.ids.is_empty() {
+        return Ok(if found.any_healthy {
             Pick::Full
         } else {
             Pick::NoneHealthy
@@ -279,25 +264,7 @@ pub fn try_pick(
         now: Instant::now(),
     };
     let start = Instant::now();
-    let result = {
-        let index = if events {
-            model.index.as_ref().map(|i| i.read())
-        } else {
-            None
-        };
-        let view = FleetView {
-            candidates: &candidates,
-            ledger: &model.ledger,
-            index: index.as_deref(),
-        };
-        match model.policy.select(&req, &view) {
-            Err(SelectError::NoIndex) => match &model.fallback {
-                Some(fb) => select_fallback(fb.as_ref(), &req, &view),
-                None => Err(SelectError::NoIndex),
-            },
-            other => other,
-        }
-    };
+    let result = run_policy(model, &req, &found);
     gw.metrics
         .decision_seconds
         .with_label_values(&[&*model.name, model.kind().as_str()])
@@ -320,6 +287,71 @@ pub fn try_pick(
         return Err(ApiError::internal("the policy chose an unknown worker"));
     };
     Ok(Pick::Chosen { decision, worker })
+}
+
+/// The workers a selection may choose from.
+struct Found {
+    ids: SmallVec<[WorkerId; 16]>,
+    /// Some worker is healthy (the candidates may still be empty: all full).
+    any_healthy: bool,
+    /// Some worker has a KV event source (the index is worth reading).
+    events: bool,
+}
+
+/// Healthy workers (breaker closed) not in `excluded`, and with a free slot unless
+/// `from` says otherwise.
+fn candidates(
+    gw: &Gateway,
+    model: &ModelState,
+    workers: &[Arc<Worker>],
+    excluded: &[WorkerId],
+    from: Candidates,
+) -> Found {
+    let passive = gw.passive_open_ms();
+    let limit = gw.config.limits.max_in_flight_per_worker;
+    let mut found = Found {
+        ids: SmallVec::new(),
+        any_healthy: false,
+        events: false,
+    };
+    for w in workers {
+        found.events |= w.config.kv_events.is_some();
+        if !w.breaker.available(passive) || excluded.contains(&w.id) {
+            continue;
+        }
+        found.any_healthy = true;
+        let has_slot = || limit == 0 || model.ledger.load(w.id).in_flight < limit;
+        if from == Candidates::AllHealthy || has_slot() {
+            found.ids.push(w.id);
+        }
+    }
+    found
+}
+
+/// The model's policy over the candidates (its fallback when kv_aware has no index);
+/// the index's read lock is held only for this synchronous call.
+fn run_policy(
+    model: &ModelState,
+    req: &RouteRequest<'_>,
+    found: &Found,
+) -> Result<Decision, SelectError> {
+    let index = if found.events {
+        model.index.as_ref().map(|i| i.read())
+    } else {
+        None
+    };
+    let view = FleetView {
+        candidates: &found.ids,
+        ledger: &model.ledger,
+        index: index.as_deref(),
+    };
+    match model.policy.select(req, &view) {
+        Err(SelectError::NoIndex) => match &model.fallback {
+            Some(fb) => select_fallback(fb.as_ref(), req, &view),
+            None => Err(SelectError::NoIndex),
+        },
+        other => other,
+    }
 }
 
 fn select_fallback(
