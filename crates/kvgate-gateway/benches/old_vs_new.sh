@@ -2,6 +2,8 @@
 # Side-by-side overhead of two kvgate builds (e.g. before and after a request-path
 # change) in one run: the same fast fake engine, reached through each build's
 # examples/serve in turn (A B A B), JSON and streaming, 1 and 64 connections, with wrk.
+# Besides req/s and latency it reports the gateway's own CPU time per request (from
+# /proc), which other load on a shared machine disturbs far less than throughput.
 #
 # Usage: [PASSES=2] crates/kvgate-gateway/benches/old_vs_new.sh OLD_EXAMPLES_DIR NEW_EXAMPLES_DIR [SECS]
 #   (each dir holds a release build's `serve` and `bench_engine` examples:
@@ -29,8 +31,12 @@ wait_up() {
 }
 wait_up $E
 
-echo "| build | workload | conns | req/s | p50 | p99 |"
-echo "|---|---|---:|---:|---:|---:|"
+# CPU time the gateway process spent (user + system), in clock ticks.
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+TICK=$(getconf CLK_TCK)
+
+echo "| build | workload | conns | req/s | p50 | p99 | gateway CPU µs/request |"
+echo "|---|---|---:|---:|---:|---:|---:|"
 for pass in $(seq 1 "${PASSES:-2}"); do
   for build in old new; do
     dir=$OLD; [ $build = new ] && dir=$NEW
@@ -41,11 +47,15 @@ for pass in $(seq 1 "${PASSES:-2}"); do
     for script in chat.lua chat_stream.lua; do
       for conns in 1 64; do
         threads=1; [ $conns -gt 1 ] && threads=2
+        before=$(cpu_ticks $gw)
         out=$(wrk -t$threads -c$conns -d"${DUR}s" --latency -s "$HERE/$script" "http://127.0.0.1:$PORT/v1/chat/completions")
+        after=$(cpu_ticks $gw)
         rps=$(echo "$out" | awk '/Requests\/sec/ {print $2}')
         p50=$(echo "$out" | awk '$1=="50%" {print $2}')
         p99=$(echo "$out" | awk '$1=="99%" {print $2}')
-        echo "| $build (pass $pass) | ${script%.lua} | $conns | $rps | $p50 | $p99 |"
+        total=$(echo "$out" | awk '/requests in/ {print $1}')
+        cpu=$(awk -v t=$((after - before)) -v n="$total" -v hz="$TICK" 'BEGIN { if (n > 0) printf "%.1f", t / hz * 1e6 / n; else print "n/a" }')
+        echo "| $build (pass $pass) | ${script%.lua} | $conns | $rps | $p50 | $p99 | $cpu |"
       done
     done
     kill $gw; wait $gw 2>/dev/null || true
