@@ -335,7 +335,7 @@ pub async fn run_chaos(cfg: &ChaosConfig) -> anyhow::Result<ChaosSummary> {
                 let kind = client_kind(seed, k);
                 let body = request_body(seed, k, kind, 16);
                 let t = start.elapsed().as_secs_f64();
-                let (verdict, worker) = one_request(&http, &url, body, kind, timeout).await;
+                let (verdict, worker) = one_request(&http, &url, body, kind, timeout, None).await;
                 if let (Verdict::Completed, Some(w)) = (&verdict, worker) {
                     served.lock().push((t, w));
                 }
@@ -434,12 +434,14 @@ fn request_body(seed: u64, k: u64, kind: ClientKind, max_tokens: u32) -> Vec<u8>
 }
 
 /// Sends one request and judges how it ended; returns the serving worker too.
+/// `first_chunk` (if any) is told when the first chunk of a stream arrives.
 async fn one_request(
     http: &reqwest::Client,
     url: &str,
     body: Vec<u8>,
     kind: ClientKind,
     timeout: Duration,
+    first_chunk: Option<&tokio::sync::mpsc::Sender<()>>,
 ) -> (Verdict, Option<String>) {
     let fut = async {
         let resp = match http
@@ -473,6 +475,7 @@ async fn one_request(
         let mut done = false;
         let mut error_code: Option<String> = None;
         let mut events_after_error = 0u32;
+        let mut first_chunk = first_chunk;
         while let Some(chunk) = stream.next().await {
             let bytes = match chunk {
                 Ok(b) => b,
@@ -488,6 +491,9 @@ async fn one_request(
             };
             if kind == ClientKind::Cancel {
                 return (Verdict::Cancelled, worker);
+            }
+            if let Some(tx) = first_chunk.take() {
+                let _ = tx.send(()).await;
             }
             for ev in parser.push(&bytes) {
                 if error_code.is_some() {
@@ -740,7 +746,11 @@ async fn sigterm_phase(
         let (http, url, tx) = (http.clone(), url.to_string(), first_chunk_tx.clone());
         let body = request_body(cfg.seed, (1 << 40) + i as u64, ClientKind::Plain, 4000);
         let timeout = cfg.request_timeout;
-        streams.spawn(async move { long_stream(&http, &url, body, tx, timeout).await });
+        streams.spawn(async move {
+            one_request(&http, &url, body, ClientKind::Plain, timeout, Some(&tx))
+                .await
+                .0
+        });
     }
     drop(first_chunk_tx);
     let mut started = 0;
@@ -773,64 +783,6 @@ async fn sigterm_phase(
     };
     gateway.shutdown().await;
     (tally, exited)
-}
-
-/// A long stream that reports its first chunk on `first`.
-async fn long_stream(
-    http: &reqwest::Client,
-    url: &str,
-    body: Vec<u8>,
-    first: tokio::sync::mpsc::Sender<()>,
-    timeout: Duration,
-) -> Verdict {
-    let fut = async {
-        let resp = match http
-            .post(format!("{url}/v1/completions"))
-            .header("content-type", "application/json")
-            .body(body)
-            .send()
-            .await
-        {
-            Ok(r) => r,
-            Err(e) if e.is_connect() => return Verdict::NotAccepted,
-            Err(e) => return Verdict::Silent(format!("no response head: {}", chain(&e))),
-        };
-        let status = resp.status();
-        if !status.is_success() {
-            let text = resp.text().await.unwrap_or_default();
-            return judge_error_body(status.as_u16(), &text);
-        }
-        let mut stream = resp.bytes_stream();
-        let mut parser = SseParser::new();
-        let (mut done, mut code, mut told) = (false, None, false);
-        while let Some(chunk) = stream.next().await {
-            let Ok(bytes) = chunk else {
-                return Verdict::Silent("stream cut at shutdown".into());
-            };
-            if !told {
-                told = true;
-                let _ = first.send(()).await;
-            }
-            for ev in parser.push(&bytes) {
-                let ev = ev.trim();
-                if ev == "[DONE]" {
-                    done = true;
-                } else if let Some(c) = error_event_code(ev) {
-                    code = Some(c);
-                }
-            }
-        }
-        match (code, done) {
-            (Some(c), _) => Verdict::CleanError(c),
-            (None, true) => Verdict::Completed,
-            (None, false) => {
-                Verdict::Silent("stream ended without [DONE] or an error event".into())
-            }
-        }
-    };
-    tokio::time::timeout(timeout, fut)
-        .await
-        .unwrap_or_else(|_| Verdict::Silent("no end after SIGTERM".into()))
 }
 
 /// A field of `/proc/<pid>/status` in MiB (VmRSS, VmHWM).

@@ -137,9 +137,9 @@ async fn tokenize(
 ) -> Result<RoutingTokens, ApiError> {
     let start = Instant::now();
     let result = if let Some(t) = &model.tokenizer {
-        t.tokenize(kind, value).await
+        t.tokenize(kind, value).await.map_err(tokenize_error)
     } else if model.config.remote_tokenize {
-        return tokenize_remotely(gw, model, kind, value).await;
+        tokenize_remotely(gw, model, kind, value).await
     } else {
         return Ok(RoutingTokens::NoRoutingTokens {
             reason: "no tokenizer configured",
@@ -149,7 +149,7 @@ async fn tokenize(
         .tokenize_seconds
         .with_label_values(&[&*model.name])
         .observe(start.elapsed().as_secs_f64());
-    result.map_err(tokenize_error)
+    result
 }
 
 fn tokenize_error(e: TokenizeError) -> ApiError {
@@ -169,7 +169,6 @@ async fn tokenize_remotely(
     kind: RequestKind,
     value: &serde_json::Value,
 ) -> Result<RoutingTokens, ApiError> {
-    let start = Instant::now();
     let (payload, non_text_parts) = match remote_request(kind, value).map_err(tokenize_error)? {
         RemoteRequest::Answered(tokens) => return Ok(tokens),
         RemoteRequest::Post {
@@ -204,12 +203,7 @@ async fn tokenize_remotely(
             )))
         }
     };
-    let result = remote_answer(&worker.url, status, &bytes, non_text_parts);
-    gw.metrics
-        .tokenize_seconds
-        .with_label_values(&[&*model.name])
-        .observe(start.elapsed().as_secs_f64());
-    result.map_err(tokenize_error)
+    remote_answer(&worker.url, status, &bytes, non_text_parts).map_err(tokenize_error)
 }
 
 /// Largest `/tokenize` answer read (ids of a prompt at any context length fit).
