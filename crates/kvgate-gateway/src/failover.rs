@@ -3,11 +3,10 @@
 //! bounded attempts, exponential backoff), and [`side_call`] for calls that book
 //! nothing (`/tokenize` forwarding, remote tokenization).
 //!
-//! Owns the retry decision for proxied requests (what a failure counts against a
-//! worker is health.rs's). A
-//! response whose head has been accepted is committed: from then on bytes flow to the
-//! client and nothing is retried. Must not parse bodies (observe.rs) or pick workers
-//! itself (routing.rs).
+//! Owns the retry decision for every call to a worker (what a failure counts against
+//! the worker is health.rs's; the sending itself is proxy.rs's). A response whose head
+//! has been accepted is committed: from then on bytes flow to the client and nothing is
+//! retried. Must not parse bodies (observe.rs) or pick workers itself (routing.rs).
 
 use std::sync::Arc;
 use std::time::Duration;
