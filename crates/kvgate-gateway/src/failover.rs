@@ -1,7 +1,8 @@
-//! Calling workers: the attempt loop for proxied requests (take a lease, forward, and on
-//! a failure before any byte reached the client, retry on another healthy worker;
-//! bounded attempts, exponential backoff), and [`side_call`] for calls that book
-//! nothing (`/tokenize` forwarding, remote tokenization).
+//! Calling workers: the one attempt loop ([`call_workers`]) for routed requests
+//! ([`dispatch`]: the policy chooses, each attempt takes a lease) and for calls that
+//! book nothing ([`side_call`]: `/tokenize` forwarding, remote tokenization). Bounded
+//! attempts, exponential backoff; a failure before any byte reached the client moves on
+//! to another healthy worker.
 //!
 //! Owns the retry decision for every call to a worker (what a failure counts against
 //! the worker is health.rs's; the sending itself is proxy.rs's). A response whose head
@@ -22,6 +23,7 @@ use crate::front_door::Admitted;
 use crate::gateway::Gateway;
 use crate::health::{worker_failed, worker_ok, Failure};
 use crate::lease::Lease;
+use crate::limits::Admission;
 use crate::observe::{Lifecycle, ObservedBody};
 use crate::proxy::{get_status, prepare_response_headers, SendError};
 use crate::registry::{Endpoint, ModelState, Worker};
@@ -97,45 +99,55 @@ pub(crate) async fn dispatch(
         body,
         started: tokio::time::Instant::now(),
     };
-    let max_attempts = gw.config.failover.max_attempts;
-    let mut excluded: SmallVec<[WorkerId; 4]> = SmallVec::new();
-    let mut last_err: Option<ApiError> = None;
-    let mut backoff = Duration::from_millis(gw.config.failover.backoff_ms);
-    for attempt in 0..max_attempts {
-        if attempt > 0 {
-            tokio::time::sleep(backoff).await;
-            backoff = backoff.saturating_mul(2);
-        }
-        let (decision, lease) = match pick(gw, &p, &request.headers, &excluded, &admission).await {
-            Ok(x) => x,
-            // After a failed attempt, "nobody left" means the attempts failed.
-            Err(e) => {
-                return Err(match last_err {
-                    Some(prev) if e.status == StatusCode::SERVICE_UNAVAILABLE => prev,
-                    _ => e,
-                })
-            }
-        };
-        let worker = lease.worker().clone();
-        record.worker = Some(worker.clone());
-        log_decision(
-            &p.model.name,
-            &worker.url,
-            &decision,
-            p.model.ledger.block_size(),
-        );
-        let last = attempt + 1 == max_attempts;
-        match try_worker(gw, &request, &decision, lease, last).await {
-            Attempt::Answered(response) => return Ok(response),
-            Attempt::Final(e) => return Err(e),
-            Attempt::Retry(e) => {
-                tracing::debug!(worker = %worker.url, error = %e.message, attempt, "attempt failed before the first byte");
-                excluded.push(worker.id);
-                last_err = Some(e);
-            }
-        }
+    let route = Route::Booked {
+        p: &p,
+        admission: &admission,
+        record,
+    };
+    let accepted = call_workers(gw, &request, route).await?;
+    let Some((decision, lease)) = accepted.lease else {
+        return Err(ApiError::internal(
+            "a routed request was answered without a lease",
+        ));
+    };
+    let status = accepted.resp.status();
+    if (status.is_client_error() || status.is_server_error()) && !is_json(accepted.resp.headers()) {
+        // A web server's or proxy's text page: OpenAI-style JSON instead.
+        return Ok(json_error_of(accepted.resp, &accepted.worker).await);
     }
-    Err(last_err.unwrap_or_else(|| ApiError::internal("no attempt was made")))
+    Ok(commit(
+        gw,
+        &request,
+        &decision,
+        lease,
+        accepted.resp,
+        accepted.cut_off,
+    ))
+}
+
+/// A side call to a worker, one that books nothing (`/tokenize` forwarding, remote
+/// tokenization): the available workers from a rotating start, through the same
+/// attempt loop as routed requests ([`call_workers`]). Returns the accepted answer (any
+/// status but a retryable one from a worker that was not the last) and its worker.
+pub(crate) async fn side_call(
+    gw: &Gateway,
+    model: &ModelState,
+    endpoint: Endpoint,
+    headers: &http::HeaderMap,
+    body: bytes::Bytes,
+) -> Result<(Arc<Worker>, http::Response<hyper::body::Incoming>), ApiError> {
+    let request = Forwarded {
+        endpoint,
+        headers: headers.clone(),
+        body,
+        started: tokio::time::Instant::now(),
+    };
+    let route = Route::Side {
+        model,
+        order: model.rotated_available(gw.passive_open_ms()),
+    };
+    let accepted = call_workers(gw, &request, route).await?;
+    Ok((accepted.worker, accepted.resp))
 }
 
 /// The request as it is sent to each worker it tries.
@@ -147,68 +159,157 @@ struct Forwarded {
     started: tokio::time::Instant,
 }
 
-/// What one attempt came to.
+/// Which workers the attempt loop tries, and what each attempt holds.
+enum Route<'a> {
+    /// A routed request: the policy chooses, each attempt holds a lease (admission
+    /// plus booking), and the request is counted in `kvgate_requests_total`.
+    Booked {
+        p: &'a Prepared,
+        admission: &'a Arc<Admission>,
+        record: &'a mut Unanswered,
+    },
+    /// A call that books nothing: the available workers in this order.
+    Side {
+        model: &'a ModelState,
+        order: Vec<Arc<Worker>>,
+    },
+}
+
+impl Route<'_> {
+    fn model(&self) -> &ModelState {
+        match self {
+            Route::Booked { p, .. } => &p.model,
+            Route::Side { model, .. } => model,
+        }
+    }
+}
+
+/// A response head the loop accepted, and what its attempt holds.
+struct Accepted {
+    worker: Arc<Worker>,
+    resp: http::Response<hyper::body::Incoming>,
+    /// The routing decision and the lease (routed requests only).
+    lease: Option<(Decision, Lease)>,
+    /// Ends the response if the worker is declared dead or the grace period ends.
+    cut_off: tokio_util::sync::CancellationToken,
+}
+
+/// What a failed attempt comes to.
 enum Attempt {
-    /// A response head was accepted: the request is committed to this worker.
-    Answered(Response),
     /// Failed before the first byte: another worker may be tried.
     Retry(ApiError),
     /// Failed in a way another worker would not fix.
     Final(ApiError),
 }
 
-/// Sends the request to the lease's worker and judges the outcome (breaker, metrics).
-async fn try_worker(
-    gw: &Arc<Gateway>,
+/// The one attempt loop for every call to a worker: bounded attempts with exponential
+/// backoff; a transport failure, a first-byte timeout or a 5xx/429 before the first
+/// byte moves on to another worker (each failure counted against its worker by
+/// health.rs); the first other answer, or the last attempt's, is accepted.
+async fn call_workers(
+    gw: &Gateway,
     request: &Forwarded,
-    decision: &Decision,
-    lease: Lease,
-    last: bool,
-) -> Attempt {
-    let worker = lease.worker().clone();
-    let model = lease.model().clone();
-    let cut_off = worker.cut_off_signal();
-    let upstream = gw.upstream();
-    let sent = tokio::select! {
-        sent = upstream.send(&worker, request.endpoint, &request.headers, request.body.clone()) => sent,
-        () = cut_off.cancelled() => {
-            if gw.grace_over.is_cancelled() {
-                return Attempt::Final(ApiError::gateway_shutting_down());
-            }
-            Err(SendError::WorkerDown)
+    mut route: Route<'_>,
+) -> Result<Accepted, ApiError> {
+    let max_attempts = match &route {
+        Route::Booked { .. } => gw.config.failover.max_attempts as usize,
+        Route::Side { order, .. } => order.len().min(gw.config.failover.max_attempts as usize),
+    };
+    let booked = matches!(route, Route::Booked { .. });
+    let mut excluded: SmallVec<[WorkerId; 4]> = SmallVec::new();
+    let mut last_err: Option<ApiError> = None;
+    let mut backoff = Duration::from_millis(gw.config.failover.backoff_ms);
+    for attempt in 0..max_attempts {
+        if attempt > 0 {
+            tokio::time::sleep(backoff).await;
+            backoff = backoff.saturating_mul(2);
         }
-    };
-    let resp = match sent {
-        Ok(resp) => resp,
-        Err(e) => return after_send_error(gw, request, &model, &worker, e).await,
-    };
-    let status = resp.status();
-    if status.is_server_error() {
-        worker_failed(gw, &model, &worker, Failure::Request("error status"));
-    } else if !retryable(status) {
-        worker_ok(gw, &model, &worker);
+        let (worker, lease) = match &mut route {
+            Route::Booked {
+                p,
+                admission,
+                record,
+            } => match pick(gw, p, &request.headers, &excluded, admission).await {
+                Ok((decision, lease)) => {
+                    let worker = lease.worker().clone();
+                    record.worker = Some(worker.clone());
+                    log_decision(
+                        &p.model.name,
+                        &worker.url,
+                        &decision,
+                        p.model.ledger.block_size(),
+                    );
+                    (worker, Some((decision, lease)))
+                }
+                // After a failed attempt, "nobody left" means the attempts failed.
+                Err(e) => {
+                    return Err(match last_err {
+                        Some(prev) if e.status == StatusCode::SERVICE_UNAVAILABLE => prev,
+                        _ => e,
+                    })
+                }
+            },
+            Route::Side { order, .. } => (order[attempt].clone(), None),
+        };
+        let model = route.model();
+        let cut_off = worker.cut_off_signal();
+        let upstream = gw.upstream();
+        let sent = tokio::select! {
+            sent = upstream.send(&worker, request.endpoint, &request.headers, request.body.clone()) => sent,
+            () = cut_off.cancelled() => {
+                if gw.grace_over.is_cancelled() {
+                    return Err(ApiError::gateway_shutting_down());
+                }
+                Err(SendError::WorkerDown)
+            }
+        };
+        let failed = match sent {
+            Ok(resp) => {
+                let status = resp.status();
+                if status.is_server_error() {
+                    worker_failed(gw, model, &worker, Failure::Request("error status"));
+                } else if !retryable(status) {
+                    worker_ok(gw, model, &worker);
+                }
+                if booked {
+                    gw.metrics
+                        .requests
+                        .with_label_values(&[
+                            &*model.name,
+                            &*worker.url,
+                            model.kind().as_str(),
+                            status.as_str(),
+                        ])
+                        .inc();
+                }
+                if !(retryable(status) && attempt + 1 < max_attempts) {
+                    return Ok(Accepted {
+                        worker,
+                        resp,
+                        lease,
+                        cut_off,
+                    });
+                }
+                gw.metrics
+                    .retries
+                    .with_label_values(&[&*model.name, "status"])
+                    .inc();
+                Attempt::Retry(ApiError::upstream_status(&worker.url, status))
+            }
+            Err(e) => after_send_error(gw, request, model, &worker, e).await,
+        };
+        match failed {
+            Attempt::Final(e) => return Err(e),
+            Attempt::Retry(e) => {
+                tracing::debug!(worker = %worker.url, error = %e.message, attempt, "attempt failed before the first byte");
+                excluded.push(worker.id);
+                last_err = Some(e);
+            }
+        }
     }
-    gw.metrics
-        .requests
-        .with_label_values(&[
-            &*model.name,
-            &*worker.url,
-            model.kind().as_str(),
-            status.as_str(),
-        ])
-        .inc();
-    if retryable(status) && !last {
-        gw.metrics
-            .retries
-            .with_label_values(&[&*model.name, "status"])
-            .inc();
-        return Attempt::Retry(ApiError::upstream_status(&worker.url, status));
-    }
-    if (status.is_client_error() || status.is_server_error()) && !is_json(resp.headers()) {
-        // A web server's or proxy's text page: OpenAI-style JSON instead.
-        return Attempt::Answered(json_error_of(resp, &worker).await);
-    }
-    Attempt::Answered(commit(gw, request, decision, lease, resp, cut_off))
+    Err(last_err.unwrap_or_else(|| {
+        ApiError::no_healthy_worker(&route.model().name, gw.config.health.open_ms.div_ceil(1000))
+    }))
 }
 
 /// The response the client gets: the worker's head, and its body observed until it
@@ -265,48 +366,6 @@ async fn after_send_error(
         .with_label_values(&[&*model.name, e.reason()])
         .inc();
     Attempt::Retry(attempt_error(&worker.url, &e))
-}
-
-/// A side call to a worker, one that books nothing (`/tokenize` forwarding, remote
-/// tokenization): the available workers from a rotating start, at most
-/// `failover.max_attempts` of them, each failure counted against its worker as for a
-/// proxied request. A transport failure, first-byte timeout or 5xx/429 moves on to the
-/// next worker; the first other answer (or the last worker's 5xx/429) is returned with
-/// the worker that gave it.
-pub(crate) async fn side_call(
-    gw: &Gateway,
-    model: &ModelState,
-    endpoint: Endpoint,
-    headers: &http::HeaderMap,
-    body: bytes::Bytes,
-) -> Result<(Arc<Worker>, http::Response<hyper::body::Incoming>), ApiError> {
-    let workers = model.rotated_available(gw.passive_open_ms());
-    let tries = workers.len().min(gw.config.failover.max_attempts as usize);
-    let mut last =
-        ApiError::no_healthy_worker(&model.name, gw.config.health.open_ms.div_ceil(1000));
-    for (i, w) in workers.iter().take(tries).enumerate() {
-        match gw.upstream().send(w, endpoint, headers, body.clone()).await {
-            Ok(resp) if retryable(resp.status()) && i + 1 < tries => {
-                if resp.status().is_server_error() {
-                    worker_failed(gw, model, w, Failure::Request("error status"));
-                }
-                last = ApiError::upstream_status(&w.url, resp.status());
-            }
-            Ok(resp) => {
-                if resp.status().is_server_error() {
-                    worker_failed(gw, model, w, Failure::Request("error status"));
-                } else {
-                    worker_ok(gw, model, w);
-                }
-                return Ok((w.clone(), resp));
-            }
-            Err(e) => {
-                worker_failed(gw, model, w, Failure::Request(e.reason()));
-                last = attempt_error(&w.url, &e);
-            }
-        }
-    }
-    Err(last)
 }
 
 /// The client-facing error for an attempt that got no response head.
