@@ -1,7 +1,7 @@
 //! kvgate-bench: trace replay, synthetic workloads, router comparison and the demo.
 //!
 //! Owns the `kvgate bench`, `kvgate bench compare`, `kvgate bench scenarios`,
-//! `kvgate bench chaos` and `kvgate demo` subcommands. It
+//! `kvgate bench chaos`, `kvgate demo` and `kvgate up` subcommands. It
 //! talks to routers and engines only over HTTP and by spawning `kvgate` child
 //! processes; it must not link routing or engine logic.
 
@@ -20,4 +20,5 @@ pub mod runner;
 pub mod scenario;
 pub mod sse;
 pub mod trace;
+pub mod up;
 pub mod workload;

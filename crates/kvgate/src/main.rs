@@ -35,6 +35,9 @@ enum Command {
     Bench(kvgate_bench::cli::BenchArgs),
     /// Start a simulated fleet and kvgate, and compare round_robin with kv_aware.
     Demo(kvgate_bench::cli::DemoArgs),
+    /// Start simulated engines and a kv_aware gateway in front of them, print the URL
+    /// and curl commands to try, and run until Ctrl-C.
+    Up(kvgate_bench::up::UpArgs),
     /// Tokenize an OpenAI request body read from stdin, exactly as the engine would.
     Tokenize(kvgate_tokenize::cli::TokenizeArgs),
 }
@@ -42,8 +45,10 @@ enum Command {
 fn init_logging(filter: &str, json: bool) {
     let env_filter = tracing_subscriber::EnvFilter::try_new(filter)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Colours only on a terminal: redirected logs stay plain text.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(env_filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     if json {
         builder.json().init();
@@ -71,6 +76,7 @@ fn main() -> ExitCode {
             Command::MockEngine(args) => kvgate_mock_engine::cli::run(args).await,
             Command::Bench(args) => kvgate_bench::cli::run_bench(args).await,
             Command::Demo(args) => kvgate_bench::cli::run_demo(args).await,
+            Command::Up(args) => kvgate_bench::up::run_up(args).await,
             Command::Tokenize(args) => kvgate_tokenize::cli::run(args).await,
         }
     });
