@@ -329,7 +329,7 @@ pub struct FleetArgs {
     /// Simulated-time speedup of the engines' latency model.
     #[arg(long, default_value_t = 1.0)]
     pub engine_speedup: f64,
-    /// Extra argument for every engine (repeatable), e.g. --engine-arg=--max-batch=64.
+    /// Extra argument for every engine (repeatable), e.g. --engine-arg=--max-num-seqs=64.
     #[arg(long, allow_hyphen_values = true)]
     pub engine_arg: Vec<String>,
     /// Extra argument for `kvgate serve` (repeatable).

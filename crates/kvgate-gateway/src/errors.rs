@@ -202,7 +202,7 @@ impl ApiError {
             "service_unavailable",
             "kv_events_not_configured",
             format!(
-                "model {model:?} uses kv_aware routing but no worker has a KV event source: start the gateway with --kv-events WORKER_URL=tcp://HOST:PORT for its workers (and run the engines with --kv-events-config), or pass --kv-fallback POLICY to route without the index"
+                "model {model:?} uses kv_aware routing but no worker has a KV event source: start the gateway with --kv-events WORKER_URL=tcp://HOST:PORT for its workers (and run the engines with KV events on: vLLM and SGLang --kv-events-config, kvgate mock-engine --kv-events-port and --replay-port), or pass --kv-fallback POLICY to route without the index"
             ),
         )
     }

@@ -16,7 +16,7 @@ use crate::scheduler::SimConfig;
 #[derive(Args, Debug, Clone)]
 pub struct MockEngineArgs {
     /// HTTP port (0 = ephemeral).
-    #[arg(long, default_value_t = 8000)]
+    #[arg(long, default_value_t = 8001)]
     pub port: u16,
     /// Interface to bind HTTP and KV event sockets on.
     #[arg(long, default_value = "127.0.0.1")]
