@@ -670,12 +670,7 @@ async fn sample_health(
                 .lines()
                 .filter(|l| l.starts_with("kvgate_worker_healthy{"))
             {
-                let worker = line
-                    .split("worker=\"")
-                    .nth(1)
-                    .and_then(|r| r.split('"').next())
-                    .unwrap_or_default()
-                    .to_string();
+                let worker = label_value(line, "worker").to_string();
                 let healthy = line.trim_end().ends_with(" 1");
                 log.push((t, worker, healthy));
             }
@@ -706,9 +701,17 @@ fn time_kill_recovery(
             .iter()
             .filter(|(t, w)| *t >= back && w == url)
             .map(|(t, _)| t - back)
-            .fold(None, |m: Option<f64>, t| Some(m.map_or(t, |m| m.min(t))));
+            .min_by(f64::total_cmp);
     }
     faults
+}
+
+/// The value of label `name` in a Prometheus sample line (empty when absent).
+fn label_value<'a>(line: &'a str, name: &str) -> &'a str {
+    line.split(&format!("{name}=\""))
+        .nth(1)
+        .and_then(|r| r.split('"').next())
+        .unwrap_or_default()
 }
 
 fn dropped_by_reason(text: &str) -> BTreeMap<String, f64> {
@@ -717,11 +720,7 @@ fn dropped_by_reason(text: &str) -> BTreeMap<String, f64> {
         .lines()
         .filter(|l| l.starts_with("kvgate_kv_events_dropped_total{"))
     {
-        let reason = line
-            .split("reason=\"")
-            .nth(1)
-            .and_then(|r| r.split('"').next())
-            .unwrap_or_default();
+        let reason = label_value(line, "reason");
         let value = line
             .rsplit(' ')
             .next()
@@ -948,6 +947,14 @@ mod tests {
         assert!((600..1000).contains(&share(ClientKind::Cancel)));
         assert!(request_body(0, 1, ClientKind::Oversized, 16).len() > MAX_BODY_BYTES);
         assert!(request_body(0, 1, ClientKind::Plain, 16).len() < 16 << 10);
+    }
+
+    #[test]
+    fn labels_are_read_from_sample_lines() {
+        let line = r#"kvgate_kv_events_dropped_total{reason="stale",worker="http://w:1"} 3"#;
+        assert_eq!(label_value(line, "reason"), "stale");
+        assert_eq!(label_value(line, "worker"), "http://w:1");
+        assert_eq!(label_value(line, "model"), "");
     }
 
     #[test]

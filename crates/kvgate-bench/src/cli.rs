@@ -543,13 +543,15 @@ async fn run_compare(args: CompareArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A flag's value as a positive duration in seconds.
+fn positive_secs(v: f64, flag: &str) -> anyhow::Result<Duration> {
+    Duration::try_from_secs_f64(v)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .with_context(|| format!("{flag} must be a positive number of seconds"))
+}
+
 async fn run_scenario_suite(args: ScenariosArgs) -> anyhow::Result<()> {
-    let secs = |v: f64, flag: &str| {
-        Duration::try_from_secs_f64(v)
-            .ok()
-            .filter(|d| !d.is_zero())
-            .with_context(|| format!("{flag} must be a positive number of seconds"))
-    };
     let routers = if args.routers.is_empty() {
         scenario::default_routers()
     } else {
@@ -575,11 +577,11 @@ async fn run_scenario_suite(args: ScenariosArgs) -> anyhow::Result<()> {
         routers,
         model: "mock-model".into(),
         out_dir: args.out_dir.clone(),
-        duration: secs(args.duration, "--duration")?,
+        duration: positive_secs(args.duration, "--duration")?,
         concurrency: args.concurrency.max(1),
         change_at: Duration::try_from_secs_f64(args.change_at)
             .context("--change-at must be a number of seconds")?,
-        request_timeout: secs(args.request_timeout, "--request-timeout")?,
+        request_timeout: positive_secs(args.request_timeout, "--request-timeout")?,
         router_startup_timeout: Duration::from_secs(60),
         kvgate_extra_args: args.kvgate_arg.clone(),
     };
@@ -593,22 +595,16 @@ async fn run_scenario_suite(args: ScenariosArgs) -> anyhow::Result<()> {
 }
 
 async fn run_chaos_suite(args: ChaosArgs) -> anyhow::Result<()> {
-    let secs = |v: f64, flag: &str| {
-        Duration::try_from_secs_f64(v)
-            .ok()
-            .filter(|d| !d.is_zero())
-            .with_context(|| format!("{flag} must be a positive number of seconds"))
-    };
     let cfg = crate::chaos::ChaosConfig {
         kvgate_bin: resolve_kvgate_bin(args.kvgate_bin.as_deref())?,
         engines: args.engines,
-        duration: secs(args.duration, "--duration")?,
+        duration: positive_secs(args.duration, "--duration")?,
         concurrency: args.concurrency.max(1),
-        fault_every: secs(args.fault_every, "--fault-every")?,
+        fault_every: positive_secs(args.fault_every, "--fault-every")?,
         engine_speedup: args.engine_speedup,
         seed: args.seed,
         policy: args.policy.clone(),
-        request_timeout: secs(args.request_timeout, "--request-timeout")?,
+        request_timeout: positive_secs(args.request_timeout, "--request-timeout")?,
         out_dir: args.out_dir.clone(),
         kvgate_extra_args: args.kvgate_arg.clone(),
     };

@@ -29,16 +29,8 @@ vllm-router --host 127.0.0.1 --port $VR --worker-urls http://127.0.0.1:$E1 http:
 sglang-router launch --host 127.0.0.1 --port $SG --worker-urls http://127.0.0.1:$E1 http://127.0.0.1:$E2 \
   --policy round_robin --log-level warn --prometheus-port 29102 >/tmp/sglang-router-bench.log 2>&1 & PIDS+=($!)
 
-wait_up() {
-  for _ in $(seq 1 300); do
-    if curl -s -o /dev/null -w '%{http_code}' -X POST -H 'content-type: application/json' \
-      -d '{"model":"m","messages":[{"role":"user","content":"x"}]}' "http://127.0.0.1:$1/v1/chat/completions" | grep -q 200; then
-      return 0
-    fi
-    sleep 0.2
-  done
-  echo "port $1 never answered" >&2; return 1
-}
+# shellcheck source=common.sh
+source "$HERE/common.sh"
 for p in $E1 $E2 $KV $VR $SG; do wait_up $p; done
 
 run() { # name port script threads conns

@@ -19,16 +19,8 @@ cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 
 trap cleanup EXIT
 BENCH_ENGINE_THREADS=1 "$NEW/bench_engine" $E m & PIDS+=($!)
 
-wait_up() {
-  for _ in $(seq 1 300); do
-    if curl -s -o /dev/null -w '%{http_code}' -X POST -H 'content-type: application/json' \
-      -d '{"model":"m","messages":[{"role":"user","content":"x"}]}' "http://127.0.0.1:$1/v1/chat/completions" | grep -q 200; then
-      return 0
-    fi
-    sleep 0.2
-  done
-  echo "port $1 never answered" >&2; return 1
-}
+# shellcheck source=common.sh
+source "$HERE/common.sh"
 wait_up $E
 
 # CPU time the gateway process spent (user + system), in clock ticks.
