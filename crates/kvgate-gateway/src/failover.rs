@@ -19,13 +19,13 @@ use kvgate_core::{Decision, WorkerId, WorkerScore};
 use smallvec::SmallVec;
 
 use crate::errors::ApiError;
-use crate::front_door::Admitted;
+use crate::front_door::{is_json_media_type, Admitted};
 use crate::gateway::Gateway;
-use crate::health::{worker_failed, worker_ok, Failure};
+use crate::health::{probe, worker_failed, worker_ok, Failure};
 use crate::lease::Lease;
 use crate::limits::Admission;
 use crate::observe::{Lifecycle, ObservedBody};
-use crate::proxy::{get_status, prepare_response_headers, SendError};
+use crate::proxy::{prepare_response_headers, SendError};
 use crate::registry::{Endpoint, ModelState, Worker};
 use crate::routing::{pick, Prepared};
 
@@ -388,22 +388,13 @@ const ENGINE_ERROR_TEXT_MAX: usize = 4096;
 
 /// Whether the worker answers its health check now (bounded by the health timeout).
 async fn answers_health(gw: &Gateway, worker: &Worker) -> bool {
-    let timeout = Duration::from_millis(gw.config.health.timeout_ms.max(1));
-    matches!(
-        get_status(&gw.client, worker, Endpoint::Health, timeout).await,
-        Ok(s) if s.is_success()
-    )
+    matches!(probe(gw, worker).await, Ok(s) if s.is_success())
 }
 
 fn is_json(headers: &http::HeaderMap) -> bool {
     headers
         .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.split(';').next())
-        .is_some_and(|m| {
-            let m = m.trim();
-            m.eq_ignore_ascii_case("application/json") || m.ends_with("+json")
-        })
+        .is_some_and(is_json_media_type)
 }
 
 /// The engine's error answer with a non-JSON body, re-made as OpenAI-style JSON with

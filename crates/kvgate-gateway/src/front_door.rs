@@ -74,24 +74,30 @@ fn declared_length(headers: &HeaderMap) -> Option<usize> {
 
 /// Absent (curl without `-H`) or `application/json` / `*+json`, with any parameters.
 fn check_json_content_type(headers: &HeaderMap) -> Result<(), ApiError> {
-    let Some(value) = headers.get(header::CONTENT_TYPE) else {
-        return Ok(());
-    };
-    let essence = value
-        .to_str()
-        .ok()
-        .and_then(|v| v.split(';').next())
-        .map(|v| v.trim().to_ascii_lowercase());
-    match essence.as_deref() {
-        Some(m) if m == "application/json" || m.ends_with("+json") => Ok(()),
-        _ => Err(ApiError::unsupported_media_type(&String::from_utf8_lossy(
+    match headers.get(header::CONTENT_TYPE) {
+        None => Ok(()),
+        Some(value) if is_json_media_type(value) => Ok(()),
+        Some(value) => Err(ApiError::unsupported_media_type(&String::from_utf8_lossy(
             value.as_bytes(),
         ))),
     }
 }
 
+/// Whether a Content-Type names JSON: `application/json` or `*+json`, any case, with
+/// any parameters. Used for client bodies here and for engine error pages (failover.rs).
+pub(crate) fn is_json_media_type(value: &http::HeaderValue) -> bool {
+    value
+        .to_str()
+        .ok()
+        .and_then(|v| v.split(';').next())
+        .map(|v| v.trim().to_ascii_lowercase())
+        .is_some_and(|m| m == "application/json" || m.ends_with("+json"))
+}
+
 async fn read_body(mut body: Body, max: usize) -> Result<Bytes, ApiError> {
-    let mut buf = bytes::BytesMut::new();
+    // Most bodies arrive in one frame: keep it as is, copy only to join several.
+    let mut frames: Vec<Bytes> = Vec::new();
+    let mut len = 0usize;
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| {
             ApiError::bad_request("invalid_body", format!("cannot read the request body: {e}"))
@@ -99,13 +105,18 @@ async fn read_body(mut body: Body, max: usize) -> Result<Bytes, ApiError> {
         let Ok(data) = frame.into_data() else {
             continue; // trailers
         };
-        if buf.len() + data.len() > max {
+        if len + data.len() > max {
             discard_body(body, max.saturating_mul(4)).await;
             return Err(ApiError::body_too_large(max));
         }
-        buf.extend_from_slice(&data);
+        len += data.len();
+        frames.push(data);
     }
-    Ok(buf.freeze())
+    Ok(match frames.len() {
+        0 => Bytes::new(),
+        1 => frames.swap_remove(0),
+        _ => frames.concat().into(),
+    })
 }
 
 /// Reads and drops a refused request's body (up to `max` bytes, for at most
@@ -167,6 +178,27 @@ mod tests {
             let e = check_json_content_type(&h).unwrap_err();
             assert_eq!(e.status, StatusCode::UNSUPPORTED_MEDIA_TYPE, "{bad}");
         }
+    }
+
+    #[tokio::test]
+    async fn bodies_are_read_whole_within_the_limit() {
+        let chunks = |parts: &[&'static str]| {
+            let parts: Vec<Result<Bytes, std::io::Error>> = parts
+                .iter()
+                .map(|p| Ok(Bytes::from_static(p.as_bytes())))
+                .collect();
+            Body::from_stream(futures::stream::iter(parts))
+        };
+        assert_eq!(
+            read_body(chunks(&["{\"a\":", "1", "}"]), 64).await.unwrap(),
+            "{\"a\":1}"
+        );
+        assert_eq!(read_body(chunks(&["{}"]), 64).await.unwrap(), "{}");
+        assert_eq!(read_body(chunks(&[]), 64).await.unwrap(), "");
+        let e = read_body(chunks(&["{\"a\":", "12345"]), 8)
+            .await
+            .unwrap_err();
+        assert_eq!(e.status, StatusCode::PAYLOAD_TOO_LARGE);
     }
 
     #[test]

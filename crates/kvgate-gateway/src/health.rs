@@ -13,10 +13,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use http::StatusCode;
 use tokio::task::JoinSet;
 
 use crate::gateway::Gateway;
-use crate::proxy::get_status;
+use crate::proxy::{get_status, SendError};
 use crate::registry::{Endpoint, ModelState, Worker};
 
 /// What a worker failed at.
@@ -75,6 +76,13 @@ pub(crate) fn worker_ok(gw: &Gateway, model: &ModelState, worker: &Worker) {
     }
 }
 
+/// One health probe of a worker (`GET` its health path within the health timeout),
+/// for the periodic checks and for failover's "is it alive?" question alike.
+pub(crate) async fn probe(gw: &Gateway, worker: &Worker) -> Result<StatusCode, SendError> {
+    let timeout = Duration::from_millis(gw.config.health.timeout_ms.max(1));
+    get_status(&gw.client, worker, Endpoint::Health, timeout).await
+}
+
 /// Runs health checks every `health.interval_ms` until shutdown (no-op when 0).
 pub async fn run_health_checks(gw: Arc<Gateway>) {
     let cfg = gw.config.health.clone();
@@ -82,7 +90,6 @@ pub async fn run_health_checks(gw: Arc<Gateway>) {
         return;
     }
     let interval = Duration::from_millis(cfg.interval_ms);
-    let timeout = Duration::from_millis(cfg.timeout_ms.max(1));
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -95,8 +102,7 @@ pub async fn run_health_checks(gw: Arc<Gateway>) {
             for worker in model.workers().iter() {
                 let (gw, model, worker) = (gw.clone(), model.clone(), worker.clone());
                 set.spawn(async move {
-                    let result = get_status(&gw.client, &worker, Endpoint::Health, timeout).await;
-                    match result {
+                    match probe(&gw, &worker).await {
                         Ok(s) if s.is_success() => worker_ok(&gw, &model, &worker),
                         Ok(s) => {
                             let why = format!("health check answered {s}");

@@ -310,14 +310,18 @@ fn candidates(
     };
     for w in workers {
         found.events |= w.config.kv_events.is_some();
-        if !w.breaker.available(passive) || excluded.contains(&w.id) {
-            continue;
-        }
-        found.any_healthy = true;
-        let has_slot = || limit == 0 || model.ledger.load(w.id).in_flight < limit;
-        if from == Candidates::AllHealthy || has_slot() {
+        if w.breaker.available(passive) && !excluded.contains(&w.id) {
             found.ids.push(w.id);
         }
+    }
+    found.any_healthy = !found.ids.is_empty();
+    if from == Candidates::WithFreeSlot && limit > 0 {
+        // One read of the ledger for every healthy worker's in-flight count.
+        let loads = model.ledger.loads_of(&found.ids);
+        let mut loads = loads.iter();
+        found
+            .ids
+            .retain(|_| loads.next().is_some_and(|l| l.in_flight < limit));
     }
     found
 }
