@@ -32,7 +32,7 @@ fn guard(gw: &Gateway, headers: &http::HeaderMap) -> Result<(), ApiError> {
 }
 
 pub fn worker_json(model: &ModelState, w: &Worker) -> Value {
-    let load = model.ledger.load(w.id);
+    let load = model.ledger().load(w.id);
     json!({
         "id": w.id.0,
         "model": &*model.name,

@@ -194,24 +194,7 @@ impl WorkerConfig {
     }
 }
 
-/// The endpoint data-parallel rank `rank` publishes on: `tcp://HOST:PORT` with the port
-/// offset by the rank (vLLM's convention).
-pub fn rank_endpoint(endpoint: &str, rank: u32) -> anyhow::Result<String> {
-    let shape = || format!("KV event endpoint {endpoint:?} must look like tcp://HOST:PORT");
-    let rest = endpoint.strip_prefix("tcp://").with_context(shape)?;
-    let (host, port) = rest.rsplit_once(':').with_context(shape)?;
-    if host.is_empty() {
-        bail!(shape());
-    }
-    let port: u16 = port.parse().with_context(shape)?;
-    let ranked = u16::try_from(rank)
-        .ok()
-        .and_then(|r| port.checked_add(r))
-        .with_context(|| {
-            format!("KV event endpoint {endpoint:?}: port {port} + rank {rank} exceeds 65535")
-        })?;
-    Ok(format!("tcp://{host}:{ranked}"))
-}
+pub use kvgate_selection::rank_endpoint;
 
 #[derive(Deserialize)]
 #[serde(untagged)]

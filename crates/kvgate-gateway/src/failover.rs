@@ -237,7 +237,7 @@ async fn call_workers(
                         &p.model.name,
                         &worker.url,
                         &decision,
-                        p.model.ledger.block_size(),
+                        p.model.selection.block_size(),
                     );
                     (worker, Some((decision, lease)))
                 }

@@ -1,26 +1,26 @@
 //! The running gateway's shared state and its lifecycle operations.
 //!
-//! Owns [`Gateway`]: the models (with LoRA-adapter aliases), the worker-id counter,
-//! the upstream HTTP client, limits, metrics and event-ingestion wiring. Adding a
-//! worker starts its KV-event subscribers; removing one (or declaring it dead) stops
-//! them and purges its index entries. Must not serve HTTP (server.rs) or pick workers
-//! (routing.rs).
+//! Owns [`Gateway`]: the models (with LoRA-adapter aliases, each with its selection
+//! service), the worker-id counter, the upstream HTTP client, limits and metrics.
+//! Adding a worker registers it with the model's selection service (which starts its
+//! KV-event subscribers); removing one (or declaring it dead) tells the service, which
+//! stops them and purges its index entries. Must not serve HTTP (server.rs) or pick
+//! workers (routing.rs).
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use http::{HeaderName, HeaderValue};
-use kvgate_core::{
-    build_policy, BlockHasher, IndexConfig, PolicyConfig, PolicyKind, PrefixIndex, WorkerId,
-};
-use kvgate_events::{spawn_subscriber, EventMetrics, EventSource, SharedIndex};
+use kvgate_core::{PolicyConfig, PolicyKind, WorkerId};
+use kvgate_events::EventMetrics;
+use kvgate_selection::{SelectionConfig, SelectionService, WorkerEvents};
 use kvgate_tokenize::{LocalTokenizer, Tokenizer};
-use parking_lot::RwLock;
 use rustc_hash::FxHashMap;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{rank_endpoint, Config, ModelConfig, WorkerConfig};
+use crate::config::{Config, ModelConfig, WorkerConfig};
 use crate::errors::ApiError;
 use crate::limits::GlobalLimiter;
 use crate::metrics::Metrics;
@@ -33,7 +33,6 @@ pub struct Gateway {
     models: FxHashMap<String, Arc<ModelState>>,
     /// Served names in declaration order (models, then their LoRA adapters).
     names: Vec<(String, Arc<ModelState>, Option<Arc<str>>)>,
-    next_worker_id: AtomicU32,
     pub(crate) client: HttpClient,
     pub(crate) limiter: GlobalLimiter,
     pub metrics: Metrics,
@@ -67,8 +66,12 @@ impl Gateway {
         let mut models = FxHashMap::default();
         let mut names = Vec::new();
         let mut pending = Vec::new();
+        let events = EventMetrics::new();
+        // One worker-id counter for every model's service: ids are unique gateway-wide.
+        let worker_ids = Arc::new(AtomicU32::new(0));
+        let ledger_ttl = Duration::from_secs(config.ledger_ttl_secs.max(1));
         for mc in &config.models {
-            let model = Arc::new(build_model(mc)?);
+            let model = Arc::new(build_model(mc, &events, &worker_ids, ledger_ttl)?);
             models.insert(mc.name.clone(), model.clone());
             names.push((mc.name.clone(), model.clone(), None));
             for a in &mc.lora_adapters {
@@ -87,14 +90,13 @@ impl Gateway {
             client: build_client(&config.timeouts),
             limiter: GlobalLimiter::new(&config.limits),
             metrics: Metrics::new().context("cannot register metrics")?,
-            events: EventMetrics::new(),
+            events,
             shutdown,
             grace_over: CancellationToken::new(),
             forward_auth: ForwardAuth {
                 strip_client_auth: config.api_key.is_some(),
                 worker_auth,
             },
-            next_worker_id: AtomicU32::new(0),
             models,
             names,
             config,
@@ -188,27 +190,23 @@ impl Gateway {
                 &*model.name
             );
         }
-        let id = WorkerId(self.next_worker_id.fetch_add(1, Ordering::Relaxed));
+        let id = model.selection.allocate_id();
         let worker = Arc::new(Worker::new(id, config, &self.config.health.path)?);
-        if let (Some(index), Some(endpoint)) = (&model.index, &worker.config.kv_events) {
-            let mut subs = worker.subscribers.lock();
-            for rank in 0..worker.config.dp_size {
-                let source = EventSource {
-                    worker: id,
-                    endpoint: rank_endpoint(endpoint, rank)?,
-                    replay_endpoint: worker
-                        .config
-                        .kv_events_replay
-                        .as_deref()
-                        .map(|r| rank_endpoint(r, rank))
-                        .transpose()?,
-                    topic: model.config.kv_topic.clone(),
-                    dp_rank: rank,
-                };
-                subs.push(spawn_subscriber(source, index.clone(), self.events.clone()));
-            }
+        let events = worker
+            .config
+            .kv_events
+            .as_ref()
+            .map(|endpoint| WorkerEvents {
+                endpoint: endpoint.clone(),
+                replay_endpoint: worker.config.kv_events_replay.clone(),
+                dp_size: worker.config.dp_size,
+                block_size: None,
+            });
+        model.selection.add_worker(id, &worker.url, events)?;
+        if let Err(e) = model.insert_worker(worker.clone()) {
+            model.selection.remove_worker(id);
+            return Err(e);
         }
-        model.insert_worker(worker.clone())?;
         tracing::info!(model = %model.name, worker = %worker.url, id = %id, "worker added");
         Ok(worker)
     }
@@ -218,20 +216,20 @@ impl Gateway {
     pub fn remove_worker(&self, model: &str, id: WorkerId) -> Option<Arc<Worker>> {
         let m = self.models.get(model)?;
         let w = m.remove_worker(id)?;
-        for s in w.subscribers.lock().drain(..) {
-            s.shutdown();
-        }
-        self.purge(m, &w, "removed");
-        m.ledger.forget_worker(id);
-        self.events.forget(id);
+        let purged = m.selection.remove_worker(id).unwrap_or(0);
+        self.count_purged(m, &w, purged, "removed");
         tracing::info!(model = %m.name, worker = %w.url, id = %id, "worker removed");
         Some(w)
     }
 
     /// Forgets what the index says a worker holds.
     pub(crate) fn purge(&self, model: &ModelState, worker: &Worker, why: &str) {
-        if let Some(index) = &model.index {
-            let n = kvgate_events::purge_worker(index, worker.id);
+        let n = model.selection.purge_worker(worker.id);
+        self.count_purged(model, worker, n, why);
+    }
+
+    fn count_purged(&self, model: &ModelState, worker: &Worker, n: usize, why: &str) {
+        if model.index().is_some() {
             self.metrics
                 .index_purged_entries
                 .with_label_values(&[&*model.name])
@@ -251,30 +249,33 @@ impl Gateway {
     }
 }
 
-fn build_model(mc: &ModelConfig) -> anyhow::Result<ModelState> {
+fn build_model(
+    mc: &ModelConfig,
+    events: &Arc<EventMetrics>,
+    worker_ids: &Arc<AtomicU32>,
+    booking_ttl: Duration,
+) -> anyhow::Result<ModelState> {
     let name = &mc.name;
-    let hasher = BlockHasher::with_salt(
-        mc.block_size,
-        mc.hash_salt.as_deref().unwrap_or("").as_bytes(),
-    )
-    .map_err(|e| anyhow::anyhow!("model {name:?}: {e}"))?;
-    let policy_config = |kind: PolicyKind| PolicyConfig {
-        kind,
-        seed: mc.seed,
-        kv_aware: mc.kv_aware.clone(),
-        prefix_affinity: mc.prefix_affinity.clone(),
-        session: mc.session.clone(),
-    };
-    let policy = build_policy(&policy_config(mc.policy));
-    let fallback = mc.kv_fallback.map(|k| build_policy(&policy_config(k)));
-    let index: Option<SharedIndex> = (mc.policy == PolicyKind::KvAware).then(|| {
-        Arc::new(RwLock::new(PrefixIndex::new(
-            hasher,
-            IndexConfig {
-                max_blocks: mc.index_max_blocks,
+    let selection = SelectionService::new(
+        SelectionConfig {
+            model: name.clone(),
+            block_size: mc.block_size,
+            hash_salt: mc.hash_salt.clone(),
+            policy: PolicyConfig {
+                kind: mc.policy,
+                seed: mc.seed,
+                kv_aware: mc.kv_aware.clone(),
+                prefix_affinity: mc.prefix_affinity.clone(),
+                session: mc.session.clone(),
             },
-        )))
-    });
+            fallback: mc.kv_fallback,
+            index_max_blocks: mc.index_max_blocks,
+            kv_topic: mc.kv_topic.clone(),
+            booking_ttl,
+        },
+        events.clone(),
+        worker_ids.clone(),
+    )?;
     let tokenizer = match (&mc.tokenizer, mc.remote_tokenize) {
         (Some(dir), false) => Some(Tokenizer::Local(Arc::new(
             LocalTokenizer::from_dir(dir)
@@ -302,10 +303,7 @@ fn build_model(mc: &ModelConfig) -> anyhow::Result<ModelState> {
     }
     Ok(ModelState::new(
         mc.clone(),
-        policy,
-        fallback,
-        hasher,
-        index,
+        selection,
         tokenizer,
         session_header,
     ))

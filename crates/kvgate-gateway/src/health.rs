@@ -132,7 +132,7 @@ pub async fn run_ledger_sweep(gw: Arc<Gateway>) {
             _ = tick.tick() => {}
         }
         for model in gw.models() {
-            let n = model.ledger.sweep_expired(Instant::now(), ttl);
+            let n = model.selection.sweep_expired(Instant::now());
             if n > 0 {
                 tracing::warn!(model = %model.name, swept = n, "ledger TTL sweep freed bookings whose request never ended");
             }

@@ -13,12 +13,12 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
 
-use kvgate_core::{BlockKey, BookingGuard, BookingSpec};
+use kvgate_core::{BookingGuard, Decision};
 
 use crate::limits::Admission;
 use crate::registry::{ModelState, Worker};
+use crate::routing::Prepared;
 
 /// One attempt's hold: admission, and a booking on one worker.
 #[derive(Debug)]
@@ -30,25 +30,27 @@ pub struct Lease {
 }
 
 impl Lease {
-    /// Books `worker` for one attempt if it has fewer than `max_in_flight` requests in
-    /// flight (0 = no limit); `None` when it is full. `prefill_keys` are the prompt's
-    /// block keys while it is prefilled (empty unless the policy credits them).
+    /// Books `worker` (the one `decision` chose) for one attempt of request `p` if it
+    /// has fewer than `max_in_flight` requests in flight (0 = no limit), through the
+    /// model's selection service; `None` when it is full.
     pub(crate) fn try_take(
-        model: &Arc<ModelState>,
+        p: &Prepared,
         worker: &Arc<Worker>,
-        spec: BookingSpec,
-        prefill_keys: &[BlockKey],
+        decision: &Decision,
         admission: &Arc<Admission>,
         max_in_flight: u32,
     ) -> Option<Lease> {
-        let booking =
-            model
-                .ledger
-                .try_book(worker.id, spec, prefill_keys, Instant::now(), max_in_flight)?;
+        let booking = p.model.selection.try_book(
+            decision,
+            p.prompt_tokens,
+            p.max_tokens,
+            p.keys.as_deref().unwrap_or_default(),
+            max_in_flight,
+        )?;
         Some(Lease {
             booking: Some(booking),
             worker: worker.clone(),
-            model: model.clone(),
+            model: p.model.clone(),
             _admission: admission.clone(),
         })
     }

@@ -1,19 +1,21 @@
 //! Workers and models as the running gateway knows them.
 //!
-//! Owns [`Worker`] (identity, URL pieces precomputed for the hot path, circuit breaker,
-//! KV-event subscribers; its in-flight count is the ledger's, taken with a lease) and [`ModelState`] (policy, prefix index,
-//! ledger, tokenizer, the current worker list). Worker ids come from one counter in the
-//! gateway and are never reused. Adding and removing workers happens through
-//! [`ModelState::insert_worker`] / [`ModelState::remove_worker`]; the gateway
-//! (`gateway.rs`) wires subscribers and purges. Must not do HTTP.
+//! Owns [`Worker`] (identity, URL pieces precomputed for the hot path, circuit breaker;
+//! its in-flight count is the ledger's, taken with a lease) and [`ModelState`] (the
+//! model's selection service, its tokenizer, the current worker list). Worker ids come
+//! from one counter shared by every model's selection service and are never reused.
+//! Adding and removing workers happens through [`ModelState::insert_worker`] /
+//! [`ModelState::remove_worker`]; the gateway (`gateway.rs`) registers them with the
+//! selection service (which runs their KV-event subscribers). Must not do HTTP.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{HeaderName, HeaderValue, Uri};
-use kvgate_core::{BlockHasher, Ledger, PolicyKind, RoutingPolicy, WorkerId};
-use kvgate_events::{SharedIndex, SubscriberHandle};
+use kvgate_core::{Ledger, PolicyKind, WorkerId};
+use kvgate_events::SharedIndex;
+use kvgate_selection::SelectionService;
 use kvgate_tokenize::Tokenizer;
 use parking_lot::{Mutex, RwLock};
 use tokio::sync::Notify;
@@ -55,7 +57,6 @@ pub struct Worker {
     paths: [PathAndQuery; 4],
     pub breaker: Breaker,
     pub config: WorkerConfig,
-    pub(crate) subscribers: Mutex<Vec<SubscriberHandle>>,
     /// Cancelled (and replaced) when health checks declare the worker dead, so requests
     /// in flight on it end now instead of waiting on an engine that will not answer.
     cut_off: Mutex<CancellationToken>,
@@ -98,7 +99,6 @@ impl Worker {
             ],
             breaker: Breaker::new(),
             config,
-            subscribers: Mutex::new(Vec::new()),
             cut_off: Mutex::new(CancellationToken::new()),
         })
     }
@@ -129,13 +129,9 @@ impl Worker {
 pub struct ModelState {
     pub name: Arc<str>,
     pub config: ModelConfig,
-    pub policy: Box<dyn RoutingPolicy>,
-    /// kv_aware without an event source routes with this policy when configured.
-    pub fallback: Option<Box<dyn RoutingPolicy>>,
-    pub hasher: BlockHasher,
-    /// The prefix index (kv_aware only).
-    pub index: Option<SharedIndex>,
-    pub ledger: Arc<Ledger>,
+    /// The model's routing state: prefix index and its KV-event subscribers, the load
+    /// ledger, the policy (kvgate-selection; the Python package uses the same service).
+    pub selection: SelectionService,
     /// Local tokenizer (None with remote tokenization or token-less policies).
     pub tokenizer: Option<Tokenizer>,
     pub session_header: HeaderName,
@@ -150,30 +146,22 @@ impl std::fmt::Debug for ModelState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ModelState")
             .field("name", &self.name)
-            .field("policy", &self.policy.kind())
+            .field("policy", &self.selection.kind())
             .finish_non_exhaustive()
     }
 }
 
 impl ModelState {
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         config: ModelConfig,
-        policy: Box<dyn RoutingPolicy>,
-        fallback: Option<Box<dyn RoutingPolicy>>,
-        hasher: BlockHasher,
-        index: Option<SharedIndex>,
+        selection: SelectionService,
         tokenizer: Option<Tokenizer>,
         session_header: HeaderName,
     ) -> ModelState {
         ModelState {
             name: config.name.as_str().into(),
-            ledger: Ledger::new(config.block_size),
             config,
-            policy,
-            fallback,
-            hasher,
-            index,
+            selection,
             tokenizer,
             session_header,
             workers: RwLock::new(Arc::new(Vec::new())),
@@ -189,7 +177,17 @@ impl ModelState {
     }
 
     pub fn kind(&self) -> PolicyKind {
-        self.policy.kind()
+        self.selection.kind()
+    }
+
+    /// The load ledger (the selection service's).
+    pub fn ledger(&self) -> &Arc<Ledger> {
+        self.selection.ledger()
+    }
+
+    /// The prefix index (kv_aware only).
+    pub fn index(&self) -> Option<&SharedIndex> {
+        self.selection.index()
     }
 
     /// The current workers (a cheap snapshot).
@@ -205,7 +203,7 @@ impl ModelState {
 
     /// Whether KV events feed this model's index (some worker has an event source).
     pub fn has_event_source(&self) -> bool {
-        self.index.is_some() && self.workers().iter().any(|w| w.config.kv_events.is_some())
+        self.selection.has_event_source()
     }
 
     /// Adds a worker; fails when its URL is already present.
@@ -223,7 +221,6 @@ impl ModelState {
             next.push(worker);
             *guard = Arc::new(next);
         }
-        self.notify_policy();
         Ok(())
     }
 
@@ -237,18 +234,8 @@ impl ModelState {
             *guard = Arc::new(next);
             removed
         };
-        self.notify_policy();
         self.capacity.notify_waiters();
         Some(removed)
-    }
-
-    fn notify_policy(&self) {
-        let workers = self.workers();
-        let list: Vec<(WorkerId, &str)> = workers.iter().map(|w| (w.id, &*w.url)).collect();
-        self.policy.workers_changed(&list);
-        if let Some(fb) = &self.fallback {
-            fb.workers_changed(&list);
-        }
     }
 
     /// Available workers, starting at a rotating position (spreads side calls such as

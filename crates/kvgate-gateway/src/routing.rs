@@ -1,6 +1,7 @@
 //! From request body to chosen worker: parse the fields routing needs, find the model,
-//! tokenize when the policy scores on tokens, hash block keys, and run the policy over
-//! the healthy candidates with free slots.
+//! tokenize when the policy scores on tokens, hash block keys, and ask the model's
+//! selection service (kvgate-selection) to choose among the healthy candidates with
+//! free slots.
 //!
 //! Owns request preparation and selection, and taking the chosen worker's lease
 //! (lease.rs books it) including waiting for a worker slot. It must not talk to
@@ -13,9 +14,8 @@ use std::time::Instant;
 
 use http::HeaderMap;
 use http_body_util::BodyExt;
-use kvgate_core::{
-    BlockKey, Decision, FleetView, PolicyKind, RouteRequest, RoutingPolicy, SelectError, WorkerId,
-};
+use kvgate_core::{BlockKey, Decision, PolicyKind, SelectError, WorkerId};
+use kvgate_selection::SelectRequest;
 use kvgate_tokenize::{
     remote_answer, remote_request, RemoteRequest, RequestKind, RoutingTokens, TokenizeError,
 };
@@ -114,8 +114,7 @@ pub async fn prepare(
     let value = &value;
     match tokenize(gw, &p.model, kind, value).await? {
         RoutingTokens::Tokens { ids, .. } => {
-            let hasher = p.model.hasher.for_lora(p.lora.as_deref());
-            p.keys = Some(hasher.block_keys(&ids));
+            p.keys = Some(p.model.selection.block_keys(&ids, p.lora.as_deref()));
             p.prompt_tokens = u32::try_from(ids.len()).unwrap_or(u32::MAX);
             if tokens == TokenUse::ReturnIds {
                 p.token_ids = Some(ids);
@@ -251,14 +250,14 @@ pub fn try_pick(
             Pick::NoneHealthy
         });
     }
-    let req = RouteRequest {
+    let req = SelectRequest {
         block_keys: p.keys.as_deref(),
         prompt_tokens: p.prompt_tokens,
         session_key,
         now: Instant::now(),
     };
     let start = Instant::now();
-    let result = run_policy(model, &req, &found);
+    let result = model.selection.select(&req, &found.ids);
     gw.metrics
         .decision_seconds
         .with_label_values(&[&*model.name, model.kind().as_str()])
@@ -288,8 +287,6 @@ struct Found {
     ids: SmallVec<[WorkerId; 16]>,
     /// Some worker is healthy (the candidates may still be empty: all full).
     any_healthy: bool,
-    /// Some worker has a KV event source (the index is worth reading).
-    events: bool,
 }
 
 /// Healthy workers (breaker closed) not in `excluded`, and with a free slot unless
@@ -306,10 +303,8 @@ fn candidates(
     let mut found = Found {
         ids: SmallVec::new(),
         any_healthy: false,
-        events: false,
     };
     for w in workers {
-        found.events |= w.config.kv_events.is_some();
         if w.breaker.available(passive) && !excluded.contains(&w.id) {
             found.ids.push(w.id);
         }
@@ -317,51 +312,13 @@ fn candidates(
     found.any_healthy = !found.ids.is_empty();
     if from == Candidates::WithFreeSlot && limit > 0 {
         // One read of the ledger for every healthy worker's in-flight count.
-        let loads = model.ledger.loads_of(&found.ids);
+        let loads = model.ledger().loads_of(&found.ids);
         let mut loads = loads.iter();
         found
             .ids
             .retain(|_| loads.next().is_some_and(|l| l.in_flight < limit));
     }
     found
-}
-
-/// The model's policy over the candidates (its fallback when kv_aware has no index);
-/// the index's read lock is held only for this synchronous call.
-fn run_policy(
-    model: &ModelState,
-    req: &RouteRequest<'_>,
-    found: &Found,
-) -> Result<Decision, SelectError> {
-    let index = if found.events {
-        model.index.as_ref().map(|i| i.read())
-    } else {
-        None
-    };
-    let view = FleetView {
-        candidates: &found.ids,
-        ledger: &model.ledger,
-        index: index.as_deref(),
-    };
-    match model.policy.select(req, &view) {
-        Err(SelectError::NoIndex) => match &model.fallback {
-            Some(fb) => select_fallback(fb.as_ref(), req, &view),
-            None => Err(SelectError::NoIndex),
-        },
-        other => other,
-    }
-}
-
-fn select_fallback(
-    fb: &dyn RoutingPolicy,
-    req: &RouteRequest<'_>,
-    view: &FleetView<'_>,
-) -> Result<Decision, SelectError> {
-    let view = FleetView {
-        index: None,
-        ..*view
-    };
-    fb.select(req, &view)
 }
 
 /// The session key of a request, from the model's session header.
@@ -385,19 +342,11 @@ pub async fn pick(
 ) -> Result<(Decision, Lease), ApiError> {
     let session = session_key(&p.model, headers);
     let limit = gw.config.limits.max_in_flight_per_worker;
-    // Only kv_aware reads the prompts in prefill (its credit); no other policy needs
-    // the ledger to track them.
-    let prefill_keys: &[BlockKey] = if p.model.kind() == PolicyKind::KvAware {
-        p.keys.as_deref().unwrap_or_default()
-    } else {
-        &[]
-    };
     // `None`: every candidate is full (or the chosen one filled up meanwhile): wait.
     let attempt = || match try_pick(gw, p, session, excluded, Candidates::WithFreeSlot) {
         Err(e) => Some(Err(e)),
         Ok(Pick::Chosen { decision, worker }) => {
-            let spec = decision.booking(p.prompt_tokens, p.max_tokens);
-            Lease::try_take(&p.model, &worker, spec, prefill_keys, admission, limit)
+            Lease::try_take(p, &worker, &decision, admission, limit)
                 .map(|lease| Ok((decision, lease)))
         }
         Ok(Pick::Full) => None,

@@ -241,7 +241,7 @@ async fn explain(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
         "reason": decision.reason,
         "prompt_tokens": p.prompt_tokens,
         "prompt_blocks": p.keys.as_ref().map(Vec::len),
-        "block_size": p.model.hasher.block_size(),
+        "block_size": p.model.selection.block_size(),
         "predicted_cached_tokens": decision.predicted_cached_tokens,
         "scores": scores,
     }))
@@ -289,11 +289,16 @@ async fn metrics(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Response
             for m in gw.models() {
                 let workers = m.workers();
                 for w in workers.iter() {
-                    g.worker(&m.name, &w.url, &m.ledger.load(w.id), !w.breaker.is_open());
-                    g.accuracy(&m.name, &w.url, &m.ledger.accuracy(w.id));
+                    g.worker(
+                        &m.name,
+                        &w.url,
+                        &m.ledger().load(w.id),
+                        !w.breaker.is_open(),
+                    );
+                    g.accuracy(&m.name, &w.url, &m.ledger().accuracy(w.id));
                 }
-                g.ledger(&m.name, &m.ledger.stats());
-                if let Some(index) = &m.index {
+                g.ledger(&m.name, &m.ledger().stats());
+                if let Some(index) = m.index() {
                     g.index_entries(&m.name, index.read().len());
                 }
             }
@@ -387,7 +392,7 @@ impl RunningGateway {
 
     /// Bookings the model's ledger holds (requests routed and not yet ended).
     pub fn ledger_in_flight(&self, model: &str) -> Option<u64> {
-        self.gateway.model(model).map(|m| m.ledger.in_flight())
+        self.gateway.model(model).map(|m| m.ledger().in_flight())
     }
 
     /// Admission slots taken (requests admitted and not yet ended), and requests
@@ -403,7 +408,7 @@ impl RunningGateway {
     pub fn index_len(&self, model: &str) -> Option<usize> {
         self.gateway
             .model(model)
-            .and_then(|m| m.index.as_ref().map(|i| i.read().len()))
+            .and_then(|m| m.index().map(|i| i.read().len()))
     }
 
     /// Resolves when a shutdown was requested (e.g. by [`RunningGateway::trigger_shutdown`]).
@@ -450,11 +455,7 @@ impl RunningGateway {
             t.abort();
         }
         for m in self.gateway.models() {
-            for w in m.workers().iter() {
-                for s in w.subscribers.lock().drain(..) {
-                    s.shutdown();
-                }
-            }
+            m.selection.shutdown();
         }
     }
 }

@@ -608,7 +608,7 @@ async fn ledger_is_empty_after_a_burst_with_disconnects() {
     eventually("ledger drained", || gw.ledger_in_flight("m") == Some(0)).await;
     let m = gw.gateway().model("m").unwrap();
     for w in m.workers().iter() {
-        assert_eq!(m.ledger.load(w.id), kvgate_core::WorkerLoad::default());
+        assert_eq!(m.ledger().load(w.id), kvgate_core::WorkerLoad::default());
     }
     // Client disconnects aborted the upstream requests.
     eventually("engines saw aborts", || {
@@ -886,12 +886,12 @@ async fn health_checks_take_workers_out_and_back_without_touching_load() {
         assert_eq!(worker_of(&r), a.url);
     }
     eventually("b's booking freed by its guard", || {
-        m.ledger.load(bw.id).in_flight == 0
+        m.ledger().load(bw.id).in_flight == 0
     })
     .await;
     let aw = m.worker_by_url(&a.url).unwrap();
     assert_eq!(
-        m.ledger.load(aw.id).in_flight,
+        m.ledger().load(aw.id).in_flight,
         1,
         "health must not reset another worker's load"
     );
@@ -1163,7 +1163,7 @@ async fn the_end_of_the_grace_period_ends_every_response_cleanly() {
         (s, v["error"]["code"].as_str()),
         (503, Some("gateway_shutting_down"))
     );
-    assert_eq!(model.ledger.in_flight(), 0);
+    assert_eq!(model.ledger().in_flight(), 0);
 }
 
 /// A body the engine refuses while it is still being sent is the client's problem,
@@ -1299,7 +1299,7 @@ async fn every_counter_returns_to_its_start_after_a_random_mix_of_endings() {
     let start_loads: Vec<_> = model
         .workers()
         .iter()
-        .map(|w| model.ledger.load(w.id))
+        .map(|w| model.ledger().load(w.id))
         .collect();
     let c = client();
     let url = format!("{}/v1/chat/completions", gw.url());
@@ -1359,15 +1359,15 @@ async fn every_counter_returns_to_its_start_after_a_random_mix_of_endings() {
     assert_eq!(endings.values().sum::<u64>(), n, "{endings:?}");
     assert_eq!(endings.len(), 6, "{endings:?}");
     eventually("every lease ended", || {
-        model.ledger.in_flight() == 0 && gw.admitted() == (0, 0)
+        model.ledger().in_flight() == 0 && gw.admitted() == (0, 0)
     })
     .await;
     for (w, start) in model.workers().iter().zip(&start_loads) {
-        assert_eq!(model.ledger.load(w.id), *start, "{}", w.url);
+        assert_eq!(model.ledger().load(w.id), *start, "{}", w.url);
         assert!(!w.breaker.is_open(), "{}", w.url);
     }
     assert_eq!(model.waiting_for_slot(), 0);
-    let stats = model.ledger.stats();
+    let stats = model.ledger().stats();
     assert_eq!(stats.active, 0);
     assert_eq!(stats.booked, stats.freed);
     assert_eq!(stats.swept, 0, "a booking leaked until the TTL sweep");

@@ -136,8 +136,7 @@ async fn repeated_prompt_follows_its_cached_prefix() {
     let m = g.model("m").unwrap().clone();
     let w = m.worker_by_url(&first).unwrap();
     assert!(
-        m.index
-            .as_ref()
+        m.index()
             .unwrap()
             .read()
             .worker_len(WorkerRef::new(w.id, 0))
@@ -145,8 +144,7 @@ async fn repeated_prompt_follows_its_cached_prefix() {
     );
     g.remove_worker("m", w.id).unwrap();
     assert_eq!(
-        m.index
-            .as_ref()
+        m.index()
             .unwrap()
             .read()
             .worker_len(WorkerRef::new(w.id, 0)),
@@ -154,8 +152,7 @@ async fn repeated_prompt_follows_its_cached_prefix() {
     );
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(
-        m.index
-            .as_ref()
+        m.index()
             .unwrap()
             .read()
             .worker_len(WorkerRef::new(w.id, 0)),
