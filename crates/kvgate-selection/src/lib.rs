@@ -599,6 +599,50 @@ impl SelectionService {
         Ok(())
     }
 
+    /// Selects among `candidates` and books the choice under `request_id` in one step:
+    /// request-keyed selections are serialized, so concurrent requests for one prefix
+    /// see each other's bookings and spread instead of herding. A booking the request
+    /// already holds is replaced (the caller re-routes it). Returns the decision.
+    pub fn select_and_book_request(
+        &self,
+        request_id: &str,
+        req: &SelectRequest<'_>,
+        candidates: &[WorkerId],
+        expected_output_tokens: Option<u32>,
+    ) -> Result<Decision, SelectError> {
+        let mut requests = self.requests.lock();
+        // A re-route gives up the old booking before choosing again.
+        let previous = requests.remove(request_id);
+        drop(previous);
+        let decision = self.select(req, candidates)?;
+        let guard = match self.try_book(
+            &decision,
+            req.prompt_tokens,
+            expected_output_tokens,
+            req.block_keys.unwrap_or_default(),
+            0,
+        ) {
+            Some(g) => g,
+            None => unreachable!("a booking without a limit is never refused"),
+        };
+        requests.insert(
+            request_id.to_string(),
+            HeldBooking {
+                guard,
+                booked_at: Instant::now(),
+            },
+        );
+        Ok(decision)
+    }
+
+    /// The worker a request's booking is on.
+    pub fn booked_worker(&self, request_id: &str) -> Option<WorkerId> {
+        self.requests
+            .lock()
+            .get(request_id)
+            .map(|h| h.guard.worker())
+    }
+
     /// The request's first token arrived. False when no booking has this id.
     pub fn prefill_done(&self, request_id: &str) -> bool {
         self.with_request(request_id, |g| g.prefill_done())

@@ -230,3 +230,36 @@ fn kv_aware_without_events_uses_its_fallback_or_says_why() {
     let w = s.upsert_worker("w", None).unwrap();
     assert_eq!(s.select(&request(&keys, 8), &[w]).unwrap().worker, w);
 }
+
+#[test]
+fn select_and_book_spreads_a_burst_and_a_reroute_replaces_the_booking() {
+    let s = service(PolicyKind::LeastLoaded);
+    let ws: Vec<WorkerId> = (0..4)
+        .map(|i| s.upsert_worker(&format!("w{i}"), None).unwrap())
+        .collect();
+    let keys = s.block_keys(&[3; 64], None);
+    for i in 0..8 {
+        s.select_and_book_request(&format!("r{i}"), &request(&keys, 64), &ws, Some(10))
+            .unwrap();
+    }
+    for w in &ws {
+        assert_eq!(
+            s.ledger().load(*w).in_flight,
+            2,
+            "every booking is seen by the next selection"
+        );
+    }
+    // r0 re-routed away from its worker: one booking, on the new worker.
+    let first = s.booked_worker("r0").unwrap();
+    let others: Vec<WorkerId> = ws.iter().copied().filter(|w| *w != first).collect();
+    let d = s
+        .select_and_book_request("r0", &request(&keys, 64), &others, Some(10))
+        .unwrap();
+    assert_ne!(d.worker, first);
+    assert_eq!(s.open_requests(), 8);
+    assert_eq!(s.ledger().load(first).in_flight, 1);
+    for i in 0..8 {
+        assert!(s.free(&format!("r{i}")));
+    }
+    assert_eq!(s.ledger().stats().active, 0);
+}

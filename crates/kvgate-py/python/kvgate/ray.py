@@ -1,0 +1,507 @@
+"""kvgate.ray: KV-aware request routing inside Ray Serve, backed by kvgate's Rust core.
+
+Owns the Ray Serve side of kvgate, and nothing that scores or books: that is the
+selection service (``kvgate._native.SelectionService``, the same Rust code ``kvgate
+serve`` uses), owned by one deployment-scoped actor.
+
+* ``KVAwareRequestRouter``: a ``ray.serve.request_router.RequestRouter`` named in a
+  deployment's config as ``request_router_class: kvgate.ray:KVAwareRequestRouter``.
+  ``choose_replicas`` reads the prompt's token ids from the request's
+  ``request_token_ids`` keyword argument (where Ray Serve LLM's ingress puts them after
+  pre-routing tokenization), asks the actor to select and book a replica in one step,
+  and returns it. Replicas advertise their KV-event endpoints through
+  ``record_routing_stats`` (``kv_event_metadata``), so nothing is configured by hand.
+* ``SelectionActor``: the deployment-scoped actor (one per deployment, named
+  ``kvgate:<app>:<deployment>``) that owns one selection service.
+* ``track_stream``: the replica-side lifecycle of a request: prefill done at its first
+  token, decode progress per chunk, freed on end, error or cancellation.
+* ``RoutingTokenizer``: pre-routing tokenization with Ray Serve LLM's semantics.
+
+Failure handling (as Ray Serve's design asks): a request without a pending request goes
+to every candidate (the base router's load-based choice); missing or empty token ids
+raise ``ValueError`` (an ingress answers 400); a missing native module or selection
+actor raises ``KvgateUnavailableError``, a ``RuntimeError`` (503), never a silent
+fallback to round-robin.
+
+The native module is imported only inside the actor and the tokenizer: Ray pickles
+actor classes by value, and a process that merely routes must not need it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple, Union
+
+import ray
+from ray import serve
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from kvgate._errors import KvgateUnavailableError
+
+logger = logging.getLogger("ray.serve")
+
+#: The keyword argument carrying the prompt's token ids (Ray Serve LLM's name).
+REQUEST_TOKEN_IDS_KWARG = "request_token_ids"
+#: The ``record_routing_stats`` key under which a replica advertises its KV events.
+KV_EVENT_METADATA_KEY = "kv_event_metadata"
+#: The namespace of the selection actors.
+ACTOR_NAMESPACE = "kvgate"
+#: Output progress is reported every this many chunks (and at the end).
+PROGRESS_EVERY = 8
+
+__all__ = [
+    "KVAwareRequestRouter",
+    "SelectionActor",
+    "RoutingTokenizer",
+    "KvgateUnavailableError",
+    "kv_event_metadata",
+    "selection_actor_name",
+    "get_selection_actor",
+    "track_stream",
+    "REQUEST_TOKEN_IDS_KWARG",
+    "KV_EVENT_METADATA_KEY",
+]
+
+
+def kv_event_metadata(
+    endpoint: str,
+    *,
+    block_size: int,
+    replay_endpoint: Optional[str] = None,
+    dp_size: int = 1,
+) -> Dict[str, Any]:
+    """What a replica returns from ``record_routing_stats`` so the router subscribes to
+    its engine's KV events: ``endpoint`` is rank 0's ZMQ PUB socket (``tcp://HOST:PORT``,
+    rank r on PORT + r), ``replay_endpoint`` its replay ROUTER socket."""
+    return {
+        KV_EVENT_METADATA_KEY: {
+            "endpoint": endpoint,
+            "replay_endpoint": replay_endpoint,
+            "block_size": int(block_size),
+            "dp_size": int(dp_size),
+        }
+    }
+
+
+def selection_actor_name(app_name: str, deployment_name: str) -> str:
+    """The name of the selection actor of one deployment."""
+    return f"kvgate:{app_name}:{deployment_name}"
+
+
+class SelectionActor:
+    """Owns one deployment's selection service (its prefix index, fed by every
+    replica's KV events; the load ledger; the policy). Every router of the deployment
+    (one per process holding a handle) and every replica talk to this one actor, so
+    their bookings meet in one ledger."""
+
+    def __init__(self, **service_kwargs: Any):
+        try:
+            from kvgate import _native
+        except ImportError as e:  # pragma: no cover - exercised through the router
+            raise KvgateUnavailableError(
+                f"kvgate's native module cannot be imported in the selection actor: {e}"
+            ) from e
+        self._svc = _native.SelectionService(**service_kwargs)
+        self._advertised: Dict[str, Optional[Tuple]] = {}
+
+    async def sync_workers(self, members: Dict[str, Optional[Dict[str, Any]]]) -> None:
+        """Adds the replicas in ``members`` (name -> kv_event_metadata or None) and
+        updates changed endpoints. An advertisement never goes back to None: a router
+        with an older view must not stop a replica's subscribers."""
+        for name, meta in members.items():
+            key = _metadata_key(meta)
+            known = self._advertised.get(name, "unknown")
+            if known == key or (key is None and known not in ("unknown", None)):
+                continue
+            if meta is None:
+                await self._svc.upsert_worker(name)
+            else:
+                await self._svc.upsert_worker(
+                    name,
+                    meta.get("endpoint"),
+                    meta.get("replay_endpoint"),
+                    int(meta.get("dp_size") or 1),
+                    meta.get("block_size"),
+                )
+            self._advertised[name] = key
+
+    async def remove_workers(self, names: List[str]) -> None:
+        for name in names:
+            self._advertised.pop(name, None)
+            await self._svc.remove_worker(name)
+
+    async def select_and_book(
+        self,
+        request_id: str,
+        token_ids: List[int],
+        allowed_workers: List[str],
+        expected_output_tokens: Optional[int],
+    ) -> Dict[str, Any]:
+        s = await self._svc.select_and_book(
+            request_id, token_ids, allowed_workers, expected_output_tokens
+        )
+        return {
+            "worker_id": s.worker_id,
+            "overlap_blocks": s.overlap_blocks,
+            "predicted_cached_tokens": s.predicted_cached_tokens,
+            "reason": s.reason,
+        }
+
+    async def select(
+        self,
+        request_id: str,
+        token_ids: List[int],
+        allowed_workers: Optional[List[str]] = None,
+        expected_output_tokens: Optional[int] = None,
+    ) -> Dict[str, Any]:
+        s = await self._svc.select(
+            request_id, token_ids, allowed_workers, expected_output_tokens
+        )
+        return {
+            "worker_id": s.worker_id,
+            "overlap_blocks": s.overlap_blocks,
+            "predicted_cached_tokens": s.predicted_cached_tokens,
+            "scores": [
+                {"worker_id": x.worker_id, "overlap_blocks": x.overlap_blocks,
+                 "in_flight": x.in_flight, "cost": x.cost}
+                for x in s.scores
+            ],
+        }
+
+    async def prefill_done(self, request_id: str) -> bool:
+        return await self._svc.prefill_done(request_id)
+
+    async def decode_progress(self, request_id: str, output_tokens: int) -> bool:
+        return await self._svc.decode_progress(request_id, output_tokens)
+
+    async def free(self, request_id: str) -> bool:
+        return await self._svc.free(request_id)
+
+    def open_requests(self) -> int:
+        return self._svc.open_requests()
+
+    def loads(self) -> Dict[str, Dict[str, float]]:
+        return self._svc.loads()
+
+    def workers(self) -> List[str]:
+        return self._svc.workers()
+
+    def ready(self) -> bool:
+        return True
+
+
+def _metadata_key(meta: Optional[Dict[str, Any]]) -> Optional[Tuple]:
+    if meta is None:
+        return None
+    return (
+        meta.get("endpoint"),
+        meta.get("replay_endpoint"),
+        meta.get("dp_size") or 1,
+        meta.get("block_size"),
+    )
+
+
+def get_selection_actor(
+    app_name: str,
+    deployment_name: str,
+    service_kwargs: Optional[Dict[str, Any]] = None,
+    actor_options: Optional[Dict[str, Any]] = None,
+):
+    """The deployment's selection actor; with ``service_kwargs``, created on first use
+    (detached: it outlives any one router process; it is restarted if it dies, and its
+    index then rebuilds from the engines' replay buffers)."""
+    name = selection_actor_name(app_name, deployment_name)
+    if service_kwargs is None:
+        return ray.get_actor(name, namespace=ACTOR_NAMESPACE)
+    options = {
+        "name": name,
+        "namespace": ACTOR_NAMESPACE,
+        "get_if_exists": True,
+        "lifetime": "detached",
+        "num_cpus": 0,
+        "max_restarts": -1,
+        "max_concurrency": 1000,
+    }
+    options.update(actor_options or {})
+    return ray.remote(SelectionActor).options(**options).remote(**service_kwargs)
+
+
+def _expected_output_tokens(pr: PendingRequest) -> Optional[int]:
+    """The request's output cap (``max_completion_tokens`` / ``max_tokens``), if any."""
+    sources: List[Any] = [pr.kwargs]
+    if pr.args:
+        sources.append(pr.args[0])
+    for src in sources:
+        for field in ("max_completion_tokens", "max_tokens"):
+            v = src.get(field) if isinstance(src, dict) else getattr(src, field, None)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+    return None
+
+
+class KVAwareRequestRouter(RequestRouter):
+    """Routes each request to the replica whose engine holds the most of its prompt's
+    KV cache, weighed against the prefill and decode work each replica carries.
+
+    ``request_router_kwargs``: ``block_size`` (the engines'), ``policy`` (``kv_aware``;
+    ``prefix_affinity``, ``least_loaded`` ... for comparison), ``kv_aware`` (weights,
+    e.g. ``{"overlap_weight": 4.0}``), ``hash_salt``, ``kv_topic``, ``booking_ttl_s``,
+    ``index_max_blocks``, ``seed``; ``actor_options``: Ray actor options for the
+    selection actor (``resources``, ``runtime_env``, ...).
+    """
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        self._service_kwargs = {
+            "block_size": int(kwargs.pop("block_size", 16)),
+            "policy": str(kwargs.pop("policy", "kv_aware")),
+        }
+        for k in ("kv_aware", "hash_salt", "kv_topic", "booking_ttl_s", "index_max_blocks", "seed"):
+            if k in kwargs:
+                self._service_kwargs[k] = kwargs.pop(k)
+        self._actor_options = dict(kwargs.pop("actor_options", None) or {})
+        if kwargs:
+            raise ValueError(
+                f"KVAwareRequestRouter: unknown request_router_kwargs {sorted(kwargs)}"
+            )
+        self._actor = None
+        self._synced: Dict[str, Optional[Tuple]] = {}
+        self._known_replicas: set = set()
+
+    # -- the deployment's selection actor ------------------------------------------
+
+    def _selection_actor(self):
+        if self._actor is None:
+            self._actor = get_selection_actor(
+                self._deployment_id.app_name,
+                self._deployment_id.name,
+                self._service_kwargs,
+                self._actor_options,
+            )
+        return self._actor
+
+    async def _sync_members(self, actor) -> None:
+        """Tells the actor about replicas it has not seen advertised as they are now."""
+        changed = {}
+        for rid, replica in self._replicas.items():
+            meta = (replica.routing_stats or {}).get(KV_EVENT_METADATA_KEY)
+            key = _metadata_key(meta)
+            name = rid.unique_id
+            if name not in self._synced or self._synced[name] != key:
+                changed[name] = meta
+        if changed:
+            await actor.sync_workers.remote(changed)
+            for name, meta in changed.items():
+                self._synced[name] = _metadata_key(meta)
+
+    def update_replicas(self, replicas: List[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        current = {r.replica_id.unique_id for r in replicas}
+        gone = [name for name in self._known_replicas if name not in current]
+        self._known_replicas = current
+        if gone and self._actor is not None:
+            for name in gone:
+                self._synced.pop(name, None)
+            self._actor.remove_workers.remote(gone)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        name = replica_id.unique_id
+        self._synced.pop(name, None)
+        self._known_replicas.discard(name)
+        if self._actor is not None:
+            self._actor.remove_workers.remote([name])
+
+    # -- routing ---------------------------------------------------------------------
+
+    @staticmethod
+    def _fail(pr: PendingRequest, err: Exception, candidates: List[RunningReplica]):
+        """Fails the request with ``err`` (raised to the caller of the handle) and lets
+        Ray's routing loop see the request as done."""
+        if not pr.future.done():
+            pr.future.set_exception(err)
+        return [candidates[:1]]
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: List[RunningReplica],
+        pending_request: Optional[PendingRequest] = None,
+    ) -> List[List[RunningReplica]]:
+        if pending_request is None or not candidate_replicas:
+            # Nothing to score on: the base router's load-based choice among all.
+            return [candidate_replicas]
+        token_ids = pending_request.kwargs.get(REQUEST_TOKEN_IDS_KWARG)
+        if not token_ids:
+            return self._fail(
+                pending_request,
+                ValueError(
+                    "KV-aware routing needs the prompt's token ids in the "
+                    f"'{REQUEST_TOKEN_IDS_KWARG}' argument and this request has none"
+                ),
+                candidate_replicas,
+            )
+        request_id = pending_request.metadata.internal_request_id
+        by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
+        try:
+            actor = self._selection_actor()
+            await self._sync_members(actor)
+            chosen = await actor.select_and_book.remote(
+                request_id,
+                list(token_ids),
+                list(by_name),
+                _expected_output_tokens(pending_request),
+            )
+        except ValueError as e:
+            return self._fail(pending_request, ValueError(str(e)), candidate_replicas)
+        except Exception as e:  # the actor is missing, died, or cannot import the core
+            return self._fail(
+                pending_request,
+                KvgateUnavailableError(f"kvgate selection is unavailable: {e}"),
+                candidate_replicas,
+            )
+        replica = by_name.get(chosen["worker_id"])
+        if replica is None:
+            # The candidate left while we chose: free the booking and choose again.
+            actor.free.remote(request_id)
+            return []
+        if pending_request.future.done():
+            # Cancelled while we chose: it will never be dispatched.
+            actor.free.remote(request_id)
+        else:
+            pending_request.future.add_done_callback(
+                lambda fut, rid=request_id: self._on_routed_or_dropped(fut, rid)
+            )
+        return [[replica]]
+
+    def _on_routed_or_dropped(self, fut: asyncio.Future, request_id: str) -> None:
+        # A request cancelled (or failed) before dispatch never reaches a replica, so
+        # no completion will free its booking: free it here.
+        if (fut.cancelled() or fut.exception() is not None) and self._actor is not None:
+            self._actor.free.remote(request_id)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        # Ray calls this once per dispatched request, on success, error or cancellation.
+        if self._actor is not None:
+            self._actor.free.remote(internal_request_id)
+
+
+# -- the replica side ------------------------------------------------------------------
+
+_replica_actor_cache: Dict[Tuple[str, str], Any] = {}
+
+
+def _replica_selection_actor():
+    ctx = serve.get_replica_context()
+    key = (ctx.app_name, ctx.deployment)
+    actor = _replica_actor_cache.get(key)
+    if actor is None:
+        actor = get_selection_actor(ctx.app_name, ctx.deployment)
+        _replica_actor_cache[key] = actor
+    return actor
+
+
+def _count_sse_tokens(chunk: Union[bytes, str]) -> int:
+    """Output tokens in an OpenAI SSE chunk: one per ``data:`` event that is not
+    ``[DONE]`` (engines stream one token per event)."""
+    text = chunk.decode("utf-8", "replace") if isinstance(chunk, (bytes, bytearray)) else str(chunk)
+    return sum(
+        1
+        for line in text.splitlines()
+        if line.startswith("data:") and line[5:].strip() not in ("", "[DONE]")
+    )
+
+
+async def track_stream(
+    stream: AsyncIterator[Any],
+    *,
+    count_tokens: Callable[[Any], int] = _count_sse_tokens,
+) -> AsyncIterator[Any]:
+    """Wraps a replica's response stream and reports its lifecycle to the selection
+    actor: prefill done at the first token, cumulative output tokens every
+    ``PROGRESS_EVERY`` chunks, and the end (finished, failed or cancelled) in a
+    ``finally``. Use inside a deployment method that a ``KVAwareRequestRouter``
+    routes to::
+
+        async def __call__(self, body, request_token_ids=None):
+            async for chunk in kvgate.ray.track_stream(self.engine_stream(body)):
+                yield chunk
+
+    Reports are fire-and-forget: the stream never waits on the router."""
+    try:
+        request_id = serve.context._get_serve_request_context()._internal_request_id
+        actor = _replica_selection_actor()
+    except Exception as e:  # not routed by kvgate, or the actor is gone
+        logger.debug("kvgate: no lifecycle tracking for this request: %s", e)
+        async for chunk in stream:
+            yield chunk
+        return
+    produced = 0
+    chunks = 0
+    first = True
+    try:
+        async for chunk in stream:
+            produced += count_tokens(chunk)
+            chunks += 1
+            if first and produced > 0:
+                first = False
+                actor.prefill_done.remote(request_id)
+            elif chunks % PROGRESS_EVERY == 0:
+                actor.decode_progress.remote(request_id, produced)
+            yield chunk
+    finally:
+        actor.free.remote(request_id)
+
+
+# -- pre-routing tokenization ----------------------------------------------------------
+
+
+class RoutingTokenizer:
+    """Pre-routing tokenization with Ray Serve LLM's semantics, run by kvgate's Rust
+    tokenizer (vLLM parity): chat bodies are rendered with the chat template and the
+    generation prompt and tokenized without added special tokens; completion bodies
+    get the special tokens. ``tokenize`` returns None for a body with no single prompt
+    (a list of prompts, an empty body) and raises ``ValueError`` when the engine would
+    reject it. Local (``from_dir``) or through a replica's ``/tokenize``
+    (``remote``)."""
+
+    def __init__(self, native_tokenizer: Any):
+        self._tok = native_tokenizer
+
+    @classmethod
+    def from_dir(cls, path: str, max_model_len: Optional[int] = None) -> "RoutingTokenizer":
+        from kvgate import _native
+
+        return cls(_native.Tokenizer.from_dir(path, max_model_len))
+
+    @classmethod
+    def remote(cls, base_url: str, timeout_s: float = 10.0) -> "RoutingTokenizer":
+        from kvgate import _native
+
+        return cls(_native.Tokenizer.remote(base_url, timeout_s))
+
+    async def tokenize(
+        self, body: Union[Dict[str, Any], bytes, str, None], kind: Optional[str] = None
+    ) -> Optional[List[int]]:
+        """The prompt token ids of an OpenAI body. ``kind``: "chat" or "completion";
+        None detects it (``messages`` present means chat)."""
+        if body is None:
+            return None
+        if isinstance(body, dict):
+            if not body:
+                return None
+            data = json.dumps(body).encode()
+            detected = "chat" if "messages" in body else "completion"
+        else:
+            data = body.encode() if isinstance(body, str) else bytes(body)
+            if not data.strip():
+                return None
+            try:
+                parsed = json.loads(data)
+            except ValueError as e:
+                raise ValueError(f"the body is not valid JSON: {e}") from None
+            if isinstance(parsed, dict) and not parsed:
+                return None
+            detected = "chat" if isinstance(parsed, dict) and "messages" in parsed else "completion"
+        return await self._tok.tokenize(kind or detected, data)

@@ -1,0 +1,198 @@
+"""kvgate.ray under real Ray Serve (a local Ray started here, loopback only): engine
+replicas each front a `kvgate mock-engine` with real ZeroMQ KV events advertised through
+`record_routing_stats`; an ingress tokenizes before routing; requests arrive over HTTP."""
+
+import asyncio
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+import ray
+from ray import serve
+
+import kvgate.ray as kray
+from conftest import free_port
+from serve_app import build_app
+
+APP = "kv"
+BROKEN = "broken"
+
+
+@pytest.fixture(scope="module")
+def serve_url(tmp_path_factory):
+    ray.init(
+        # Replicas import the test application (serve_app.py) from this directory.
+        runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}},
+        num_cpus=4,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        namespace="kvgate-tests",
+        log_to_driver=False,
+    )
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(), name=APP, route_prefix="/kv")
+    # A deployment whose selection actor cannot import kvgate's native module: a copy
+    # of the pure-Python package first on its path, without `_native`.
+    shadow = tmp_path_factory.mktemp("shadow")
+    pkg = Path(kray.__file__).parent
+    (shadow / "kvgate").mkdir()
+    for f in ("__init__.py", "_errors.py", "ray.py"):
+        shutil.copy(pkg / f, shadow / "kvgate" / f)
+    serve.run(
+        build_app(
+            router_kwargs={
+                "block_size": 16,
+                "actor_options": {
+                    "runtime_env": {"env_vars": {"PYTHONPATH": str(shadow)}},
+                    "max_restarts": 0,
+                },
+            },
+            replicas=1,
+        ),
+        name=BROKEN,
+        route_prefix="/broken",
+    )
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    for app in (APP, BROKEN):
+        try:
+            ray.kill(kray.get_selection_actor(app, "Engine"))
+        except ValueError:
+            pass
+    ray.shutdown()
+
+
+def actor():
+    return kray.get_selection_actor(APP, "Engine")
+
+
+async def chat(session, url, content, *, max_tokens=8, cancel_after_first=False, prefix="/kv"):
+    """One streamed chat request; returns (status, replica, cached_tokens, prompt_tokens, body)."""
+    body = {"model": "m", "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens, "ignore_eos": True}
+    async with session.post(f"{url}{prefix}/v1/chat/completions", json=body) as resp:
+        if resp.status != 200:
+            return resp.status, None, None, None, await resp.json(), resp.headers
+        replica, usage = None, None
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if line.startswith(": replica="):
+                replica = line.split("=", 1)[1]
+            elif line.startswith("data:") and line != "data: [DONE]":
+                if cancel_after_first:
+                    return 200, replica, None, None, None, resp.headers
+                event = json.loads(line[5:])
+                if event.get("usage"):
+                    usage = event["usage"]
+        cached = usage["prompt_tokens_details"]["cached_tokens"] if usage else None
+        return 200, replica, cached, usage and usage["prompt_tokens"], None, resp.headers
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def until_advertised(n=2):
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            if len(await actor().workers.remote()) >= n:
+                return
+        except ValueError:
+            pass
+        await asyncio.sleep(0.2)
+    raise AssertionError("the replicas never reached the selection actor")
+
+
+def test_a_prompt_cached_on_one_replica_is_routed_back_to_it(serve_url):
+    async def scenario():
+        async with aiohttp.ClientSession() as s:
+            # The first request creates the actor; replicas register within a stats period.
+            await chat(s, serve_url, "warm up")
+            await until_advertised()
+            await asyncio.sleep(1.0)
+            content = "Summarise the following report. " + "quarterly revenue grew " * 120
+            status, first, _, _, _, _ = await chat(s, serve_url, content)
+            assert status == 200 and first
+            await asyncio.sleep(0.5)  # the engine's KV events reach the index
+            for _ in range(3):
+                status, replica, cached, prompt, _, _ = await chat(s, serve_url, content)
+                assert replica == first
+                assert cached >= 0.9 * prompt, (cached, prompt)
+
+    run(scenario())
+
+
+def test_a_shared_prefix_does_not_herd(serve_url):
+    async def scenario():
+        system = "You are a support agent for a bank. Policies follow. " + "policy clause " * 150
+        async with aiohttp.ClientSession() as s:
+            await until_advertised()
+            results = await asyncio.gather(
+                *(chat(s, serve_url, f"{system} Customer {i} asks about card {i * 7919}.",
+                       max_tokens=64) for i in range(32))
+            )
+        replicas = [r[1] for r in results]
+        assert all(r[0] == 200 for r in results)
+        counts = {r: replicas.count(r) for r in set(replicas)}
+        assert len(counts) == 2 and min(counts.values()) >= 6, counts
+
+    run(scenario())
+
+
+def test_no_bookings_remain_after_a_burst_with_client_cancellations(serve_url):
+    async def scenario():
+        async with aiohttp.ClientSession() as s:
+            await until_advertised()
+            results = await asyncio.gather(
+                *(chat(s, serve_url, f"burst request {i} " + "filler " * (20 + i),
+                       max_tokens=48, cancel_after_first=(i % 5 == 0)) for i in range(40)),
+                return_exceptions=True,
+            )
+        assert all(not isinstance(r, Exception) and r[0] == 200 for r in results), results
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            open_ = await actor().open_requests.remote()
+            loads = await actor().loads.remote()
+            if open_ == 0 and all(l["in_flight"] == 0 for l in loads.values()):
+                return
+            await asyncio.sleep(0.2)
+        raise AssertionError(f"bookings left: {open_}, loads {loads}")
+
+    run(scenario())
+
+
+def test_a_request_without_token_ids_is_a_400_with_an_openai_error(serve_url):
+    async def scenario():
+        async with aiohttp.ClientSession() as s:
+            await until_advertised()
+            # A list of prompts has no single prompt: no token ids to route on.
+            body = {"model": "m", "prompt": ["one", "two"], "max_tokens": 2}
+            async with s.post(f"{serve_url}/kv/v1/completions", json=body) as resp:
+                assert resp.status == 400
+                err = (await resp.json())["error"]
+                assert err["code"] == "missing_tokens" and "token ids" in err["message"]
+            # A body the engine would reject: 400 from the tokenizer.
+            body = {"model": "m", "messages": "not a list"}
+            async with s.post(f"{serve_url}/kv/v1/chat/completions", json=body) as resp:
+                assert resp.status == 400
+                err = (await resp.json())["error"]
+                assert err["type"] == "invalid_request_error" and err["code"] == "untokenizable"
+
+    run(scenario())
+
+
+def test_a_missing_native_module_is_a_503_not_a_silent_fallback(serve_url):
+    async def scenario():
+        async with aiohttp.ClientSession() as s:
+            status, _, _, _, err, headers = await chat(s, serve_url, "hello", prefix="/broken")
+        assert status == 503, err
+        assert headers.get("Retry-After") == "1"
+        assert "native module" in err["error"]["message"], err
+
+    run(scenario())
