@@ -11,6 +11,7 @@ import json
 import subprocess
 import time
 import urllib.request
+from types import SimpleNamespace
 from typing import Any, Dict, List, Optional
 
 import aiohttp
@@ -75,10 +76,10 @@ class Engine:
                 if line.strip():
                     yield line
 
-    async def __call__(self, path: str, body: Dict[str, Any], request_token_ids=None):
+    async def __call__(self, request: SimpleNamespace, request_token_ids=None):
         # An SSE comment naming the replica (clients ignore comment lines).
         yield f": replica={self.name}\n\n".encode()
-        async for line in kray.track_stream(self._engine_stream(path, body)):
+        async for line in kray.track_stream(self._engine_stream(request.path, request.body)):
             yield line + b"\n"
 
     def __del__(self):
@@ -95,6 +96,18 @@ class Ingress:
         self.tokenizer = kray.RoutingTokenizer.from_dir(str(QWEN3)) if tokenize else None
 
     async def __call__(self, request: Request):
+        if request.url.path.endswith("/kvgate_loads"):
+            # The bookings of a router that keeps its service in this process.
+            svc = kray.local_service(serve.get_replica_context().app_name, "Engine")
+            if svc is None:
+                return JSONResponse({"open_requests": None, "loads": None})
+            return JSONResponse({"open_requests": svc.open_requests(), "loads": svc.loads()})
+        if request.url.path.endswith("/router_stats"):
+            import router_timing
+
+            seconds = sorted(router_timing.SECONDS)
+            router_timing.SECONDS.clear()
+            return JSONResponse({"calls": len(seconds), "seconds": seconds})
         path = "/v1/chat/completions" if request.url.path.endswith("/chat/completions") else "/v1/completions"
         try:
             body = await request.json()
@@ -114,15 +127,22 @@ class Ingress:
             except ValueError as e:
                 return error(400, str(e), "invalid_request_error", "untokenizable")
         tokenized = time.perf_counter()
-        stream = self.engine.options(stream=True).remote(path, body, request_token_ids=ids)
+        # The routed request, shaped as Ray Serve LLM's request models are where
+        # routers read it: `messages` or `prompt`, and `max_tokens`, as attributes.
+        routed = SimpleNamespace(path=path, body=body, max_tokens=body.get("max_tokens"))
+        if "messages" in body:
+            routed.messages = body["messages"]
+        else:
+            routed.prompt = body.get("prompt")
+        stream = self.engine.options(stream=True).remote(routed, request_token_ids=ids)
         try:
             first = await stream.__anext__()
         except ValueError as e:
             return error(400, str(e), "invalid_request_error", "missing_tokens")
         except (KvgateUnavailableError, RuntimeError) as e:
             return error(503, str(e), "server_error", "routing_unavailable", retry_after=1)
-        routed = time.perf_counter()
-        timing = f": tokenize_ms={(tokenized - started) * 1e3:.3f} route_ms={(routed - tokenized) * 1e3:.3f}\n\n"
+        first_item = time.perf_counter()
+        timing = f": tokenize_ms={(tokenized - started) * 1e3:.3f} first_item_ms={(first_item - tokenized) * 1e3:.3f}\n\n"
 
         async def relay():
             yield timing.encode()
@@ -145,6 +165,7 @@ def build_app(
     block_size: int = 16,
     engine_args: Optional[List[str]] = None,
     tokenize: bool = True,
+    ingress_env: Optional[Dict[str, str]] = None,
 ):
     engine = Engine.options(
         num_replicas=replicas,
@@ -154,7 +175,12 @@ def build_app(
             request_routing_stats_period_s=0.5,
         ),
     ).bind(block_size, engine_args or [])
-    return Ingress.bind(engine, tokenize)
+    ingress = Ingress
+    if ingress_env:
+        ingress = Ingress.options(
+            ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": ingress_env}}
+        )
+    return ingress.bind(engine, tokenize)
 
 
 async def wait_for(pred, timeout=20.0, every=0.1):
@@ -167,3 +193,48 @@ async def wait_for(pred, timeout=20.0, every=0.1):
             return got
         await asyncio.sleep(every)
     return pred() if not asyncio.iscoroutinefunction(pred) else await pred()
+
+
+# -- routers timed where they choose (the benchmark's "router overhead") ----------------
+
+# Each `choose_replicas` call's duration goes to router_timing.SECONDS in the process
+# the handle's router runs in (the ingress), read and cleared through `/router_stats`.
+
+
+async def _timed_choose(router_super, candidate_replicas, pending_request):
+    start = time.perf_counter()
+    try:
+        return await router_super.choose_replicas(candidate_replicas, pending_request)
+    finally:
+        import router_timing
+
+        router_timing.SECONDS.append(time.perf_counter() - start)
+
+
+# Module-level classes, so Ray pickles them by reference and they share ROUTER_SECONDS.
+class TimedKvgate(kray.KVAwareRequestRouter):
+    async def choose_replicas(self, candidate_replicas, pending_request=None):
+        return await _timed_choose(super(), candidate_replicas, pending_request)
+
+
+from ray.serve._private.request_router.pow_2_router import (  # noqa: E402
+    PowerOfTwoChoicesRequestRouter,
+)
+
+
+class TimedPow2(PowerOfTwoChoicesRequestRouter):
+    async def choose_replicas(self, candidate_replicas, pending_request=None):
+        return await _timed_choose(super(), candidate_replicas, pending_request)
+
+
+try:  # Ray's text-prefix-tree router (importable without vLLM from this path; needs pyarrow)
+    from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (  # noqa: E402
+        PrefixCacheAffinityRouter,
+    )
+
+    class TimedPrefixTree(PrefixCacheAffinityRouter):
+        async def choose_replicas(self, candidate_replicas, pending_request=None):
+            return await _timed_choose(super(), candidate_replicas, pending_request)
+
+except ImportError:  # pragma: no cover
+    TimedPrefixTree = None

@@ -30,6 +30,7 @@ actor classes by value, and a process that merely routes must not need it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import time
@@ -91,35 +92,29 @@ def selection_actor_name(app_name: str, deployment_name: str) -> str:
     return f"kvgate:{app_name}:{deployment_name}"
 
 
-class SelectionActor:
-    """Owns one deployment's selection service (its prefix index, fed by every
-    replica's KV events; the load ledger; the policy). Every router of the deployment
-    (one per process holding a handle) and every replica talk to this one actor, so
-    their bookings meet in one ledger."""
+class _Fleet:
+    """A selection service and what each replica last advertised to it (shared by the
+    actor and the in-process router)."""
 
-    def __init__(self, **service_kwargs: Any):
-        try:
-            from kvgate import _native
-        except ImportError as e:  # pragma: no cover - exercised through the router
-            raise KvgateUnavailableError(
-                f"kvgate's native module cannot be imported in the selection actor: {e}"
-            ) from e
-        self._svc = _native.SelectionService(**service_kwargs)
-        self._advertised: Dict[str, Optional[Tuple]] = {}
+    def __init__(self, svc: Any):
+        self.svc = svc
+        self._advertised: Dict[str, Any] = {}
+        #: The task pulling lifecycle reports into ``svc`` (placement="local").
+        self.poller: Optional[asyncio.Task] = None
 
-    async def sync_workers(self, members: Dict[str, Optional[Dict[str, Any]]]) -> None:
+    async def sync(self, members: Dict[str, Optional[Dict[str, Any]]]) -> None:
         """Adds the replicas in ``members`` (name -> kv_event_metadata or None) and
         updates changed endpoints. An advertisement never goes back to None: a router
         with an older view must not stop a replica's subscribers."""
         for name, meta in members.items():
             key = _metadata_key(meta)
             known = self._advertised.get(name, "unknown")
-            if known == key or (key is None and known not in ("unknown", None)):
+            if known == key or (key is None and known != "unknown"):
                 continue
             if meta is None:
-                await self._svc.upsert_worker(name)
+                await self.svc.upsert_worker(name)
             else:
-                await self._svc.upsert_worker(
+                await self.svc.upsert_worker(
                     name,
                     meta.get("endpoint"),
                     meta.get("replay_endpoint"),
@@ -128,10 +123,57 @@ class SelectionActor:
                 )
             self._advertised[name] = key
 
-    async def remove_workers(self, names: List[str]) -> None:
+    async def remove(self, names: List[str]) -> None:
         for name in names:
             self._advertised.pop(name, None)
-            await self._svc.remove_worker(name)
+            await self.svc.remove_worker(name)
+
+
+def _new_service(service_kwargs: Dict[str, Any], where: str):
+    try:
+        from kvgate import _native
+    except ImportError as e:
+        raise KvgateUnavailableError(
+            f"kvgate's native module cannot be imported in {where}: {e}"
+        ) from e
+    return _native.SelectionService(**service_kwargs)
+
+
+class SelectionActor:
+    """One per deployment. With ``placement="actor"`` it owns the deployment's
+    selection service (prefix index fed by every replica's KV events, the load ledger,
+    the policy): every router of the deployment asks it, so their bookings meet in one
+    ledger. In either placement it is where replicas report their requests' lifecycle
+    (first token, output progress, end); routers that keep the service in their own
+    process (``placement="local"``) pull those reports with ``poll_lifecycle``."""
+
+    #: Lifecycle reports kept for routers that poll (oldest dropped first).
+    LOG_SIZE = 100_000
+
+    def __init__(self, placement: str = "actor", **service_kwargs: Any):
+        self._fleet = (
+            _Fleet(_new_service(service_kwargs, "the selection actor"))
+            if placement == "actor"
+            else None
+        )
+        self._log: "collections.deque" = collections.deque(maxlen=self.LOG_SIZE)
+        self._seq = 0
+
+    def _service(self):
+        if self._fleet is None:
+            raise KvgateUnavailableError(
+                "this deployment's routers keep the selection service in their own "
+                "process (placement='local'); the actor only relays lifecycle reports"
+            )
+        return self._fleet.svc
+
+    async def sync_workers(self, members: Dict[str, Optional[Dict[str, Any]]]) -> None:
+        self._service()
+        await self._fleet.sync(members)
+
+    async def remove_workers(self, names: List[str]) -> None:
+        if self._fleet is not None:
+            await self._fleet.remove(names)
 
     async def select_and_book(
         self,
@@ -140,7 +182,7 @@ class SelectionActor:
         allowed_workers: List[str],
         expected_output_tokens: Optional[int],
     ) -> Dict[str, Any]:
-        s = await self._svc.select_and_book(
+        s = await self._service().select_and_book(
             request_id, token_ids, allowed_workers, expected_output_tokens
         )
         return {
@@ -150,44 +192,37 @@ class SelectionActor:
             "reason": s.reason,
         }
 
-    async def select(
-        self,
-        request_id: str,
-        token_ids: List[int],
-        allowed_workers: Optional[List[str]] = None,
-        expected_output_tokens: Optional[int] = None,
-    ) -> Dict[str, Any]:
-        s = await self._svc.select(
-            request_id, token_ids, allowed_workers, expected_output_tokens
-        )
-        return {
-            "worker_id": s.worker_id,
-            "overlap_blocks": s.overlap_blocks,
-            "predicted_cached_tokens": s.predicted_cached_tokens,
-            "scores": [
-                {"worker_id": x.worker_id, "overlap_blocks": x.overlap_blocks,
-                 "in_flight": x.in_flight, "cost": x.cost}
-                for x in s.scores
-            ],
-        }
+    def _record(self, event: Tuple) -> None:
+        self._seq += 1
+        self._log.append((self._seq,) + event)
 
     async def prefill_done(self, request_id: str) -> bool:
-        return await self._svc.prefill_done(request_id)
+        self._record(("prefill_done", request_id, 0))
+        return self._fleet is not None and await self._fleet.svc.prefill_done(request_id)
 
     async def decode_progress(self, request_id: str, output_tokens: int) -> bool:
-        return await self._svc.decode_progress(request_id, output_tokens)
+        self._record(("decode_progress", request_id, int(output_tokens)))
+        return self._fleet is not None and await self._fleet.svc.decode_progress(
+            request_id, output_tokens
+        )
 
     async def free(self, request_id: str) -> bool:
-        return await self._svc.free(request_id)
+        self._record(("free", request_id, 0))
+        return self._fleet is not None and await self._fleet.svc.free(request_id)
+
+    def poll_lifecycle(self, after: int) -> Tuple[int, List[Tuple]]:
+        """Lifecycle reports with a sequence number above ``after``, and the last
+        sequence number (a poller that fell behind the log gets what is left)."""
+        return self._seq, [e for e in self._log if e[0] > after]
 
     def open_requests(self) -> int:
-        return self._svc.open_requests()
+        return self._service().open_requests()
 
     def loads(self) -> Dict[str, Dict[str, float]]:
-        return self._svc.loads()
+        return self._service().loads()
 
     def workers(self) -> List[str]:
-        return self._svc.workers()
+        return self._service().workers()
 
     def ready(self) -> bool:
         return True
@@ -242,6 +277,15 @@ def _expected_output_tokens(pr: PendingRequest) -> Optional[int]:
     return None
 
 
+def local_service(app_name: str, deployment_name: str):
+    """The selection service a ``placement="local"`` router of this deployment keeps in
+    this process, if any (loads, open requests: for metrics and tests)."""
+    from kvgate import _local  # at call time: see kvgate/_local.py
+
+    fleet = _local.SERVICES.get((app_name, deployment_name))
+    return fleet.svc if fleet is not None else None
+
+
 class KVAwareRequestRouter(RequestRouter):
     """Routes each request to the replica whose engine holds the most of its prompt's
     KV cache, weighed against the prefill and decode work each replica carries.
@@ -250,8 +294,20 @@ class KVAwareRequestRouter(RequestRouter):
     ``prefix_affinity``, ``least_loaded`` ... for comparison), ``kv_aware`` (weights,
     e.g. ``{"overlap_weight": 4.0}``), ``hash_salt``, ``kv_topic``, ``booking_ttl_s``,
     ``index_max_blocks``, ``seed``; ``actor_options``: Ray actor options for the
-    selection actor (``resources``, ``runtime_env``, ...).
+    selection actor (``resources``, ``runtime_env``, ...); ``placement``:
+
+    * ``"local"`` (default): the selection service lives in this router's process
+      (selection is a local call, well under a millisecond); it subscribes to the
+      replicas' KV events itself and pulls the replicas' lifecycle reports from the
+      deployment's actor in the background. Several router processes each keep their
+      own ledger (their KV index is the same: every one reads every engine's events).
+    * ``"actor"``: the deployment's actor owns the one service; every routing decision
+      is an actor call (about 5 ms on a busy 2-core machine; see docs/BENCHMARKS.md),
+      and every router's bookings meet in one ledger.
     """
+
+    #: How often a local router pulls lifecycle reports while it has open requests.
+    LIFECYCLE_POLL_S = 0.05
 
     def initialize_state(self, **kwargs: Any) -> None:
         self._service_kwargs = {
@@ -262,28 +318,77 @@ class KVAwareRequestRouter(RequestRouter):
             if k in kwargs:
                 self._service_kwargs[k] = kwargs.pop(k)
         self._actor_options = dict(kwargs.pop("actor_options", None) or {})
+        self._placement = str(kwargs.pop("placement", "local"))
+        if self._placement not in ("local", "actor"):
+            raise ValueError(
+                f"KVAwareRequestRouter: placement must be 'local' or 'actor', got {self._placement!r}"
+            )
         if kwargs:
             raise ValueError(
                 f"KVAwareRequestRouter: unknown request_router_kwargs {sorted(kwargs)}"
             )
         self._actor = None
+        self._fleet: Optional[_Fleet] = None
         self._synced: Dict[str, Optional[Tuple]] = {}
         self._known_replicas: set = set()
 
-    # -- the deployment's selection actor ------------------------------------------
+    # -- where the selection service lives -------------------------------------------
 
     def _selection_actor(self):
         if self._actor is None:
             self._actor = get_selection_actor(
                 self._deployment_id.app_name,
                 self._deployment_id.name,
-                self._service_kwargs,
+                {"placement": self._placement, **self._service_kwargs},
                 self._actor_options,
             )
         return self._actor
 
-    async def _sync_members(self, actor) -> None:
-        """Tells the actor about replicas it has not seen advertised as they are now."""
+    def _local_fleet(self) -> _Fleet:
+        """The process's service for this deployment: every router instance of the
+        deployment in this process (Ray makes one per handle options) shares it, so
+        they share one ledger and one set of KV-event subscriptions."""
+        if self._fleet is None:
+            from kvgate import _local  # at call time: see kvgate/_local.py
+
+            key = (self._deployment_id.app_name, self._deployment_id.name)
+            fleet = _local.SERVICES.get(key)
+            if fleet is None:
+                fleet = _Fleet(_new_service(self._service_kwargs, "the router's process"))
+                _local.SERVICES[key] = fleet
+            self._fleet = fleet
+        return self._fleet
+
+    async def _poll_lifecycle(self) -> None:
+        """Applies the replicas' lifecycle reports (first token, progress, end) to the
+        local service; the request ids it does not hold are ignored."""
+        svc = self._fleet.svc
+        seq = None
+        while True:
+            try:
+                actor = self._selection_actor()
+                if seq is None:
+                    seq, _ = await actor.poll_lifecycle.remote(1 << 62)
+                last, events = await actor.poll_lifecycle.remote(seq)
+                seq = last
+                for _, method, rid, value in events:
+                    if method == "prefill_done":
+                        await svc.prefill_done(rid)
+                    elif method == "decode_progress":
+                        await svc.decode_progress(rid, value)
+                    elif method == "free":
+                        await svc.free(rid)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the actor restarts: start over from its log's end
+                logger.warning("kvgate: lifecycle reports unavailable: %s", e)
+                seq = None
+                await asyncio.sleep(1.0)
+            busy = svc.open_requests() > 0
+            await asyncio.sleep(self.LIFECYCLE_POLL_S if busy else 10 * self.LIFECYCLE_POLL_S)
+
+    async def _sync_members(self, sync) -> None:
+        """Tells the service about replicas it has not seen advertised as they are now."""
         changed = {}
         for rid, replica in self._replicas.items():
             meta = (replica.routing_stats or {}).get(KV_EVENT_METADATA_KEY)
@@ -292,27 +397,42 @@ class KVAwareRequestRouter(RequestRouter):
             if name not in self._synced or self._synced[name] != key:
                 changed[name] = meta
         if changed:
-            await actor.sync_workers.remote(changed)
+            await sync(changed)
             for name, meta in changed.items():
                 self._synced[name] = _metadata_key(meta)
+
+    def _forget(self, names: List[str]) -> None:
+        for name in names:
+            self._synced.pop(name, None)
+        if self._fleet is not None:
+            self._run_soon(self._fleet.remove(names))
+        elif self._actor is not None:
+            self._actor.remove_workers.remote(names)
+
+    def _run_soon(self, coro) -> None:
+        """Runs a coroutine on the router's loop, from any thread."""
+        loop = self._event_loop
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            loop.create_task(coro)
+        else:
+            asyncio.run_coroutine_threadsafe(coro, loop)
 
     def update_replicas(self, replicas: List[RunningReplica]) -> None:
         super().update_replicas(replicas)
         current = {r.replica_id.unique_id for r in replicas}
         gone = [name for name in self._known_replicas if name not in current]
         self._known_replicas = current
-        if gone and self._actor is not None:
-            for name in gone:
-                self._synced.pop(name, None)
-            self._actor.remove_workers.remote(gone)
+        if gone:
+            self._forget(gone)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        name = replica_id.unique_id
-        self._synced.pop(name, None)
-        self._known_replicas.discard(name)
-        if self._actor is not None:
-            self._actor.remove_workers.remote([name])
+        self._known_replicas.discard(replica_id.unique_id)
+        self._forget([replica_id.unique_id])
 
     # -- routing ---------------------------------------------------------------------
 
@@ -329,9 +449,37 @@ class KVAwareRequestRouter(RequestRouter):
         candidate_replicas: List[RunningReplica],
         pending_request: Optional[PendingRequest] = None,
     ) -> List[List[RunningReplica]]:
+        try:
+            return await self._choose(candidate_replicas, pending_request)
+        except Exception as e:
+            # Ray's routing loop only logs an exception from here, and the request would
+            # wait forever: fail it (503) instead.
+            logger.exception("kvgate: routing failed")
+            if pending_request is None or not candidate_replicas:
+                raise
+            return self._fail(
+                pending_request,
+                KvgateUnavailableError(f"kvgate routing failed: {e}"),
+                candidate_replicas,
+            )
+
+    async def _choose(
+        self,
+        candidate_replicas: List[RunningReplica],
+        pending_request: Optional[PendingRequest],
+    ) -> List[List[RunningReplica]]:
         if pending_request is None or not candidate_replicas:
             # Nothing to score on: the base router's load-based choice among all.
             return [candidate_replicas]
+        try:
+            if self._placement == "local":
+                fleet = self._local_fleet()
+                if fleet.poller is None or fleet.poller.done():
+                    fleet.poller = asyncio.get_running_loop().create_task(self._poll_lifecycle())
+            else:
+                actor = self._selection_actor()
+        except KvgateUnavailableError as e:
+            return self._fail(pending_request, e, candidate_replicas)
         token_ids = pending_request.kwargs.get(REQUEST_TOKEN_IDS_KWARG)
         if not token_ids:
             return self._fail(
@@ -344,47 +492,82 @@ class KVAwareRequestRouter(RequestRouter):
             )
         request_id = pending_request.metadata.internal_request_id
         by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
-        try:
-            actor = self._selection_actor()
-            await self._sync_members(actor)
-            chosen = await actor.select_and_book.remote(
-                request_id,
-                list(token_ids),
-                list(by_name),
-                _expected_output_tokens(pending_request),
-            )
-        except ValueError as e:
-            return self._fail(pending_request, ValueError(str(e)), candidate_replicas)
-        except Exception as e:  # the actor is missing, died, or cannot import the core
-            return self._fail(
-                pending_request,
-                KvgateUnavailableError(f"kvgate selection is unavailable: {e}"),
-                candidate_replicas,
-            )
-        replica = by_name.get(chosen["worker_id"])
+        expected = _expected_output_tokens(pending_request)
+        # From here the request may hold a booking: if it is cancelled or fails before
+        # dispatch, free it; once dispatched, Ray's completion callback frees it.
+        pending_request.future.add_done_callback(
+            lambda fut, rid=request_id: self._on_routed_or_dropped(fut, rid)
+        )
+        for attempt in range(3):
+            try:
+                if self._placement == "local":
+                    await self._sync_members(fleet.sync)
+                    s = await fleet.svc.select_and_book(
+                        request_id, list(token_ids), list(by_name), expected
+                    )
+                    chosen = s.worker_id
+                    free = fleet.svc.free
+                else:
+                    await self._sync_members(lambda m: actor.sync_workers.remote(m))
+                    chosen = (
+                        await actor.select_and_book.remote(
+                            request_id, list(token_ids), list(by_name), expected
+                        )
+                    )["worker_id"]
+                    free = actor.free.remote
+                break
+            except ray.exceptions.TaskCancelledError:
+                # The actor call was cancelled. If this routing task is being cancelled
+                # (the caller left), stop; otherwise the request still waits for a
+                # replica: ask again rather than leave it without a routing task.
+                task = asyncio.current_task()
+                if task is not None and getattr(task, "cancelling", lambda: 0)():
+                    raise asyncio.CancelledError() from None
+                logger.warning("kvgate: a selection call was cancelled; asking again")
+                if attempt == 2:
+                    return self._fail(
+                        pending_request,
+                        KvgateUnavailableError("kvgate selection calls keep being cancelled"),
+                        candidate_replicas,
+                    )
+            except ValueError as e:
+                return self._fail(pending_request, ValueError(str(e)), candidate_replicas)
+            except KvgateUnavailableError as e:
+                return self._fail(pending_request, e, candidate_replicas)
+            except Exception as e:  # the actor is missing, died, or cannot import the core
+                return self._fail(
+                    pending_request,
+                    KvgateUnavailableError(f"kvgate selection is unavailable: {e}"),
+                    candidate_replicas,
+                )
+        replica = by_name.get(chosen)
         if replica is None:
-            # The candidate left while we chose: free the booking and choose again.
-            actor.free.remote(request_id)
+            # The candidate left while we chose: give the booking up and choose again.
+            self._run_soon(_call(free, request_id))
             return []
-        if pending_request.future.done():
-            # Cancelled while we chose: it will never be dispatched.
-            actor.free.remote(request_id)
-        else:
-            pending_request.future.add_done_callback(
-                lambda fut, rid=request_id: self._on_routed_or_dropped(fut, rid)
-            )
         return [[replica]]
+
+    def _free(self, request_id: str) -> None:
+        if self._fleet is not None:
+            self._run_soon(self._fleet.svc.free(request_id))
+        elif self._actor is not None:
+            self._actor.free.remote(request_id)
 
     def _on_routed_or_dropped(self, fut: asyncio.Future, request_id: str) -> None:
         # A request cancelled (or failed) before dispatch never reaches a replica, so
         # no completion will free its booking: free it here.
-        if (fut.cancelled() or fut.exception() is not None) and self._actor is not None:
-            self._actor.free.remote(request_id)
+        if fut.cancelled() or fut.exception() is not None:
+            self._free(request_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         # Ray calls this once per dispatched request, on success, error or cancellation.
-        if self._actor is not None:
-            self._actor.free.remote(internal_request_id)
+        self._free(internal_request_id)
+
+
+async def _call(f, *args):
+    r = f(*args)
+    if asyncio.iscoroutine(r) or isinstance(r, asyncio.Future) or hasattr(r, "__await__"):
+        await r
 
 
 # -- the replica side ------------------------------------------------------------------
