@@ -374,6 +374,47 @@ impl PySelectionService {
         })
     }
 
+    /// [`select_and_book`](Self::select_and_book) without the round trip through the
+    /// async runtime: for callers on an event loop where the selection itself (tens of
+    /// microseconds, run with the GIL released) costs less than a hop to another
+    /// thread and back (a Ray Serve router). Blocks the calling thread for that long.
+    #[pyo3(signature = (request_id, token_ids, allowed_workers = None, expected_output_tokens = None, lora = None))]
+    fn select_and_book_now(
+        &self,
+        py: Python<'_>,
+        request_id: String,
+        token_ids: Vec<u32>,
+        allowed_workers: Option<Vec<String>>,
+        expected_output_tokens: Option<i64>,
+        lora: Option<String>,
+    ) -> PyResult<PySelection> {
+        if token_ids.is_empty() {
+            return Err(value_error(
+                "token_ids is empty: there is nothing to route on",
+            ));
+        }
+        let candidates = self.candidates(allowed_workers);
+        let expected = expected_output(expected_output_tokens);
+        let svc = &self.svc;
+        py.detach(|| {
+            let keys = svc.block_keys(&token_ids, lora.as_deref());
+            let req = SelectRequest {
+                block_keys: Some(&keys),
+                prompt_tokens: prompt_len(&token_ids),
+                session_key: None,
+                now: Instant::now(),
+            };
+            svc.select_and_book_request(&request_id, &req, &candidates, expected)
+                .map(|d| selection_of(svc, &d))
+        })
+        .map_err(select_error)
+    }
+
+    /// [`free`](Self::free) on the calling thread (a dictionary removal).
+    fn free_now(&self, request_id: &str) -> bool {
+        self.svc.free(request_id)
+    }
+
     /// Books a request on a worker chosen elsewhere (no cached tokens predicted).
     #[pyo3(signature = (request_id, worker_id, token_ids, expected_output_tokens = None, lora = None))]
     fn book<'py>(

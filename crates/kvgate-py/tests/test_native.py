@@ -109,6 +109,12 @@ def test_bookings_follow_the_request_lifecycle_and_end_once():
         assert await svc.free("r")
         assert svc.open_requests() == 0 and svc.loads()["w"]["in_flight"] == 0
         assert not await svc.prefill_done("r")
+        # The same on the calling thread (what a Ray Serve router uses).
+        s = svc.select_and_book_now("n", [7] * 32, ["w"], 16)
+        assert s.worker_id == "w" and svc.open_requests() == 1
+        assert svc.free_now("n") and not svc.free_now("n")
+        with pytest.raises(ValueError):
+            svc.select_and_book_now("n", [], None)
         # A re-route replaces the booking.
         await svc.upsert_worker("v")
         await svc.select_and_book("q", [1] * 32, ["w"], 0)

@@ -68,6 +68,15 @@ class SelectionService:
         expected_output_tokens: Optional[int] = None,
         lora: Optional[str] = None,
     ) -> Selection: ...
+    def select_and_book_now(
+        self,
+        request_id: str,
+        token_ids: List[int],
+        allowed_workers: Optional[List[str]] = None,
+        expected_output_tokens: Optional[int] = None,
+        lora: Optional[str] = None,
+    ) -> Selection: ...
+    def free_now(self, request_id: str) -> bool: ...
     async def book(
         self,
         request_id: str,
