@@ -7,7 +7,8 @@ same multi-tenant workload against it over HTTP, and reports TTFT p50/p90/p99 at
 client, the engines' reported prefix hit rate (cached / prompt tokens from `usage`),
 and the router's own time per `choose_replicas` call (measured in the ingress process
 where the handle's router runs). Routers: Ray's default PowerOfTwoChoices, Ray's
-PrefixCacheAffinityRouter (text prefix tree), kvgate.ray:KVAwareRequestRouter.
+PrefixCacheAffinityRouter (text prefix tree), kvgate.ray:KVAwareRequestRouter (with
+its service in the router's process, and `kvgate_actor`: in the deployment's actor).
 
 Workload: T tenants, each with its own long system prompt, tenant popularity Zipf(s);
 every request is a tenant's system prompt plus a unique question, Poisson arrivals.
@@ -40,6 +41,8 @@ ROUTERS = {
     "pow2": ("serve_app:TimedPow2", {}),
     "prefix_tree": ("serve_app:TimedPrefixTree", {}),
     "kvgate": ("serve_app:TimedKvgate", {"block_size": 16}),
+    # The service in the deployment's actor: one shared ledger, an actor call per request.
+    "kvgate_actor": ("serve_app:TimedKvgate", {"block_size": 16, "placement": "actor"}),
 }
 
 WORDS = (
@@ -76,12 +79,14 @@ async def one(session, url, system, question, max_tokens):
         "ignore_eos": True,
     }
     start = time.perf_counter()
-    ttft, usage, timing = None, None, {}
+    ttft, usage, timing, replica = None, None, {}, None
     async with session.post(url, json=body) as resp:
         if resp.status != 200:
             return {"error": resp.status}
         async for raw in resp.content:
             line = raw.decode().strip()
+            if line.startswith(": replica="):
+                replica = line.split("=", 1)[1]
             if line.startswith(": tokenize_ms="):
                 timing = dict(kv.split("=") for kv in line[2:].split())
             if line.startswith("data:") and line != "data: [DONE]":
@@ -98,6 +103,7 @@ async def one(session, url, system, question, max_tokens):
         "ttft": ttft,
         "prompt": usage["prompt_tokens"],
         "cached": usage["prompt_tokens_details"]["cached_tokens"],
+        "replica": replica,
         "tokenize_ms": float(timing.get("tokenize_ms", "nan")),
         "first_item_ms": float(timing.get("first_item_ms", "nan")),
     }
@@ -142,8 +148,17 @@ def main():
     ap.add_argument("--duration", type=float, default=60.0)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--num-blocks", type=int, default=600, help="KV cache blocks per engine")
+    ap.add_argument(
+        "--speedup", type=float, default=1.0,
+        help="the mock engines' simulated time per real second (below 1: a slower engine, "
+        "so engine time, not this machine's CPU, dominates TTFT)",
+    )
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", default=str(REPO / "bench-out"))
+    ap.add_argument(
+        "--kvgate-kwargs", default="{}",
+        help="JSON merged into kvgate's request_router_kwargs (e.g. '{\"kv_aware\": {\"overlap_weight\": 1}}')",
+    )
     args = ap.parse_args()
 
     systems = [tenant_prompt(t, args.system_words) for t in range(args.tenants)]
@@ -158,13 +173,16 @@ def main():
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     base = f"http://127.0.0.1:{port}"
-    engine_args = ["--num-blocks", str(args.num_blocks)]
+    engine_args = ["--num-blocks", str(args.num_blocks), "--speedup", str(args.speedup)]
     rows = []
+    print(f"command: python crates/kvgate-py/bench/ray_routers.py {' '.join(sys.argv[1:])}", flush=True)
     for name in args.routers.split(","):
         cls, kwargs = ROUTERS[name]
+        if name.startswith("kvgate"):
+            kwargs = {**kwargs, **json.loads(args.kvgate_kwargs)}
         app = build_app(
             cls, kwargs, replicas=args.replicas, engine_args=engine_args,
-            tokenize=(name == "kvgate"),
+            tokenize=name.startswith("kvgate"),
         )
         serve.run(app, name=name, route_prefix=f"/{name}")
         results, router = asyncio.run(drive(base, name, reqs, systems, args.max_tokens))
@@ -184,6 +202,10 @@ def main():
             "router_calls": router["calls"],
             "router_p50_ms": pct(rs, 50),
             "router_p99_ms": pct(rs, 99),
+            "busiest_replica_share": max(
+                (sum(1 for r in ok if r["replica"] == x) for x in {r["replica"] for r in ok}),
+                default=0,
+            ) / max(1, len(ok)),
             "tokenize_p50_ms": pct([r["tokenize_ms"] for r in ok], 50),
             "tokenize_p99_ms": pct([r["tokenize_ms"] for r in ok], 99),
             "first_item_p50_ms": pct([r["first_item_ms"] for r in ok], 50),
