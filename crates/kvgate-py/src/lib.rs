@@ -67,8 +67,27 @@ fn expected_output(v: Option<i64>) -> Option<u32> {
         .map(|x| u32::try_from(x).unwrap_or(u32::MAX))
 }
 
-fn prompt_len(ids: &[u32]) -> u32 {
-    u32::try_from(ids.len()).unwrap_or(u32::MAX)
+/// Runs `f` on the selection request of a prompt (its block keys, salted per LoRA
+/// adapter); an empty prompt is a `ValueError`.
+fn with_prompt<R>(
+    svc: &SelectionService,
+    token_ids: &[u32],
+    lora: Option<&str>,
+    f: impl FnOnce(&SelectRequest<'_>) -> Result<R, SelectError>,
+) -> PyResult<R> {
+    if token_ids.is_empty() {
+        return Err(value_error(
+            "token_ids is empty: there is nothing to route on",
+        ));
+    }
+    let keys = svc.block_keys(token_ids, lora);
+    let req = SelectRequest {
+        block_keys: Some(&keys),
+        prompt_tokens: u32::try_from(token_ids.len()).unwrap_or(u32::MAX),
+        session_key: None,
+        now: Instant::now(),
+    };
+    f(&req).map_err(select_error)
 }
 
 /// One worker's line in a selection.
@@ -318,23 +337,14 @@ impl PySelectionService {
         expected_output_tokens: Option<i64>,
         lora: Option<String>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let _ = (request_id, expected_output(expected_output_tokens));
+        // Accepted for parity with select_and_book; a selection books nothing.
+        let _ = (request_id, expected_output_tokens);
         let candidates = self.candidates(allowed_workers);
         let svc = self.svc.clone();
         pyo3_async_runtimes::tokio::future_into_py(py, async move {
-            if token_ids.is_empty() {
-                return Err(value_error(
-                    "token_ids is empty: there is nothing to route on",
-                ));
-            }
-            let keys = svc.block_keys(&token_ids, lora.as_deref());
-            let req = SelectRequest {
-                block_keys: Some(&keys),
-                prompt_tokens: prompt_len(&token_ids),
-                session_key: None,
-                now: Instant::now(),
-            };
-            let d = svc.select(&req, &candidates).map_err(select_error)?;
+            let d = with_prompt(&svc, &token_ids, lora.as_deref(), |req| {
+                svc.select(req, &candidates)
+            })?;
             Ok(selection_of(&svc, &d))
         })
     }
@@ -355,21 +365,9 @@ impl PySelectionService {
         let expected = expected_output(expected_output_tokens);
         let svc = self.svc.clone();
         pyo3_async_runtimes::tokio::future_into_py(py, async move {
-            if token_ids.is_empty() {
-                return Err(value_error(
-                    "token_ids is empty: there is nothing to route on",
-                ));
-            }
-            let keys = svc.block_keys(&token_ids, lora.as_deref());
-            let req = SelectRequest {
-                block_keys: Some(&keys),
-                prompt_tokens: prompt_len(&token_ids),
-                session_key: None,
-                now: Instant::now(),
-            };
-            let d = svc
-                .select_and_book_request(&request_id, &req, &candidates, expected)
-                .map_err(select_error)?;
+            let d = with_prompt(&svc, &token_ids, lora.as_deref(), |req| {
+                svc.select_and_book_request(&request_id, req, &candidates, expected)
+            })?;
             Ok(selection_of(&svc, &d))
         })
     }
@@ -388,26 +386,15 @@ impl PySelectionService {
         expected_output_tokens: Option<i64>,
         lora: Option<String>,
     ) -> PyResult<PySelection> {
-        if token_ids.is_empty() {
-            return Err(value_error(
-                "token_ids is empty: there is nothing to route on",
-            ));
-        }
         let candidates = self.candidates(allowed_workers);
         let expected = expected_output(expected_output_tokens);
         let svc = &self.svc;
         py.detach(|| {
-            let keys = svc.block_keys(&token_ids, lora.as_deref());
-            let req = SelectRequest {
-                block_keys: Some(&keys),
-                prompt_tokens: prompt_len(&token_ids),
-                session_key: None,
-                now: Instant::now(),
-            };
-            svc.select_and_book_request(&request_id, &req, &candidates, expected)
-                .map(|d| selection_of(svc, &d))
+            with_prompt(svc, &token_ids, lora.as_deref(), |req| {
+                svc.select_and_book_request(&request_id, req, &candidates, expected)
+            })
+            .map(|d| selection_of(svc, &d))
         })
-        .map_err(select_error)
     }
 
     /// [`free`](Self::free) on the calling thread (a dictionary removal).
@@ -433,15 +420,9 @@ impl PySelectionService {
                 .worker_id(&worker_id)
                 .ok_or_else(|| book_error(BookError::UnknownWorker(worker_id.clone())))?;
             let keys = svc.block_keys(&token_ids, lora.as_deref());
-            svc.book_request(
-                &request_id,
-                id,
-                None,
-                prompt_len(&token_ids),
-                expected,
-                &keys,
-            )
-            .map_err(book_error)
+            let prompt_tokens = u32::try_from(token_ids.len()).unwrap_or(u32::MAX);
+            svc.book_request(&request_id, id, None, prompt_tokens, expected, &keys)
+                .map_err(book_error)
         })
     }
 

@@ -325,6 +325,17 @@ impl SelectionService {
                 self.config.model
             );
         }
+        self.insert_locked(&mut workers, id, name, events)
+    }
+
+    /// Starts a new worker's subscribers and adds it, under the workers' write lock.
+    fn insert_locked(
+        &self,
+        workers: &mut FxHashMap<WorkerId, WorkerEntry>,
+        id: WorkerId,
+        name: &str,
+        events: Option<WorkerEvents>,
+    ) -> anyhow::Result<()> {
         let subscribers = self.spawn_subscribers(id, events.as_ref())?;
         workers.insert(
             id,
@@ -334,7 +345,7 @@ impl SelectionService {
                 subscribers,
             },
         );
-        self.notify_policy(&workers);
+        self.notify_policy(workers);
         Ok(())
     }
 
@@ -366,16 +377,7 @@ impl SelectionService {
             }
             None => {
                 let id = self.allocate_id();
-                let subscribers = self.spawn_subscribers(id, events.as_ref())?;
-                workers.insert(
-                    id,
-                    WorkerEntry {
-                        name: name.to_string(),
-                        events,
-                        subscribers,
-                    },
-                );
-                self.notify_policy(&workers);
+                self.insert_locked(&mut workers, id, name, events)?;
                 tracing::info!(model = %self.config.model, worker = name, id = %id, "worker added");
                 Ok(id)
             }
