@@ -19,7 +19,7 @@
 //! Adding a worker with KV events spawns subscribers, so that must happen inside a
 //! tokio runtime.
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -164,6 +164,8 @@ pub struct SelectionService {
     index: Option<SharedIndex>,
     ledger: Arc<Ledger>,
     workers: RwLock<FxHashMap<WorkerId, WorkerEntry>>,
+    /// Workers with a KV event source (kept with `workers`, read on every selection).
+    with_events: AtomicUsize,
     /// Worker ids come from this counter, shared by every service of one process so
     /// ids (and the event counters keyed by them) are unique across models.
     ids: Arc<AtomicU32>,
@@ -229,6 +231,7 @@ impl SelectionService {
             fallback,
             index,
             workers: RwLock::new(FxHashMap::default()),
+            with_events: AtomicUsize::new(0),
             ids,
             events,
             requests: Mutex::new(FxHashMap::default()),
@@ -279,7 +282,13 @@ impl SelectionService {
 
     /// Whether some worker publishes KV events (kv_aware has something to read).
     pub fn has_event_source(&self) -> bool {
-        self.index.is_some() && self.workers.read().values().any(|w| w.events.is_some())
+        self.index.is_some() && self.with_events.load(Ordering::Acquire) > 0
+    }
+
+    /// Recounts the workers with an event source (under the workers' write lock).
+    fn count_events(&self, workers: &FxHashMap<WorkerId, WorkerEntry>) {
+        let n = workers.values().filter(|w| w.events.is_some()).count();
+        self.with_events.store(n, Ordering::Release);
     }
 
     /// The id of a worker by the name it was added with.
@@ -345,6 +354,7 @@ impl SelectionService {
                 subscribers,
             },
         );
+        self.count_events(workers);
         self.notify_policy(workers);
         Ok(())
     }
@@ -371,6 +381,7 @@ impl SelectionService {
                 }
                 entry.subscribers = self.spawn_subscribers(id, events.as_ref())?;
                 entry.events = events;
+                self.count_events(&workers);
                 let purged = self.purge_index(id);
                 tracing::info!(model = %self.config.model, worker = name, purged, "worker's KV event endpoint changed: subscribers restarted");
                 Ok(id)
@@ -391,6 +402,7 @@ impl SelectionService {
         let entry = {
             let mut workers = self.workers.write();
             let entry = workers.remove(&id)?;
+            self.count_events(&workers);
             self.notify_policy(&workers);
             entry
         };

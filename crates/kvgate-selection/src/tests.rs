@@ -139,6 +139,14 @@ async fn upsert_keeps_a_known_worker_and_restarts_a_moved_one() {
     let held = s.index().unwrap().read().overlaps(&keys).best_for(id);
     assert_eq!(held.map_or(0, |o| o.total()), 0);
     publish_until_indexed(&s, &moved, stored(&prompt, 9), &keys, id, 8).await;
+    // Back to no event source: kv_aware has nothing to read.
+    assert!(s.has_event_source());
+    s.upsert_worker("r1", None).unwrap();
+    assert!(!s.has_event_source());
+    s.upsert_worker("r1", Some(WorkerEvents::new(moved.endpoint.clone())))
+        .unwrap();
+    s.remove_worker(id);
+    assert!(!s.has_event_source());
     stop.cancel();
 }
 

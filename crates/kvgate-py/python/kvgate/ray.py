@@ -573,16 +573,26 @@ async def _call(f, *args):
 
 # -- the replica side ------------------------------------------------------------------
 
-_replica_actor_cache: Dict[Tuple[str, str], Any] = {}
+_replica_actor_cache: Dict[Tuple[str, str], Tuple[Any, float]] = {}
+#: How long a replica remembers that its deployment has no selection actor (not routed
+#: by kvgate) before looking again.
+_NO_ACTOR_RECHECK_S = 30.0
 
 
 def _replica_selection_actor():
+    """This replica's deployment's selection actor, or None when there is none (looked
+    up again after ``_NO_ACTOR_RECHECK_S``: a lookup is a blocking GCS call)."""
     ctx = serve.get_replica_context()
     key = (ctx.app_name, ctx.deployment)
-    actor = _replica_actor_cache.get(key)
-    if actor is None:
+    cached = _replica_actor_cache.get(key)
+    now = time.monotonic()
+    if cached is not None and (cached[0] is not None or now - cached[1] < _NO_ACTOR_RECHECK_S):
+        return cached[0]
+    try:
         actor = get_selection_actor(ctx.app_name, ctx.deployment)
-        _replica_actor_cache[key] = actor
+    except ValueError:  # no actor by that name
+        actor = None
+    _replica_actor_cache[key] = (actor, now)
     return actor
 
 
@@ -616,8 +626,10 @@ async def track_stream(
     try:
         request_id = serve.context._get_serve_request_context()._internal_request_id
         actor = _replica_selection_actor()
-    except Exception as e:  # not routed by kvgate, or the actor is gone
+    except Exception as e:  # not inside a Serve replica
         logger.debug("kvgate: no lifecycle tracking for this request: %s", e)
+        actor = None
+    if actor is None:  # not routed by kvgate
         async for chunk in stream:
             yield chunk
         return
