@@ -210,6 +210,16 @@ class SelectionActor:
         self._record(("free", request_id, 0))
         return self._fleet is not None and await self._fleet.svc.free(request_id)
 
+    async def report(self, batch: List[Tuple[str, str, int]]) -> None:
+        """Lifecycle reports from one replica, in order: (method, request id, value)."""
+        for method, request_id, value in batch:
+            if method == "prefill_done":
+                await self.prefill_done(request_id)
+            elif method == "decode_progress":
+                await self.decode_progress(request_id, value)
+            elif method == "free":
+                await self.free(request_id)
+
     def poll_lifecycle(self, after: int) -> Tuple[int, List[Tuple]]:
         """Lifecycle reports with a sequence number above ``after``, and the last
         sequence number (a poller that fell behind the log gets what is left)."""
@@ -579,9 +589,37 @@ _replica_actor_cache: Dict[Tuple[str, str], Tuple[Any, float]] = {}
 _NO_ACTOR_RECHECK_S = 30.0
 
 
-def _replica_selection_actor():
-    """This replica's deployment's selection actor, or None when there is none (looked
-    up again after ``_NO_ACTOR_RECHECK_S``: a lookup is a blocking GCS call)."""
+class _LifecycleReporter:
+    """Sends a replica's lifecycle reports to the selection actor in order, one call in
+    flight at a time: reports made meanwhile go together in the next call, so a busy
+    replica makes a few calls per second rather than several per request."""
+
+    def __init__(self, actor: Any):
+        self.actor = actor
+        self._queue: List[Tuple[str, str, int]] = []
+        self._task: Optional[asyncio.Task] = None
+
+    def report(self, method: str, request_id: str, value: int = 0) -> None:
+        self._queue.append((method, request_id, value))
+        if self._task is None or self._task.done():
+            try:
+                self._task = asyncio.get_running_loop().create_task(self._deliver())
+            except RuntimeError:  # no running loop (interpreter shutdown): the TTL covers it
+                pass
+
+    async def _deliver(self) -> None:
+        while self._queue:
+            batch, self._queue = self._queue, []
+            try:
+                await self.actor.report.remote(batch)
+            except Exception as e:  # the actor restarts; its TTL sweep covers the loss
+                logger.warning("kvgate: %d lifecycle reports dropped: %s", len(batch), e)
+
+
+def _replica_reporter():
+    """This replica's deployment's lifecycle reporter (to its selection actor), or None
+    when there is no actor (looked up again after ``_NO_ACTOR_RECHECK_S``: a lookup is a
+    blocking GCS call)."""
     ctx = serve.get_replica_context()
     key = (ctx.app_name, ctx.deployment)
     cached = _replica_actor_cache.get(key)
@@ -589,11 +627,11 @@ def _replica_selection_actor():
     if cached is not None and (cached[0] is not None or now - cached[1] < _NO_ACTOR_RECHECK_S):
         return cached[0]
     try:
-        actor = get_selection_actor(ctx.app_name, ctx.deployment)
+        reporter = _LifecycleReporter(get_selection_actor(ctx.app_name, ctx.deployment))
     except ValueError:  # no actor by that name
-        actor = None
-    _replica_actor_cache[key] = (actor, now)
-    return actor
+        reporter = None
+    _replica_actor_cache[key] = (reporter, now)
+    return reporter
 
 
 def _count_sse_tokens(chunk: Union[bytes, str]) -> int:
@@ -622,14 +660,15 @@ async def track_stream(
             async for chunk in kvgate.ray.track_stream(self.engine_stream(body)):
                 yield chunk
 
-    Reports are fire-and-forget: the stream never waits on the router."""
+    Reports are queued and sent in batches with one call in flight: the stream never
+    waits on the router."""
     try:
         request_id = serve.context._get_serve_request_context()._internal_request_id
-        actor = _replica_selection_actor()
+        reporter = _replica_reporter()
     except Exception as e:  # not inside a Serve replica
         logger.debug("kvgate: no lifecycle tracking for this request: %s", e)
-        actor = None
-    if actor is None:  # not routed by kvgate
+        reporter = None
+    if reporter is None:  # not routed by kvgate
         async for chunk in stream:
             yield chunk
         return
@@ -642,12 +681,12 @@ async def track_stream(
             chunks += 1
             if first and produced > 0:
                 first = False
-                actor.prefill_done.remote(request_id)
+                reporter.report("prefill_done", request_id)
             elif chunks % PROGRESS_EVERY == 0:
-                actor.decode_progress.remote(request_id, produced)
+                reporter.report("decode_progress", request_id, produced)
             yield chunk
     finally:
-        actor.free.remote(request_id)
+        reporter.report("free", request_id)
 
 
 # -- pre-routing tokenization ----------------------------------------------------------
