@@ -151,3 +151,20 @@ def test_errors_are_python_exceptions_with_the_right_class():
     run(scenario())
     assert issubclass(KvgateUnavailableError, RuntimeError)
     assert kvgate.native_available()
+
+
+def test_the_lifecycle_log_returns_what_a_poller_missed_in_order():
+    from kvgate.ray import SelectionActor
+
+    relay = SelectionActor(placement="local")  # relays only: no native service needed
+    relay._log = __import__("collections").deque(maxlen=5)
+
+    async def reports():
+        for i in range(8):
+            await relay.free(f"r{i}")
+
+    run(reports())
+    assert relay.poll_lifecycle(6) == (8, [(7, "free", "r6", 0), (8, "free", "r7", 0)])
+    # A poller behind the log's start gets what is left, oldest first.
+    assert [e[0] for e in relay.poll_lifecycle(0)[1]] == [4, 5, 6, 7, 8]
+    assert relay.poll_lifecycle(8) == (8, [])

@@ -223,7 +223,10 @@ class SelectionActor:
     def poll_lifecycle(self, after: int) -> Tuple[int, List[Tuple]]:
         """Lifecycle reports with a sequence number above ``after``, and the last
         sequence number (a poller that fell behind the log gets what is left)."""
-        return self._seq, [e for e in self._log if e[0] > after]
+        # Sequence numbers are consecutive: the newest `seq - after` reports, read from
+        # the log's right end (cheap however long the log is).
+        missing = min(max(self._seq - after, 0), len(self._log))
+        return self._seq, [self._log[-k] for k in range(missing, 0, -1)]
 
     def open_requests(self) -> int:
         return self._service().open_requests()
