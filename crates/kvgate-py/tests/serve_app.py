@@ -6,7 +6,6 @@ with real ZeroMQ KV events, advertised through `record_routing_stats`.
 Ray's PowerOfTwoChoices, Ray's PrefixCacheAffinityRouter), so the benchmark compares
 routers on one application."""
 
-import asyncio
 import json
 import subprocess
 import time
@@ -183,18 +182,6 @@ def build_app(
     return ingress.bind(engine, tokenize)
 
 
-async def wait_for(pred, timeout=20.0, every=0.1):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        got = pred()
-        if asyncio.iscoroutine(got):
-            got = await got
-        if got:
-            return got
-        await asyncio.sleep(every)
-    return pred() if not asyncio.iscoroutinefunction(pred) else await pred()
-
-
 # -- routers timed where they choose (the benchmark's "router overhead") ----------------
 
 # Each `choose_replicas` call's duration goes to router_timing.SECONDS in the process
@@ -211,7 +198,8 @@ async def _timed_choose(router_super, candidate_replicas, pending_request):
         router_timing.SECONDS.append(time.perf_counter() - start)
 
 
-# Module-level classes, so Ray pickles them by reference and they share ROUTER_SECONDS.
+# Routers timed where they choose. Ray pickles router classes by value, so the timings
+# go to router_timing.SECONDS through an import at call time (see router_timing.py).
 class TimedKvgate(kray.KVAwareRequestRouter):
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         return await _timed_choose(super(), candidate_replicas, pending_request)

@@ -4,7 +4,6 @@ replicas each front a `kvgate mock-engine` with real ZeroMQ KV events advertised
 
 import asyncio
 import json
-import os
 import shutil
 import time
 from pathlib import Path
