@@ -599,9 +599,21 @@ impl SelectionService {
                 ..BookingSpec::default()
             },
         };
-        let guard = match self.try_book_spec(worker, spec, block_keys, 0) {
-            Some(g) => g,
-            None => unreachable!("a booking without a limit is never refused"),
+        self.hold(&mut requests, request_id, worker, spec, block_keys);
+        Ok(())
+    }
+
+    /// Books `worker` without a limit and keeps the guard under `request_id`.
+    fn hold(
+        &self,
+        requests: &mut FxHashMap<String, HeldBooking>,
+        request_id: &str,
+        worker: WorkerId,
+        spec: BookingSpec,
+        block_keys: &[BlockKey],
+    ) {
+        let Some(guard) = self.try_book_spec(worker, spec, block_keys, 0) else {
+            unreachable!("a booking without a limit is never refused")
         };
         requests.insert(
             request_id.to_string(),
@@ -610,7 +622,6 @@ impl SelectionService {
                 booked_at: Instant::now(),
             },
         );
-        Ok(())
     }
 
     /// Selects among `candidates` and books the choice under `request_id` in one step:
@@ -629,22 +640,12 @@ impl SelectionService {
         let previous = requests.remove(request_id);
         drop(previous);
         let decision = self.select(req, candidates)?;
-        let guard = match self.try_book(
-            &decision,
-            req.prompt_tokens,
-            expected_output_tokens,
+        self.hold(
+            &mut requests,
+            request_id,
+            decision.worker,
+            decision.booking(req.prompt_tokens, expected_output_tokens),
             req.block_keys.unwrap_or_default(),
-            0,
-        ) {
-            Some(g) => g,
-            None => unreachable!("a booking without a limit is never refused"),
-        };
-        requests.insert(
-            request_id.to_string(),
-            HeldBooking {
-                guard,
-                booked_at: Instant::now(),
-            },
         );
         Ok(decision)
     }
