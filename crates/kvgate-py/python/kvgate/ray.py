@@ -196,29 +196,20 @@ class SelectionActor:
         self._seq += 1
         self._log.append((self._seq,) + event)
 
-    async def prefill_done(self, request_id: str) -> bool:
-        self._record(("prefill_done", request_id, 0))
-        return self._fleet is not None and await self._fleet.svc.prefill_done(request_id)
-
-    async def decode_progress(self, request_id: str, output_tokens: int) -> bool:
-        self._record(("decode_progress", request_id, int(output_tokens)))
-        return self._fleet is not None and await self._fleet.svc.decode_progress(
-            request_id, output_tokens
-        )
-
     async def free(self, request_id: str) -> bool:
-        self._record(("free", request_id, 0))
-        return self._fleet is not None and await self._fleet.svc.free(request_id)
+        """Ends a request's booking (a router's completion callback)."""
+        return await self._apply(("free", request_id, 0))
 
     async def report(self, batch: List[Tuple[str, str, int]]) -> None:
         """Lifecycle reports from one replica, in order: (method, request id, value)."""
-        for method, request_id, value in batch:
-            if method == "prefill_done":
-                await self.prefill_done(request_id)
-            elif method == "decode_progress":
-                await self.decode_progress(request_id, value)
-            elif method == "free":
-                await self.free(request_id)
+        for event in batch:
+            await self._apply(tuple(event))
+
+    async def _apply(self, event: Tuple[str, str, int]) -> bool:
+        """Logs a lifecycle report for polling routers and applies it to the service
+        this actor owns, if any."""
+        self._record(event)
+        return self._fleet is not None and await _apply_lifecycle(self._fleet.svc, *event)
 
     def poll_lifecycle(self, after: int) -> Tuple[int, List[Tuple]]:
         """Lifecycle reports with a sequence number above ``after``, and the last
@@ -239,6 +230,18 @@ class SelectionActor:
 
     def ready(self) -> bool:
         return True
+
+
+async def _apply_lifecycle(svc: Any, method: str, request_id: str, value: int) -> bool:
+    """Applies one lifecycle report (``track_stream``'s vocabulary) to a selection
+    service; False when it holds no booking with that id or the method is unknown."""
+    if method == "prefill_done":
+        return await svc.prefill_done(request_id)
+    if method == "decode_progress":
+        return await svc.decode_progress(request_id, int(value))
+    if method == "free":
+        return await svc.free(request_id)
+    return False
 
 
 def _metadata_key(meta: Optional[Dict[str, Any]]) -> Optional[Tuple]:
@@ -385,12 +388,7 @@ class KVAwareRequestRouter(RequestRouter):
                 last, events = await actor.poll_lifecycle.remote(seq)
                 seq = last
                 for _, method, rid, value in events:
-                    if method == "prefill_done":
-                        await svc.prefill_done(rid)
-                    elif method == "decode_progress":
-                        await svc.decode_progress(rid, value)
-                    elif method == "free":
-                        await svc.free(rid)
+                    await _apply_lifecycle(svc, method, rid, value)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the actor restarts: start over from its log's end
