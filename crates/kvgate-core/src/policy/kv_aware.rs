@@ -40,6 +40,19 @@
 //! is over worker ids, which are this process's: two gateway replicas may pick
 //! different homes for the same prefix.)
 //!
+//! Homing is bounded by load, as consistent hashing with bounded loads is: the home is
+//! the first candidate in the prefix's rendezvous order whose cost is within one
+//! prefill of this prompt (`overlap_weight · prompt_blocks`) of the cheapest. Why that
+//! bound: what homing saves is a later recompute of the same prefix on a second worker
+//! (a tenant split over two workers pays its prefill once more and holds two copies),
+//! so waiting behind at most one such prefill to avoid it breaks even, and waiting
+//! longer does not. Without the bound, a hash that homes more of the rarely seen (so
+//! mostly cold) tenants on one worker gives that worker most of the fleet's misses and
+//! their prefill queue: measured in Ray Serve (docs/BENCHMARKS.md), one replica took
+//! 46 of 73 misses and the TTFT p90 was 2.7x that of homing switched off. The
+//! fallback is the next worker in the same order, so a prefix pushed off its home
+//! still has one place to come back to.
+//!
 //! Why the locality term: with the DESIGN cost alone, a request leaves its prefix holder
 //! as soon as the holder's queued prefill outweighs the cached prefix. That is the
 //! earliest start for this request, but the fleet then recomputes the prefix, and a
@@ -223,7 +236,14 @@ impl RoutingPolicy for KvAwarePolicy {
         let prompt_blocks = f64::from(req.prompt_tokens) / block_size;
         let costs = self.costs(&mut lines, &cached.blocks, prompt_blocks, block_size);
         let entries = index.entries_of(view.candidates);
-        let choice = self.choose(&lines, &cached.blocks, &costs, keys, &entries);
+        let choice = self.choose(
+            &lines,
+            &cached.blocks,
+            &costs,
+            keys,
+            &entries,
+            prompt_blocks,
+        );
         let i = choice.index;
         let bs = index.block_size();
         let indexed_cached_tokens = cached.indexed_device[i] * bs;
@@ -384,14 +404,26 @@ impl KvAwarePolicy {
         costs: &[f64],
         keys: &[crate::BlockKey],
         entries: &[usize],
+        prompt_blocks: f64,
     ) -> Choice {
         let c = &self.config;
         let (eligible, warmup_excluded) = self.eligible(lines, entries);
         let cold = keys.first().filter(|_| cached.iter().all(|x| *x <= 0.0));
         let home = cold.filter(|_| c.cold_homing).and_then(|first| {
-            eligible.iter().copied().max_by_key(|&i| {
-                xxh3_64_with_seed(&first.0.to_le_bytes(), u64::from(lines[i].worker.0))
-            })
+            // The home may be busier than the least loaded candidate by at most this
+            // prompt's own prefill (the module comment says why).
+            let cheapest = eligible
+                .iter()
+                .map(|&i| costs[i])
+                .fold(f64::INFINITY, f64::min);
+            let slack = c.overlap_weight * prompt_blocks;
+            eligible
+                .iter()
+                .copied()
+                .filter(|&i| costs[i] <= cheapest + slack)
+                .max_by_key(|&i| {
+                    xxh3_64_with_seed(&first.0.to_le_bytes(), u64::from(lines[i].worker.0))
+                })
         });
         let index = if let Some(home) = home {
             home

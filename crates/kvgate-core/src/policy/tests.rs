@@ -666,6 +666,55 @@ fn kv_aware_sends_a_prefix_cached_nowhere_to_its_home() {
     assert!(homes.values().all(|n| *n >= 8), "{homes:?}");
 }
 
+/// Cold homing is bounded by load: a prompt cached nowhere goes home while the home's
+/// queue is within one prefill of this prompt of the least loaded candidate's, and
+/// otherwise to the next worker in its rendezvous order that is (the same one each
+/// time, so the prefix still has one place to come back to).
+#[test]
+fn kv_aware_cold_homing_yields_when_the_home_is_a_prompt_behind() {
+    let ledger = Ledger::new(BS);
+    let index = new_index();
+    let policy = KvAwarePolicy::new(KvAwareConfig::default(), None);
+    let ws = workers(4);
+    let prompt: Vec<u32> = (0..1024).map(|t| 777_000 + t).collect();
+    let keys = index.hasher().block_keys(&prompt);
+    let route = || select(&policy, Some(&keys), 1024, None, &ws, &ledger, Some(&index)).unwrap();
+    let home = route().worker;
+    let queue_on_home = |prompt_tokens: u32| {
+        ledger.book(
+            home,
+            BookingSpec {
+                prompt_tokens,
+                expected_output_tokens: Some(1),
+                ..Default::default()
+            },
+            &[],
+            Instant::now(),
+        )
+    };
+    // Half this prompt's prefill queued at home (and its KV): still home.
+    let small = queue_on_home(512);
+    assert_eq!(
+        route().worker,
+        home,
+        "a short queue at home is worth waiting for"
+    );
+    // More than one prompt's prefill: the next home, the same one every time.
+    let big = queue_on_home(600);
+    let next = route();
+    assert_ne!(next.worker, home, "the home is a whole prompt behind");
+    assert!(next.reason.starts_with("cold miss"), "{}", next.reason);
+    for _ in 0..5 {
+        assert_eq!(route().worker, next.worker, "the fallback home is stable");
+    }
+    drop((small, big));
+    let again = route();
+    assert_eq!(
+        again.worker, home,
+        "home again once its queue drains: {again:?}"
+    );
+}
+
 /// Four workers; worker 0 caches a conversation's history and has prompts of the given
 /// sizes queued (booked, prefill not done); the next turn adds 512 new tokens.
 struct QueuedHolder {
