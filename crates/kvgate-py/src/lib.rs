@@ -7,7 +7,9 @@
 //! named by strings at this boundary (Ray replica ids) and mapped to the service's ids.
 //!
 //! Every method that does work is awaitable and runs on one process-wide tokio runtime
-//! without the GIL (the KV-event subscribers live on that runtime too). Errors arrive as
+//! without the GIL (the KV-event subscribers live on that runtime too), except the two
+//! `_now` fast paths for a router's own thread (`select_and_book_now`, `free_now`),
+//! which take microseconds and hold the GIL for them. Errors arrive as
 //! Python exceptions: `ValueError` for bad input (HTTP 400 at an ingress),
 //! `KvgateUnavailableError` (a `RuntimeError`) when routing cannot happen now (503).
 //! Must not contain routing logic: policy, ledger and index stay in the Rust crates.
@@ -374,12 +376,16 @@ impl PySelectionService {
 
     /// [`select_and_book`](Self::select_and_book) without the round trip through the
     /// async runtime: for callers on an event loop where the selection itself (tens of
-    /// microseconds, run with the GIL released) costs less than a hop to another
-    /// thread and back (a Ray Serve router). Blocks the calling thread for that long.
+    /// microseconds) costs less than a hop to another thread and back (a Ray Serve
+    /// router). Runs holding the GIL, so it blocks the calling thread and the
+    /// interpreter for that long: releasing the GIL for tens of microseconds costs
+    /// more, since taking it back in a busy process (a Ray worker's threads) can wait
+    /// up to the interpreter's switch interval (5 ms), which is what the router's p99
+    /// measured with it released (docs/BENCHMARKS.md). Nothing the selection waits
+    /// on (the index's and ledger's locks) is ever held by a thread that needs the GIL.
     #[pyo3(signature = (request_id, token_ids, allowed_workers = None, expected_output_tokens = None, lora = None))]
     fn select_and_book_now(
         &self,
-        py: Python<'_>,
         request_id: String,
         token_ids: Vec<u32>,
         allowed_workers: Option<Vec<String>>,
@@ -389,12 +395,10 @@ impl PySelectionService {
         let candidates = self.candidates(allowed_workers);
         let expected = expected_output(expected_output_tokens);
         let svc = &self.svc;
-        py.detach(|| {
-            with_prompt(svc, &token_ids, lora.as_deref(), |req| {
-                svc.select_and_book_request(&request_id, req, &candidates, expected)
-            })
-            .map(|d| selection_of(svc, &d))
+        with_prompt(svc, &token_ids, lora.as_deref(), |req| {
+            svc.select_and_book_request(&request_id, req, &candidates, expected)
         })
+        .map(|d| selection_of(svc, &d))
     }
 
     /// [`free`](Self::free) on the calling thread (a dictionary removal).

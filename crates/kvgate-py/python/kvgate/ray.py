@@ -398,19 +398,24 @@ class KVAwareRequestRouter(RequestRouter):
             busy = svc.open_requests() > 0
             await asyncio.sleep(self.LIFECYCLE_POLL_S if busy else 10 * self.LIFECYCLE_POLL_S)
 
-    async def _sync_members(self, sync) -> None:
-        """Tells the service about replicas it has not seen advertised as they are now."""
-        changed = {}
+    def _changed_members(self) -> Optional[Dict[str, Any]]:
+        """The replicas the service has not seen advertised as they are now (None when
+        there are none, the common case: no allocation then)."""
+        changed = None
         for rid, replica in self._replicas.items():
             meta = (replica.routing_stats or {}).get(KV_EVENT_METADATA_KEY)
-            key = _metadata_key(meta)
             name = rid.unique_id
-            if name not in self._synced or self._synced[name] != key:
+            if name not in self._synced or self._synced[name] != _metadata_key(meta):
+                if changed is None:
+                    changed = {}
                 changed[name] = meta
-        if changed:
-            await sync(changed)
-            for name, meta in changed.items():
-                self._synced[name] = _metadata_key(meta)
+        return changed
+
+    async def _sync_members(self, sync, changed: Dict[str, Any]) -> None:
+        """Tells the service about the changed replicas."""
+        await sync(changed)
+        for name, meta in changed.items():
+            self._synced[name] = _metadata_key(meta)
 
     def _forget(self, names: List[str]) -> None:
         for name in names:
@@ -502,7 +507,7 @@ class KVAwareRequestRouter(RequestRouter):
                 candidate_replicas,
             )
         request_id = pending_request.metadata.internal_request_id
-        by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
+        names = [r.replica_id.unique_id for r in candidate_replicas]
         expected = _expected_output_tokens(pending_request)
         # From here the request may hold a booking: if it is cancelled or fails before
         # dispatch, free it; once dispatched, Ray's completion callback frees it.
@@ -511,20 +516,21 @@ class KVAwareRequestRouter(RequestRouter):
         )
         for attempt in range(3):
             try:
+                # Per request on the router's event loop: the token ids go as they came
+                # (no copy) and membership is checked without building anything.
+                changed = self._changed_members()
                 if self._placement == "local":
-                    await self._sync_members(fleet.sync)
+                    if changed:
+                        await self._sync_members(fleet.sync, changed)
                     # On this thread: the selection is cheaper than a hop to the runtime.
-                    s = fleet.svc.select_and_book_now(
-                        request_id, list(token_ids), list(by_name), expected
-                    )
+                    s = fleet.svc.select_and_book_now(request_id, token_ids, names, expected)
                     chosen = s.worker_id
                     free = fleet.svc.free
                 else:
-                    await self._sync_members(lambda m: actor.sync_workers.remote(m))
+                    if changed:
+                        await self._sync_members(lambda m: actor.sync_workers.remote(m), changed)
                     chosen = (
-                        await actor.select_and_book.remote(
-                            request_id, list(token_ids), list(by_name), expected
-                        )
+                        await actor.select_and_book.remote(request_id, token_ids, names, expected)
                     )["worker_id"]
                     free = actor.free.remote
                 break
@@ -552,7 +558,7 @@ class KVAwareRequestRouter(RequestRouter):
                     KvgateUnavailableError(f"kvgate selection is unavailable: {e}"),
                     candidate_replicas,
                 )
-        replica = by_name.get(chosen)
+        replica = next((r for r, n in zip(candidate_replicas, names) if n == chosen), None)
         if replica is None:
             # The candidate left while we chose: give the booking up and choose again.
             self._run_soon(_call(free, request_id))
