@@ -100,6 +100,7 @@ async def one(session, url, system, question, max_tokens):
     if ttft is None or usage is None:
         return {"error": "incomplete"}
     return {
+        "t": start,
         "ttft": ttft,
         "prompt": usage["prompt_tokens"],
         "cached": usage["prompt_tokens_details"]["cached_tokens"],
@@ -129,7 +130,11 @@ async def drive(base, prefix, reqs, systems, max_tokens):
 
         async def at(t, tenant, q):
             await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
-            return await one(s, url, systems[tenant], q, max_tokens)
+            r = await one(s, url, systems[tenant], q, max_tokens)
+            r["tenant"] = tenant
+            if "t" in r:
+                r["t"] -= start
+            return r
 
         results = await asyncio.gather(*(at(*r) for r in reqs))
         async with s.get(f"{base}/{prefix}/router_stats") as r:
@@ -137,9 +142,37 @@ async def drive(base, prefix, reqs, systems, max_tokens):
     return results, router
 
 
+def _without(xs, some):
+    """xs less one occurrence of each of some."""
+    rest = list(xs)
+    for x in some:
+        rest.remove(x)
+    return rest
+
+
+def with_override(kwargs, override):
+    """`a.b=value` (value as JSON, else a string) merged into a copy of kwargs."""
+    key, _, raw = override.partition("=")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    out = json.loads(json.dumps(kwargs))
+    *path, last = key.split(".")
+    node = out
+    for k in path:
+        node = node.setdefault(k, {})
+    node[last] = value
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--routers", default="pow2,prefix_tree,kvgate")
+    ap.add_argument(
+        "--routers", default="pow2,prefix_tree,kvgate",
+        help="rows, comma-separated; a kvgate row takes overrides of its router kwargs: "
+        "kvgate@policy=prefix_affinity, kvgate@kv_aware.cold_homing=false",
+    )
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--tenants", type=int, default=24)
     ap.add_argument("--system-words", type=int, default=900)
@@ -177,16 +210,20 @@ def main():
     rows = []
     print(f"command: python crates/kvgate-py/bench/ray_routers.py {' '.join(sys.argv[1:])}", flush=True)
     for name in args.routers.split(","):
-        cls, kwargs = ROUTERS[name]
-        if name.startswith("kvgate"):
+        base_name, *overrides = name.split("@")
+        cls, kwargs = ROUTERS[base_name]
+        if base_name.startswith("kvgate"):
             kwargs = {**kwargs, **json.loads(args.kvgate_kwargs)}
+            for o in overrides:
+                kwargs = with_override(kwargs, o)
         app = build_app(
             cls, kwargs, replicas=args.replicas, engine_args=engine_args,
             tokenize=name.startswith("kvgate"),
         )
-        serve.run(app, name=name, route_prefix=f"/{name}")
-        results, router = asyncio.run(drive(base, name, reqs, systems, args.max_tokens))
-        serve.delete(name)
+        app_name = f"row{len(rows)}"
+        serve.run(app, name=app_name, route_prefix=f"/{app_name}")
+        results, router = asyncio.run(drive(base, app_name, reqs, systems, args.max_tokens))
+        serve.delete(app_name)
         ok = [r for r in results if "error" not in r]
         ttfts = [r["ttft"] * 1e3 for r in ok]
         hit = sum(r["cached"] for r in ok) / max(1, sum(r["prompt"] for r in ok))
@@ -202,6 +239,16 @@ def main():
             "router_calls": router["calls"],
             "router_p50_ms": pct(rs, 50),
             "router_p99_ms": pct(rs, 99),
+            "router_cpu_p50_ms": pct([x * 1e3 for x in router["cpu_seconds"]], 50),
+            "router_cpu_p99_ms": pct([x * 1e3 for x in router["cpu_seconds"]], 99),
+            # calls inside which the ingress process ran a garbage collection
+            "router_calls_with_gc": len(router["with_gc_seconds"]),
+            "router_slowest_1pct_with_gc": sum(
+                1 for x in router["with_gc_seconds"] if x >= pct(router["seconds"], 99)
+            ),
+            "router_p99_ms_without_gc": pct(
+                [x * 1e3 for x in _without(router["seconds"], router["with_gc_seconds"])], 99
+            ),
             "busiest_replica_share": max(
                 (sum(1 for r in ok if r["replica"] == x) for x in {r["replica"] for r in ok}),
                 default=0,
@@ -211,19 +258,27 @@ def main():
             "first_item_p50_ms": pct([r["first_item_ms"] for r in ok], 50),
             "first_item_p99_ms": pct([r["first_item_ms"] for r in ok], 99),
         }
-        rows.append(row)
         print(json.dumps(row), flush=True)
+        row["results"] = results
+        rows.append(row)
     serve.shutdown()
     ray.shutdown()
 
     print()
-    print("| router | requests | errors | TTFT p50 ms | p90 ms | p99 ms | hit rate | choose_replicas p50 ms | p99 ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| router | requests | errors | TTFT p50 ms | p90 ms | p99 ms | hit rate "
+        "| choose_replicas p50 ms | p99 ms | CPU p50 ms | CPU p99 ms "
+        "| calls with a GC pass (in the slowest 1%) | p99 ms of the others |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['router']} | {r['requests']} | {r['errors']} | {r['ttft_p50_ms']:.0f} | "
             f"{r['ttft_p90_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['hit_rate']:.1%} | "
-            f"{r['router_p50_ms']:.3f} | {r['router_p99_ms']:.3f} |"
+            f"{r['router_p50_ms']:.3f} | {r['router_p99_ms']:.3f} | "
+            f"{r['router_cpu_p50_ms']:.3f} | {r['router_cpu_p99_ms']:.3f} | "
+            f"{r['router_calls_with_gc']} ({r['router_slowest_1pct_with_gc']}) | "
+            f"{r['router_p99_ms_without_gc']:.3f} |"
         )
     os.makedirs(args.out, exist_ok=True)
     path = Path(args.out) / f"ray-routers-{int(time.time())}.json"

@@ -104,9 +104,7 @@ class Ingress:
         if request.url.path.endswith("/router_stats"):
             import router_timing
 
-            seconds = sorted(router_timing.SECONDS)
-            router_timing.SECONDS.clear()
-            return JSONResponse({"calls": len(seconds), "seconds": seconds})
+            return JSONResponse(router_timing.take())
         path = "/v1/chat/completions" if request.url.path.endswith("/chat/completions") else "/v1/completions"
         try:
             body = await request.json()
@@ -184,22 +182,23 @@ def build_app(
 
 # -- routers timed where they choose (the benchmark's "router overhead") ----------------
 
-# Each `choose_replicas` call's duration goes to router_timing.SECONDS in the process
+# Each `choose_replicas` call's duration goes to router_timing.CALLS in the process
 # the handle's router runs in (the ingress), read and cleared through `/router_stats`.
 
 
 async def _timed_choose(router_super, candidate_replicas, pending_request):
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.thread_time()
     try:
         return await router_super.choose_replicas(candidate_replicas, pending_request)
     finally:
         import router_timing
 
-        router_timing.SECONDS.append(time.perf_counter() - start)
+        router_timing.CALLS.append((start, time.perf_counter()))
+        router_timing.CPU_SECONDS.append(time.thread_time() - cpu_start)
 
 
 # Routers timed where they choose. Ray pickles router classes by value, so the timings
-# go to router_timing.SECONDS through an import at call time (see router_timing.py).
+# go to router_timing.CALLS through an import at call time (see router_timing.py).
 class TimedKvgate(kray.KVAwareRequestRouter):
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         return await _timed_choose(super(), candidate_replicas, pending_request)
