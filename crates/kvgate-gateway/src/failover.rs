@@ -29,6 +29,16 @@ use crate::proxy::{prepare_response_headers, SendError};
 use crate::registry::{Endpoint, ModelState, Worker};
 use crate::routing::{pick, Prepared};
 
+/// The `reason` labels of `kvgate_retries_total`: a retryable HTTP status, or why the
+/// request could not be sent.
+pub(crate) const RETRY_REASONS: [&str; 5] = [
+    "status",
+    SendError::REASONS[0],
+    SendError::REASONS[1],
+    SendError::REASONS[2],
+    SendError::REASONS[3],
+];
+
 /// Statuses worth another worker: the engine failed or is overloaded.
 fn retryable(status: StatusCode) -> bool {
     status.is_server_error() || status == StatusCode::TOO_MANY_REQUESTS

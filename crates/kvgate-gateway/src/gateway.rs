@@ -102,6 +102,7 @@ impl Gateway {
             config,
         });
         for (model, workers) in pending {
+            gw.metrics.init_model(&model.name, model.kind().as_str());
             for w in workers {
                 gw.add_worker_to(&model, w)?;
             }
@@ -207,6 +208,8 @@ impl Gateway {
             model.selection.remove_worker(id);
             return Err(e);
         }
+        self.metrics
+            .init_worker(&model.name, model.kind().as_str(), &worker.url);
         tracing::info!(model = %model.name, worker = %worker.url, id = %id, "worker added");
         Ok(worker)
     }

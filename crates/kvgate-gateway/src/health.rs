@@ -29,6 +29,10 @@ pub enum Failure<'a> {
     HealthCheck(&'a str),
 }
 
+/// The `to` labels of `kvgate_worker_health_transitions_total` (the only two written
+/// below).
+pub(crate) const BREAKER_TRANSITIONS: [&str; 2] = ["open", "closed"];
+
 /// Counts a failure against a worker's breaker, logging when it opens. A worker whose
 /// health check fails is, once its breaker is open, declared dead: its prefix-index
 /// entries are purged (when the breaker opens) and the requests in flight on it are

@@ -126,6 +126,41 @@ impl Metrics {
         })
     }
 
+    /// Creates, at zero, every series of a model whose labels are known before its
+    /// first request, so each metric a dashboard or alert names is in `/metrics` from
+    /// the first scrape (a counter that first appears at 1 looks like no increase to
+    /// `rate()`). Called when the gateway is built.
+    pub fn init_model(&self, model: &str, policy: &str) {
+        self.decision_seconds.with_label_values(&[model, policy]);
+        self.tokenize_seconds.with_label_values(&[model]);
+        for reason in crate::failover::RETRY_REASONS {
+            self.retries.with_label_values(&[model, reason]);
+        }
+        for outcome in crate::observe::RESPONSE_OUTCOMES {
+            self.stream_ends.with_label_values(&[model, outcome]);
+        }
+        for c in [
+            &self.predicted_cached_tokens,
+            &self.reported_cached_tokens,
+            &self.reported_prompt_tokens,
+            &self.index_purged_entries,
+        ] {
+            c.with_label_values(&[model]);
+        }
+        self.cached_tokens_error.with_label_values(&[model]);
+    }
+
+    /// [`init_model`](Self::init_model) for a worker's series (at start and when one is
+    /// added): its answered requests and its health transitions.
+    pub fn init_worker(&self, model: &str, policy: &str, worker: &str) {
+        self.requests
+            .with_label_values(&[model, worker, policy, "200"]);
+        for to in crate::health::BREAKER_TRANSITIONS {
+            self.health_transitions
+                .with_label_values(&[model, worker, to]);
+        }
+    }
+
     /// Renders every metric in the Prometheus text format. `fill` sets the
     /// scrape-time gauges; `events` adds KV-event ingestion counters by worker URL.
     pub fn render(
@@ -189,16 +224,14 @@ impl ScrapeGauges<'_> {
             .set(i64::from(healthy));
     }
 
-    /// How honest the predictions for one worker have been (nothing until its engine
-    /// reported cached tokens).
+    /// How honest the predictions for one worker have been.
     pub fn accuracy(&self, model: &str, worker: &str, a: &kvgate_core::WorkerAccuracy) {
         let l = [model, worker];
-        if let Some(ratio) = a.ratio() {
-            self.m
-                .worker_prediction_ratio
-                .with_label_values(&l)
-                .set(ratio);
-        }
+        // NaN (unknown) until the worker's engine reported cached tokens.
+        self.m
+            .worker_prediction_ratio
+            .with_label_values(&l)
+            .set(a.ratio().unwrap_or(f64::NAN));
         self.m
             .worker_credit_trust
             .with_label_values(&l)

@@ -51,8 +51,18 @@ enum Outcome {
     Shutdown,
 }
 
+/// The `outcome` labels of `kvgate_response_ends_total`.
+pub(crate) const RESPONSE_OUTCOMES: [&str; 6] = [
+    Outcome::Complete.as_str(),
+    Outcome::ClientDisconnect.as_str(),
+    Outcome::UpstreamError.as_str(),
+    Outcome::Timeout.as_str(),
+    Outcome::WorkerDown.as_str(),
+    Outcome::Shutdown.as_str(),
+];
+
 impl Outcome {
-    fn as_str(self) -> &'static str {
+    const fn as_str(self) -> &'static str {
         match self {
             Outcome::Complete => "complete",
             Outcome::ClientDisconnect => "client_disconnect",

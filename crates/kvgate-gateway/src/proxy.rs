@@ -53,6 +53,10 @@ pub enum SendError {
 }
 
 impl SendError {
+    /// Every [`reason`](Self::reason).
+    pub const REASONS: [&'static str; 4] =
+        ["connect", "transport", "first_byte_timeout", "worker_down"];
+
     pub fn reason(&self) -> &'static str {
         match self {
             SendError::Connect(_) => "connect",
@@ -198,6 +202,19 @@ pub fn prepare_response_headers(headers: &mut HeaderMap, worker: &Worker) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The retry metric is zero-initialised from REASONS: it must hold every reason.
+    #[test]
+    fn every_send_error_reason_is_listed() {
+        for e in [
+            SendError::Connect(String::new()),
+            SendError::Transport(String::new()),
+            SendError::Timeout,
+            SendError::WorkerDown,
+        ] {
+            assert!(SendError::REASONS.contains(&e.reason()), "{}", e.reason());
+        }
+    }
 
     #[test]
     fn request_headers_are_cleaned() {

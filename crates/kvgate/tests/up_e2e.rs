@@ -1,13 +1,85 @@
 //! `kvgate up` through the real binary: it starts 2 simulated engines and a kv_aware
 //! gateway, prints curl commands, and every printed command answers 200 when sent as
 //! printed; Ctrl-C (SIGINT) stops everything and exits 0; logs redirected to files carry
-//! no ANSI colour codes.
+//! no ANSI colour codes. The README's metric table and the gateway's `/metrics` before
+//! its first request name the same metrics.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use kvgate_bench::process::{free_ports, ManagedChild};
 use kvgate_bench::up::READY_LINE;
+
+/// The metric names (or `*` patterns) of the README's metric table.
+fn readme_metrics() -> Vec<String> {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md")).unwrap();
+    let section = readme
+        .split("\n## Metrics\n")
+        .nth(1)
+        .expect("README has a Metrics section");
+    let section = section.split("\n## ").next().unwrap_or(section);
+    section
+        .lines()
+        .filter(|l| l.starts_with("| `kvgate_"))
+        .flat_map(|l| {
+            let first_cell = l.split(" | ").next().unwrap_or(l);
+            first_cell
+                .split('`')
+                .filter(|t| t.starts_with("kvgate_"))
+                .map(|t| t.split('{').next().unwrap_or(t).to_string())
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// A metric name against a README name that may hold one `*`.
+fn matches(pattern: &str, name: &str) -> bool {
+    match pattern.split_once('*') {
+        Some((pre, post)) => {
+            name.len() > pre.len() + post.len() && name.starts_with(pre) && name.ends_with(post)
+        }
+        None => pattern == name,
+    }
+}
+
+/// Every metric the README lists is exported before any request, and every exported
+/// metric is in the README.
+async fn check_metrics_against_readme(http: &reqwest::Client, port: u16) {
+    let text = http
+        .get(format!("http://127.0.0.1:{port}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let exported: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    let listed = readme_metrics();
+    assert!(listed.len() >= 20, "{listed:?}");
+    for pattern in &listed {
+        let series = text.lines().any(|l| {
+            !l.starts_with('#')
+                && exported
+                    .iter()
+                    .any(|name| matches(pattern, name) && l.starts_with(name))
+        });
+        assert!(
+            series,
+            "README lists {pattern} but /metrics has no sample of it before the first request:\n{text}"
+        );
+    }
+    for name in &exported {
+        assert!(
+            listed.iter().any(|p| matches(p, name)),
+            "/metrics exports {name}, which the README's metric table does not list"
+        );
+    }
+}
 
 /// One printed command: method, URL and body, parsed as a shell would read it.
 fn parse_curl(line: &str) -> Option<(String, Option<String>)> {
@@ -54,6 +126,7 @@ async fn kvgate_up_serves_every_printed_command_and_stops_on_ctrl_c() {
         .timeout(Duration::from_secs(60))
         .build()
         .unwrap();
+    check_metrics_against_readme(&http, port).await;
     for (url, body) in &commands {
         let resp = match body {
             Some(b) => {
