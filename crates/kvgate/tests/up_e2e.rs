@@ -2,7 +2,8 @@
 //! gateway, prints curl commands, and every printed command answers 200 when sent as
 //! printed; Ctrl-C (SIGINT) stops everything and exits 0; logs redirected to files carry
 //! no ANSI colour codes. The README's metric table and the gateway's `/metrics` before
-//! its first request name the same metrics.
+//! its first request name the same metrics, and the Grafana dashboard in deploy/grafana
+//! queries only those.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -79,6 +80,58 @@ async fn check_metrics_against_readme(http: &reqwest::Client, port: u16) {
             "/metrics exports {name}, which the README's metric table does not list"
         );
     }
+    check_dashboard(&exported);
+}
+
+/// Every string under `key` anywhere in a JSON document.
+fn strings_under(v: &serde_json::Value, key: &str, out: &mut Vec<String>) {
+    match v {
+        serde_json::Value::Object(m) => {
+            for (k, x) in m {
+                match x {
+                    serde_json::Value::String(s) if k == key => out.push(s.clone()),
+                    _ => strings_under(x, key, out),
+                }
+            }
+        }
+        serde_json::Value::Array(a) => a.iter().for_each(|x| strings_under(x, key, out)),
+        _ => {}
+    }
+}
+
+/// The Grafana dashboard in deploy/grafana queries only metrics kvgate exports.
+fn check_dashboard(exported: &[&str]) {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../deploy/grafana/kvgate.json"
+    );
+    let dashboard: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let mut queries = Vec::new();
+    strings_under(&dashboard, "expr", &mut queries);
+    strings_under(&dashboard, "definition", &mut queries);
+    assert!(queries.len() >= 20, "{queries:?}");
+    let mut named = 0;
+    for q in &queries {
+        for word in q.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+            if !word.starts_with("kvgate_") {
+                continue;
+            }
+            let family = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| word.strip_suffix(s).filter(|f| exported.contains(f)))
+                .unwrap_or(word);
+            assert!(
+                exported.contains(&family),
+                "the dashboard queries {word}, which /metrics does not export: {q}"
+            );
+            named += 1;
+        }
+    }
+    assert!(
+        named >= queries.len(),
+        "{named} metric names in {queries:?}"
+    );
 }
 
 /// One printed command: method, URL and body, parsed as a shell would read it.
