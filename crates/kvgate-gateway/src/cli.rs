@@ -5,9 +5,26 @@
 use std::path::PathBuf;
 
 use anyhow::bail;
-use kvgate_core::PolicyKind;
+use kvgate_core::{KvAwareConfig, PolicyKind};
 
-use crate::config::{normalize_url, parse_assignment, Config, ModelConfig, WorkerConfig};
+use crate::config::{
+    normalize_url, parse_assignment, Config, FailoverConfig, HealthConfig, LimitsConfig,
+    ModelConfig, TimeoutsConfig, WorkerConfig,
+};
+
+/// Help headings of `kvgate serve --help`.
+const MODEL: &str = "One model (without --config)";
+const KV_AWARE: &str = "kv_aware policy";
+const AUTH: &str = "Authentication";
+const LIMITS: &str = "Admission limits";
+const UPSTREAM: &str = "Upstream timeouts, health and failover";
+
+/// A flag's help with the default it falls back to, read from the config's own
+/// `Default` so the two cannot drift (the flag stays optional: unset, a `--config`
+/// file's value applies).
+fn with_default(text: &str, default: impl std::fmt::Display) -> String {
+    format!("{text} [default: {default}]")
+}
 
 /// Run the OpenAI-compatible routing gateway.
 #[derive(clap::Args, Debug, Clone, Default)]
@@ -15,158 +32,121 @@ pub struct ServeArgs {
     /// YAML config file (may declare several models). Model flags below are then not allowed.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
-    /// Interface to listen on [default: 0.0.0.0].
-    #[arg(long)]
+    #[arg(long, help = with_default("Interface to listen on", Config::default().host))]
     pub host: Option<String>,
-    /// Port to listen on [default: 8000].
-    #[arg(long)]
+    #[arg(long, help = with_default("Port to listen on", Config::default().port))]
     pub port: Option<u16>,
 
-    /// Served model name (what clients send as "model").
-    #[arg(long)]
+    /// Served model name (what clients send as "model"); required without --config.
+    #[arg(long, help_heading = MODEL, required_unless_present = "config")]
     pub model: Option<String>,
     /// Engine replica base URL (repeat for each replica).
-    #[arg(long = "worker", value_name = "URL")]
+    #[arg(long = "worker", value_name = "URL", help_heading = MODEL)]
     pub workers: Vec<String>,
-    /// round_robin (default), random, least_loaded, session, prefix_affinity, kv_aware.
-    #[arg(long)]
+    #[arg(long, help_heading = MODEL, help = with_default("Routing policy: round_robin, random, least_loaded, session, prefix_affinity, kv_aware", PolicyKind::default()))]
     pub policy: Option<PolicyKind>,
     /// Directory with tokenizer.json (+ tokenizer_config.json) for local tokenization.
-    #[arg(long, value_name = "DIR")]
+    #[arg(long, value_name = "DIR", help_heading = MODEL)]
     pub tokenizer: Option<PathBuf>,
     /// Tokenize with a replica's POST /tokenize instead of locally.
-    #[arg(long)]
+    #[arg(long, help_heading = MODEL)]
     pub remote_tokenize: bool,
     /// The engines' context length in tokens: longer prompts get 400
     /// context_length_exceeded before they are fully tokenized.
-    #[arg(long, value_name = "TOKENS")]
+    #[arg(long, value_name = "TOKENS", help_heading = MODEL)]
     pub max_model_len: Option<u32>,
     /// KV events of a worker: WORKER_URL=tcp://HOST:PORT (repeat per worker).
-    #[arg(long = "kv-events", value_name = "URL=ENDPOINT")]
+    #[arg(long = "kv-events", value_name = "URL=ENDPOINT", help_heading = MODEL)]
     pub kv_events: Vec<String>,
     /// Replay endpoint of a worker: WORKER_URL=tcp://HOST:PORT.
-    #[arg(long = "kv-events-replay", value_name = "URL=ENDPOINT")]
+    #[arg(long = "kv-events-replay", value_name = "URL=ENDPOINT", help_heading = MODEL)]
     pub kv_events_replay: Vec<String>,
     /// ZeroMQ topic prefix to subscribe to ("" = all).
-    #[arg(long, default_value = "")]
+    #[arg(long, default_value = "", help_heading = MODEL)]
     pub kv_topic: String,
     /// Data-parallel ranks per worker (rank r publishes events on port + r).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, help_heading = MODEL)]
     pub dp_size: u32,
     /// Tokens per KV block (must match the engines).
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, help_heading = MODEL)]
     pub block_size: u32,
     /// kv_aware without any KV event source: route with this policy instead of 503.
-    #[arg(long, value_name = "POLICY")]
+    #[arg(long, value_name = "POLICY", help_heading = MODEL)]
     pub kv_fallback: Option<PolicyKind>,
     /// Header carrying the session key for the session policy.
-    #[arg(long, default_value = "x-session-id")]
+    #[arg(long, default_value = "x-session-id", help_heading = MODEL)]
     pub session_header: String,
     /// A LoRA adapter name served by the workers (repeat).
-    #[arg(long = "lora-adapter", value_name = "NAME")]
+    #[arg(long = "lora-adapter", value_name = "NAME", help_heading = MODEL)]
     pub lora_adapters: Vec<String>,
-    /// kv_aware: weight of prefill work against decode work [default: 4].
-    #[arg(long)]
+    #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: weight of prefill work against decode work", KvAwareConfig::default().overlap_weight))]
     pub overlap_weight: Option<f64>,
-    /// kv_aware: weight of the prefill already queued on a worker against this
-    /// request's own uncached blocks [default: 1].
-    #[arg(long)]
+    #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: weight of the prefill already queued on a worker against this request's own uncached blocks", KvAwareConfig::default().prefill_queue_weight))]
     pub prefill_queue_weight: Option<f64>,
-    /// kv_aware: longest time a prompt still being prefilled counts as cached on its
-    /// worker; the credit ends at its first token anyway (0 = off) [default: 10].
-    #[arg(long)]
+    #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: longest time a prompt still being prefilled counts as cached on its worker; the credit ends at its first token anyway (0 = off)", KvAwareConfig::default().pending_credit_secs))]
     pub pending_credit_secs: Option<f64>,
-    /// kv_aware: extra weight of the best-cached worker's lead over the runner-up
-    /// (0 = DESIGN cost only) [default: 64].
-    #[arg(long)]
+    #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: extra weight of the best-cached worker's lead over the runner-up (0 = DESIGN cost only)", KvAwareConfig::default().locality_weight))]
     pub locality_weight: Option<f64>,
-    /// kv_aware load bound: a worker more than this many requests in flight ahead of
-    /// the least loaded one... [default: 16]
-    #[arg(long)]
+    #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware load bound: a worker more than this many requests in flight ahead of the least loaded one", KvAwareConfig::default().balance_abs_threshold))]
     pub balance_abs_threshold: Option<u32>,
-    /// ...and more than this many times ahead is not eligible [default: 1.5].
-    #[arg(long)]
+    #[arg(long, help_heading = KV_AWARE, help = with_default("...and more than this many times ahead is not eligible", KvAwareConfig::default().balance_rel_threshold))]
     pub balance_rel_threshold: Option<f64>,
-    /// kv_aware warm-up: a worker whose index holds less than this fraction of the
-    /// workers' mean (just added, restarted or reset) may not be more than one request
-    /// in flight behind any other (0 = off) [default: 0.5].
-    #[arg(long)]
+    #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware warm-up: a worker whose index holds less than this fraction of the workers' mean (just added, restarted or reset) may not be more than one request in flight behind any other (0 = off)", KvAwareConfig::default().warmup_fraction))]
     pub warmup_fraction: Option<f64>,
-    /// kv_aware: send a prompt cached nowhere to its home worker (a hash of its first
-    /// block) rather than the cheapest one [default: true].
-    #[arg(long)]
+    #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: send a prompt cached nowhere to its home worker (a hash of its first block; the next in that order when the home's queue is a prefill longer than the shortest) rather than the cheapest one", KvAwareConfig::default().cold_homing))]
     pub cold_homing: Option<bool>,
-    /// kv_aware: softmax temperature (0 = pick the lowest cost).
-    #[arg(long)]
+    #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: softmax temperature (0 = pick the lowest cost)", KvAwareConfig::default().temperature))]
     pub temperature: Option<f64>,
-    /// Seed for the policy's random choices.
-    #[arg(long)]
+    /// Seed for the policy's random choices (unset: seeded from the OS).
+    #[arg(long, help_heading = KV_AWARE)]
     pub seed: Option<u64>,
 
     /// Clients must send Authorization: Bearer KEY.
-    #[arg(long, env = "KVGATE_API_KEY", hide_env_values = true)]
+    #[arg(long, env = "KVGATE_API_KEY", hide_env_values = true, help_heading = AUTH)]
     pub api_key: Option<String>,
     /// Enables the admin API, guarded by this bearer token.
-    #[arg(long, env = "KVGATE_ADMIN_TOKEN", hide_env_values = true)]
+    #[arg(long, env = "KVGATE_ADMIN_TOKEN", hide_env_values = true, help_heading = AUTH)]
     pub admin_token: Option<String>,
     /// Bearer token sent to the workers.
-    #[arg(long, env = "KVGATE_WORKER_API_KEY", hide_env_values = true)]
+    #[arg(long, env = "KVGATE_WORKER_API_KEY", hide_env_values = true, help_heading = AUTH)]
     pub worker_api_key: Option<String>,
     /// /metrics requires Authorization: Bearer TOKEN (it lists worker URLs).
-    #[arg(long, env = "KVGATE_METRICS_TOKEN", hide_env_values = true)]
+    #[arg(long, env = "KVGATE_METRICS_TOKEN", hide_env_values = true, help_heading = AUTH)]
     pub metrics_token: Option<String>,
 
-    /// Max requests in flight across the gateway (0 = unlimited).
-    #[arg(long)]
+    #[arg(long, help_heading = LIMITS, help = with_default("Max requests in flight across the gateway (0 = unlimited)", LimitsConfig::default().max_in_flight))]
     pub max_in_flight: Option<usize>,
-    /// Max requests in flight per worker (0 = unlimited).
-    #[arg(long)]
+    #[arg(long, help_heading = LIMITS, help = with_default("Max requests in flight per worker (0 = unlimited)", LimitsConfig::default().max_in_flight_per_worker))]
     pub max_in_flight_per_worker: Option<u32>,
-    /// Requests allowed to wait for a slot before 429.
-    #[arg(long)]
+    #[arg(long, help_heading = LIMITS, help = with_default("Requests allowed to wait for a slot before 429", LimitsConfig::default().max_queue))]
     pub max_queue: Option<usize>,
-    /// Longest wait for a slot before 429, in ms.
-    #[arg(long)]
+    #[arg(long, help_heading = LIMITS, help = with_default("Longest wait for a slot before 429, in ms", LimitsConfig::default().queue_timeout_ms))]
     pub queue_timeout_ms: Option<u64>,
-    /// Largest accepted request body, in bytes.
-    #[arg(long)]
+    #[arg(long, help_heading = LIMITS, help = with_default("Largest accepted request body, in bytes", LimitsConfig::default().max_body_bytes))]
     pub max_body_bytes: Option<usize>,
-    /// Requests with a body of 16 KiB or more parsed and tokenized at once (0 = one
-    /// per CPU core): bounds the memory large bodies take.
-    #[arg(long)]
+    #[arg(long, help_heading = LIMITS, help = with_default("Requests with a body of 16 KiB or more parsed and tokenized at once (0 = one per CPU core): bounds the memory large bodies take", LimitsConfig::default().large_body_concurrency))]
     pub large_body_concurrency: Option<usize>,
-    /// Upstream connect timeout, ms (0 = none).
-    #[arg(long)]
+    #[arg(long, help_heading = UPSTREAM, help = with_default("Upstream connect timeout, ms (0 = none)", TimeoutsConfig::default().connect_ms))]
     pub connect_timeout_ms: Option<u64>,
-    /// Upstream time to response head, ms (0 = none).
-    #[arg(long)]
+    #[arg(long, help_heading = UPSTREAM, help = with_default("Upstream time to response head, ms (0 = none)", TimeoutsConfig::default().first_byte_ms))]
     pub first_byte_timeout_ms: Option<u64>,
-    /// Upstream whole-request timeout, ms (0 = none).
-    #[arg(long)]
+    #[arg(long, help_heading = UPSTREAM, help = with_default("Upstream whole-request timeout, ms (0 = none)", TimeoutsConfig::default().total_ms))]
     pub request_timeout_ms: Option<u64>,
-    /// Active health check interval, ms (0 = off).
-    #[arg(long)]
+    #[arg(long, help_heading = UPSTREAM, help = with_default("Active health check interval, ms (0 = off)", HealthConfig::default().interval_ms))]
     pub health_interval_ms: Option<u64>,
-    /// Health check timeout, ms.
-    #[arg(long)]
+    #[arg(long, help_heading = UPSTREAM, help = with_default("Health check timeout, ms", HealthConfig::default().timeout_ms))]
     pub health_timeout_ms: Option<u64>,
-    /// Consecutive failures that take a worker out of rotation.
-    #[arg(long)]
+    #[arg(long, help_heading = UPSTREAM, help = with_default("Consecutive failures that take a worker out of rotation", HealthConfig::default().failure_threshold))]
     pub failure_threshold: Option<u32>,
-    /// How long an open circuit breaker keeps a worker out, ms.
-    #[arg(long)]
+    #[arg(long, help_heading = UPSTREAM, help = with_default("How long an open circuit breaker keeps a worker out, ms", HealthConfig::default().open_ms))]
     pub breaker_open_ms: Option<u64>,
-    /// Attempts per request on distinct workers before giving up (1 = no retry).
-    #[arg(long)]
+    #[arg(long, help_heading = UPSTREAM, help = with_default("Attempts per request on distinct workers before giving up (1 = no retry)", FailoverConfig::default().max_attempts))]
     pub max_attempts: Option<u32>,
-    /// Backoff before the first retry, ms (doubles per attempt).
-    #[arg(long)]
+    #[arg(long, help_heading = UPSTREAM, help = with_default("Backoff before the first retry, ms (doubles per attempt)", FailoverConfig::default().backoff_ms))]
     pub retry_backoff_ms: Option<u64>,
-    /// Bookings older than this are freed by the ledger sweep, seconds.
-    #[arg(long)]
+    #[arg(long, help_heading = UPSTREAM, help = with_default("Bookings older than this are freed by the ledger sweep, seconds", Config::default().ledger_ttl_secs))]
     pub ledger_ttl_secs: Option<u64>,
-    /// Grace period for in-flight requests on shutdown, seconds.
-    #[arg(long)]
+    #[arg(long, help_heading = UPSTREAM, help = with_default("Grace period for in-flight requests on shutdown, seconds", Config::default().shutdown_grace_secs))]
     pub shutdown_grace_secs: Option<u64>,
 }
 

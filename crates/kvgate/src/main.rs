@@ -16,10 +16,16 @@ use clap::{Parser, Subcommand};
 )]
 struct Cli {
     /// Log filter (tracing EnvFilter syntax), e.g. `info` or `kvgate_gateway=debug`.
-    #[arg(long, global = true, env = "KVGATE_LOG", default_value = "info")]
+    #[arg(
+        long,
+        global = true,
+        env = "KVGATE_LOG",
+        default_value = "info",
+        help_heading = "Logging"
+    )]
     log: String,
     /// Emit logs as JSON lines instead of human-readable text.
-    #[arg(long, global = true, env = "KVGATE_LOG_JSON")]
+    #[arg(long, global = true, env = "KVGATE_LOG_JSON", help_heading = "Logging")]
     log_json: bool,
     #[command(subcommand)]
     command: Command,
