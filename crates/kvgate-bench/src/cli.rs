@@ -387,7 +387,8 @@ pub struct CompareArgs {
     /// Row the ratio column compares against.
     #[arg(long, default_value = "round_robin")]
     pub baseline: String,
-    /// Output folder (compare.md, compare.json, ttft.svg, reports/, logs/).
+    /// Output folder (report.html, compare.md, compare.json, ttft.svg, ttft-cdf.svg,
+    /// reports/, logs/).
     #[arg(long, default_value = "bench-out")]
     pub out_dir: PathBuf,
 }
@@ -537,7 +538,7 @@ async fn run_compare(args: CompareArgs) -> anyhow::Result<()> {
     let summary = compare::compare(&cfg, &requests).await?;
     println!("{}", render_markdown(&summary, &cfg.baseline));
     eprintln!(
-        "wrote {}/compare.md, compare.json, ttft.svg",
+        "wrote {}/report.html (tables and plots in one page), compare.md, compare.json, ttft.svg, ttft-cdf.svg",
         cfg.out_dir.display()
     );
     Ok(())

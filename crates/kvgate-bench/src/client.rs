@@ -35,6 +35,8 @@ pub struct Outcome {
     pub error_detail: Option<String>,
     /// Delay between the scheduled send time and the actual send (queueing in the bench).
     pub dispatch_delay: Duration,
+    /// When it was sent, from the start of the replay.
+    pub sent_at: Duration,
     /// Time to the first content chunk.
     pub ttft: Option<Duration>,
     /// Gaps between consecutive content chunks.

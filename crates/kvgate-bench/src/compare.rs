@@ -16,7 +16,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::client::BenchClient;
 use crate::fleet::{EngineConfig, Fleet};
-use crate::plot::{grouped_bars_svg, BarGroup};
+use crate::plot::{
+    grouped_bars_svg, line_chart_svg, line_chart_svg_with_legend, BarGroup, Line,
+    SeriesLabelPosition,
+};
 use crate::report::{fmt_opt, fmt_pct, Report};
 use crate::request::Request;
 use crate::routers::{self, RouterContext, RouterSpec, Started};
@@ -367,6 +370,131 @@ pub fn render_svg(summary: &CompareSummary) -> String {
     )
 }
 
+/// The TTFT distribution of every row that ran, one line per router.
+pub fn render_cdf_svg(summary: &CompareSummary) -> String {
+    let lines: Vec<Line> = summary
+        .rows
+        .iter()
+        .filter_map(|r| {
+            let rep = r.report.as_ref()?;
+            Some(Line {
+                label: r.label.clone(),
+                points: rep.ttft_cdf_ms.clone(),
+            })
+        })
+        .collect();
+    line_chart_svg_with_legend(
+        "TTFT distribution by router (further left is better)",
+        &format!("{} — {} requests", summary.workload, summary.requests),
+        "TTFT (ms)",
+        "share of requests at or below",
+        &lines,
+        None,
+        SeriesLabelPosition::LowerRight,
+    )
+}
+
+/// One router's requests per second on each worker over the replay.
+pub fn render_worker_load_svg(label: &str, report: &Report) -> String {
+    let lines: Vec<Line> = report
+        .per_worker_per_second
+        .iter()
+        .map(|(worker, bins)| Line {
+            label: worker.clone(),
+            points: bins
+                .iter()
+                .enumerate()
+                .map(|(s, n)| (s as f64, f64::from(*n)))
+                .collect(),
+        })
+        .collect();
+    line_chart_svg(
+        &format!("{label}: requests per second on each worker"),
+        "by the second each request was sent",
+        "seconds since the replay started",
+        "requests per second",
+        &lines,
+        None,
+    )
+}
+
+/// The whole comparison as one self-contained HTML page: the table, the TTFT plots and
+/// one per-worker load plot per router (no external files, scripts or fonts).
+pub fn render_html(summary: &CompareSummary, baseline: &str) -> String {
+    let mut s = String::from(
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\n<title>kvgate bench compare</title>\n<style>body{font-family:sans-serif;margin:24px;max-width:1400px}table{border-collapse:collapse;font-size:13px}th,td{border:1px solid #ccc;padding:4px 8px;text-align:right}td:first-child,th:first-child{text-align:left}th{background:#f4f4f4}figure{margin:24px 0}svg{max-width:100%;height:auto}</style>\n</head><body>\n<h1>kvgate bench compare</h1>\n",
+    );
+    let md = render_markdown(summary, baseline);
+    let mut in_table = false;
+    for line in md.lines() {
+        if let Some(row) = line.strip_prefix('|') {
+            let cells: Vec<&str> = row
+                .trim_end_matches('|')
+                .split('|')
+                .map(str::trim)
+                .collect();
+            if cells
+                .iter()
+                .all(|c| c.chars().all(|ch| ch == '-' || ch == ':'))
+            {
+                continue; // the alignment row
+            }
+            let tag = if in_table { "td" } else { "th" };
+            if !in_table {
+                s.push_str("<table>\n");
+                in_table = true;
+            }
+            s.push_str("<tr>");
+            for c in cells {
+                let _ = write!(s, "<{tag}>{}</{tag}>", html_escape(c));
+            }
+            s.push_str("</tr>\n");
+        } else {
+            if in_table {
+                s.push_str("</table>\n");
+                in_table = false;
+            }
+            if !line.trim().is_empty() {
+                let _ = writeln!(s, "<p>{}</p>", html_escape(line));
+            }
+        }
+    }
+    if in_table {
+        s.push_str("</table>\n");
+    }
+    let _ = writeln!(
+        s,
+        "<p>TTFT p90 vs {}: the baseline's p90 divided by the row's (above 1: faster than the baseline). Prefix hit: cached over prompt tokens as the engines reported them. Spread: the busiest worker's requests over the mean (1 = even).</p>",
+        html_escape(baseline)
+    );
+    for svg in [render_svg(summary), render_cdf_svg(summary)] {
+        let _ = writeln!(s, "<figure>{svg}</figure>");
+    }
+    s.push_str("<h2>Load per worker</h2>\n");
+    for row in &summary.rows {
+        if let Some(rep) = row
+            .report
+            .as_ref()
+            .filter(|r| !r.per_worker_per_second.is_empty())
+        {
+            let _ = writeln!(
+                s,
+                "<figure>{}</figure>",
+                render_worker_load_svg(&row.label, rep)
+            );
+        }
+    }
+    s.push_str("</body></html>\n");
+    s
+}
+
+fn html_escape(t: &str) -> String {
+    t.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+}
+
 fn write_outputs(dir: &Path, summary: &CompareSummary, baseline: &str) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let md = render_markdown(summary, baseline);
@@ -374,6 +502,8 @@ fn write_outputs(dir: &Path, summary: &CompareSummary, baseline: &str) -> anyhow
         ("compare.md", md.into_bytes()),
         ("compare.json", serde_json::to_vec_pretty(summary)?),
         ("ttft.svg", render_svg(summary).into_bytes()),
+        ("ttft-cdf.svg", render_cdf_svg(summary).into_bytes()),
+        ("report.html", render_html(summary, baseline).into_bytes()),
     ] {
         let path = dir.join(name);
         std::fs::write(&path, bytes).with_context(|| format!("cannot write {}", path.display()))?;
@@ -449,16 +579,52 @@ mod tests {
     }
 
     #[test]
-    fn svg_plots_only_rows_that_ran() {
-        let svg = render_svg(&summary());
-        assert_eq!(svg.matches("<title>").count(), 6);
+    fn plots_only_rows_that_ran() {
+        let sum = summary();
+        let ran: Vec<&str> = sum
+            .rows
+            .iter()
+            .filter(|r| r.report.is_some())
+            .map(|r| r.label.as_str())
+            .collect();
+        let skipped = sum.rows.iter().find(|r| r.report.is_none()).unwrap();
+        for svg in [render_svg(&sum), render_cdf_svg(&sum)] {
+            assert!(ran.iter().all(|l| svg.contains(l)), "{svg}");
+            assert!(!svg.contains(&skipped.label), "{svg}");
+        }
+    }
+
+    /// The HTML report holds the table, both TTFT plots and a load plot per router that
+    /// knows its workers, with nothing loaded from elsewhere.
+    #[test]
+    fn html_report_is_self_contained() {
+        let mut sum = summary();
+        if let Some(rep) = sum.rows[0].report.as_mut() {
+            rep.per_worker_per_second
+                .insert("http://w1".into(), vec![3, 4, 5]);
+            rep.ttft_cdf_ms = vec![(10.0, 0.5), (20.0, 1.0)];
+        }
+        let html = render_html(&sum, "round_robin");
+        assert!(html.starts_with("<!DOCTYPE html>") && html.trim_end().ends_with("</html>"));
+        assert_eq!(html.matches("<svg").count(), 3, "{html}");
+        assert!(html.contains("<th>router</th>") && html.contains("<td>round_robin</td>"));
+        assert!(html.contains("requests per second on each worker"));
+        for external in ["src=", "href=", "<script"] {
+            assert!(!html.contains(external), "{external} in the report");
+        }
     }
 
     #[test]
     fn outputs_are_written() {
         let dir = tempfile::tempdir().unwrap();
         write_outputs(dir.path(), &summary(), "round_robin").unwrap();
-        for f in ["compare.md", "compare.json", "ttft.svg"] {
+        for f in [
+            "compare.md",
+            "compare.json",
+            "ttft.svg",
+            "ttft-cdf.svg",
+            "report.html",
+        ] {
             assert!(dir.path().join(f).is_file(), "{f}");
         }
         let back: CompareSummary =

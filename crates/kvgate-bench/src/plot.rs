@@ -1,10 +1,13 @@
-//! Hand-written SVG charts: a grouped bar chart (TTFT p50/p90/p99 per router) and a
-//! line chart (a share over time per router, for the scenario suite).
+//! Benchmark charts, drawn with plotters into SVG text: grouped bars (TTFT p50/p90/p99
+//! per router) and line charts (a TTFT CDF per router, requests per second per worker
+//! over time, a share over time per router in the scenario suite).
 //!
-//! Owns only SVG text generation (no dependencies, deterministic output). It must not
-//! read reports from disk or run anything.
+//! Owns only chart drawing (deterministic output for the same input). It must not read
+//! reports from disk or run anything.
 
-use std::fmt::Write as _;
+use plotters::coord::ranged1d::SegmentValue;
+pub use plotters::prelude::SeriesLabelPosition;
+use plotters::prelude::*;
 
 /// One group of bars: a router label and its values (same order as the series names).
 #[derive(Debug, Clone, PartialEq)]
@@ -15,110 +18,6 @@ pub struct BarGroup {
     pub values: Vec<f64>,
 }
 
-const COLORS: &[&str] = &["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f"];
-
-fn escape(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-        .replace('"', "&quot;")
-}
-
-/// A "nice" axis maximum ≥ `v` (1, 2, 2.5 or 5 × 10^k).
-fn nice_max(v: f64) -> f64 {
-    if v <= 0.0 || !v.is_finite() {
-        return 1.0;
-    }
-    let exp = v.log10().floor();
-    let base = 10f64.powf(exp);
-    for m in [1.0, 2.0, 2.5, 5.0, 10.0] {
-        if m * base >= v {
-            return m * base;
-        }
-    }
-    10.0 * base
-}
-
-/// Render a grouped bar chart as an SVG document.
-pub fn grouped_bars_svg(
-    title: &str,
-    subtitle: &str,
-    y_label: &str,
-    series: &[&str],
-    groups: &[BarGroup],
-) -> String {
-    let (left, right, top, bottom) = (70.0, 20.0, 70.0, 110.0);
-    let group_w = (series.len() as f64 * 22.0 + 24.0).max(60.0);
-    let plot_w = (groups.len().max(1) as f64 * group_w).max(560.0);
-    let plot_h = 320.0;
-    let width = left + plot_w + right;
-    let height = top + plot_h + bottom;
-    let vmax = nice_max(
-        groups
-            .iter()
-            .flat_map(|g| g.values.iter().copied())
-            .filter(|v| v.is_finite())
-            .fold(0.0, f64::max),
-    );
-    let y = |v: f64| top + plot_h - (v.max(0.0) / vmax) * plot_h;
-    let mut s = svg_open(width, height, title, subtitle);
-    y_grid(&mut s, left, plot_w, vmax, y);
-    let _ = writeln!(
-        s,
-        r#"<text transform="translate(16,{:.0}) rotate(-90)" text-anchor="middle">{}</text>"#,
-        top + plot_h / 2.0,
-        escape(y_label)
-    );
-    // Bars.
-    let bar_w = 18.0;
-    for (gi, g) in groups.iter().enumerate() {
-        let gx = left + gi as f64 * group_w + (group_w - series.len() as f64 * (bar_w + 4.0)) / 2.0;
-        for (si, v) in g.values.iter().enumerate() {
-            if !v.is_finite() {
-                continue;
-            }
-            let x = gx + si as f64 * (bar_w + 4.0);
-            let yy = y(*v);
-            let _ = writeln!(
-                s,
-                r#"<rect x="{x:.1}" y="{yy:.1}" width="{bar_w}" height="{:.1}" fill="{}"><title>{} {}: {:.1}</title></rect>"#,
-                (top + plot_h - yy).max(0.0),
-                COLORS[si % COLORS.len()],
-                escape(&g.label),
-                escape(series.get(si).copied().unwrap_or("")),
-                v
-            );
-        }
-        let cx = left + gi as f64 * group_w + group_w / 2.0;
-        let ly = top + plot_h + 14.0;
-        let _ = writeln!(
-            s,
-            r#"<text x="{cx:.1}" y="{ly:.1}" text-anchor="end" transform="rotate(-35 {cx:.1} {ly:.1})">{}</text>"#,
-            escape(&g.label)
-        );
-    }
-    let _ = writeln!(
-        s,
-        r#"<line x1="{left}" y1="{:.1}" x2="{:.1}" y2="{:.1}" stroke="black"/>"#,
-        top + plot_h,
-        left + plot_w,
-        top + plot_h
-    );
-    // Legend.
-    for (si, name) in series.iter().enumerate() {
-        let lx = left + 10.0 + si as f64 * 70.0;
-        let _ = writeln!(
-            s,
-            r#"<rect x="{lx:.0}" y="52" width="10" height="10" fill="{}"/><text x="{:.0}" y="61">{}</text>"#,
-            COLORS[si % COLORS.len()],
-            lx + 14.0,
-            escape(name)
-        );
-    }
-    s.push_str("</svg>\n");
-    s
-}
-
 /// One line of a line chart: a label and `(x, y)` points in x order.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Line {
@@ -126,8 +25,126 @@ pub struct Line {
     pub points: Vec<(f64, f64)>,
 }
 
-/// Render a line chart as an SVG document, with an optional dashed vertical marker
-/// (e.g. when the fleet changed).
+const PALETTE: [RGBColor; 8] = [
+    RGBColor(0x4e, 0x79, 0xa7),
+    RGBColor(0xf2, 0x8e, 0x2b),
+    RGBColor(0xe1, 0x57, 0x59),
+    RGBColor(0x76, 0xb7, 0xb2),
+    RGBColor(0x59, 0xa1, 0x4f),
+    RGBColor(0xed, 0xc9, 0x48),
+    RGBColor(0xb0, 0x7a, 0xa1),
+    RGBColor(0x9c, 0x75, 0x5f),
+];
+
+fn color(i: usize) -> RGBColor {
+    PALETTE[i % PALETTE.len()]
+}
+
+/// An axis maximum a little above the largest finite value (1 when there is none).
+fn axis_max(values: impl Iterator<Item = f64>) -> f64 {
+    let max = values.filter(|v| v.is_finite()).fold(0.0, f64::max);
+    if max > 0.0 {
+        max * 1.08
+    } else {
+        1.0
+    }
+}
+
+/// Draws into an SVG string; a drawing error (which the SVG backend does not produce
+/// for finite input) leaves whatever was drawn so far.
+fn svg(
+    size: (u32, u32),
+    draw: impl FnOnce(DrawingArea<SVGBackend<'_>, plotters::coord::Shift>) -> Result<(), String>,
+) -> String {
+    let mut out = String::new();
+    {
+        let root = SVGBackend::with_string(&mut out, size).into_drawing_area();
+        if let Err(e) = draw(root) {
+            tracing::warn!("chart not fully drawn: {e}");
+        }
+    }
+    out
+}
+
+fn err(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+/// A grouped bar chart: one group per router, one bar per series.
+pub fn grouped_bars_svg(
+    title: &str,
+    subtitle: &str,
+    y_label: &str,
+    series: &[&str],
+    groups: &[BarGroup],
+) -> String {
+    // Each group takes one unit per series plus one for the gap after it.
+    let per_group = series.len().max(1) as u32 + 1;
+    let units = (groups.len().max(1) as u32) * per_group;
+    let width = (groups.len() as u32 * per_group * 44 + 120).max(640);
+    // Headroom above the tallest bar for the legend.
+    let vmax = 1.25 * axis_max(groups.iter().flat_map(|g| g.values.iter().copied()));
+    svg((width, 480), |root| {
+        root.fill(&WHITE).map_err(err)?;
+        let root = root.titled(title, ("sans-serif", 20)).map_err(err)?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(subtitle, ("sans-serif", 13))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(64)
+            .build_cartesian_2d((0..units).into_segmented(), 0f64..vmax)
+            .map_err(err)?;
+        let label_of = |v: &SegmentValue<u32>| -> String {
+            match v {
+                SegmentValue::CenterOf(u) if u % per_group == (per_group - 1) / 2 => groups
+                    .get((u / per_group) as usize)
+                    .map(|g| g.label.clone())
+                    .unwrap_or_default(),
+                _ => String::new(),
+            }
+        };
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(units as usize)
+            .x_label_formatter(&label_of)
+            .x_label_style(("sans-serif", 13))
+            .y_desc(y_label)
+            .draw()
+            .map_err(err)?;
+        for (si, name) in series.iter().enumerate() {
+            let c = color(si);
+            let bars = groups.iter().enumerate().filter_map(move |(gi, g)| {
+                let v = *g.values.get(si)?;
+                let u = gi as u32 * per_group + si as u32;
+                v.is_finite().then(|| {
+                    Rectangle::new(
+                        [
+                            (SegmentValue::Exact(u), 0.0),
+                            (SegmentValue::Exact(u + 1), v),
+                        ],
+                        c.filled(),
+                    )
+                })
+            });
+            chart
+                .draw_series(bars)
+                .map_err(err)?
+                .label(*name)
+                .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 10, y + 5)], c.filled()));
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .map_err(err)?;
+        root.present().map_err(err)
+    })
+}
+
+/// A line chart, with an optional dashed vertical marker (e.g. when the fleet changed).
 pub fn line_chart_svg(
     title: &str,
     subtitle: &str,
@@ -136,132 +153,100 @@ pub fn line_chart_svg(
     lines: &[Line],
     marker_x: Option<f64>,
 ) -> String {
-    let (left, right, top, bottom) = (70.0, 20.0, 90.0, 60.0);
-    let (plot_w, plot_h) = (640.0, 320.0);
-    let width = left + plot_w + right;
-    let height = top + plot_h + bottom;
-    let finite = |v: &f64| v.is_finite();
-    let xs = lines.iter().flat_map(|l| l.points.iter().map(|p| p.0));
-    let xmax = nice_max(xs.filter(finite).fold(0.0, f64::max));
-    let ys = lines.iter().flat_map(|l| l.points.iter().map(|p| p.1));
-    let ymax = nice_max(ys.filter(finite).fold(0.0, f64::max));
-    let x = |v: f64| left + (v.max(0.0) / xmax) * plot_w;
-    let y = |v: f64| top + plot_h - (v.max(0.0) / ymax) * plot_h;
-    let mut s = svg_open(width, height, title, subtitle);
-    y_grid(&mut s, left, plot_w, ymax, y);
-    for i in 0..=5 {
-        let xv = xmax * f64::from(i) / 5.0;
-        let _ = writeln!(
-            s,
-            r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
-            x(xv),
-            top + plot_h + 16.0,
-            fmt_tick(xv)
-        );
-    }
-    let _ = writeln!(
-        s,
-        r#"<text x="{:.0}" y="{:.0}" text-anchor="middle">{}</text>"#,
-        left + plot_w / 2.0,
-        top + plot_h + 36.0,
-        escape(x_label)
-    );
-    let _ = writeln!(
-        s,
-        r#"<text transform="translate(16,{:.0}) rotate(-90)" text-anchor="middle">{}</text>"#,
-        top + plot_h / 2.0,
-        escape(y_label)
-    );
-    if let Some(m) = marker_x.filter(finite) {
-        let _ = writeln!(
-            s,
-            r##"<line x1="{:.1}" y1="{top}" x2="{:.1}" y2="{:.1}" stroke="#888" stroke-dasharray="4 4"/>"##,
-            x(m),
-            x(m),
-            top + plot_h
-        );
-    }
-    for (li, line) in lines.iter().enumerate() {
-        let pts: Vec<String> = line
-            .points
-            .iter()
-            .filter(|(a, b)| a.is_finite() && b.is_finite())
-            .map(|(a, b)| format!("{:.1},{:.1}", x(*a), y(*b)))
-            .collect();
-        let color = COLORS[li % COLORS.len()];
-        let _ = writeln!(
-            s,
-            r#"<polyline fill="none" stroke="{color}" stroke-width="2" points="{}"><title>{}</title></polyline>"#,
-            pts.join(" "),
-            escape(&line.label)
-        );
-        // Legend: four entries a row.
-        let lx = left + 10.0 + (li % 4) as f64 * 160.0;
-        let ly = 52.0 + (li / 4) as f64 * 16.0;
-        let _ = writeln!(
-            s,
-            r#"<rect x="{lx:.0}" y="{ly:.0}" width="10" height="10" fill="{color}"/><text x="{:.0}" y="{:.0}">{}</text>"#,
-            lx + 14.0,
-            ly + 9.0,
-            escape(&line.label)
-        );
-    }
-    let _ = writeln!(
-        s,
-        r#"<line x1="{left}" y1="{:.1}" x2="{:.1}" y2="{:.1}" stroke="black"/>"#,
-        top + plot_h,
-        left + plot_w,
-        top + plot_h
-    );
-    s.push_str("</svg>\n");
-    s
+    line_chart_svg_with_legend(
+        title,
+        subtitle,
+        x_label,
+        y_label,
+        lines,
+        marker_x,
+        SeriesLabelPosition::UpperRight,
+    )
 }
 
-/// The SVG's opening tag, white background, title and subtitle.
-fn svg_open(width: f64, height: f64, title: &str, subtitle: &str) -> String {
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0}" height="{height:.0}" viewBox="0 0 {width:.0} {height:.0}" font-family="sans-serif" font-size="12">"#
-    );
-    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
-    let _ = writeln!(
-        s,
-        r#"<text x="{:.0}" y="24" text-anchor="middle" font-size="16">{}</text>"#,
-        width / 2.0,
-        escape(title)
-    );
-    let _ = writeln!(
-        s,
-        r##"<text x="{:.0}" y="42" text-anchor="middle" font-size="11" fill="#555">{}</text>"##,
-        width / 2.0,
-        escape(subtitle)
-    );
-    s
+/// [`line_chart_svg`] with the legend where the lines are not (a CDF's lower right).
+pub fn line_chart_svg_with_legend(
+    title: &str,
+    subtitle: &str,
+    x_label: &str,
+    y_label: &str,
+    lines: &[Line],
+    marker_x: Option<f64>,
+    legend: SeriesLabelPosition,
+) -> String {
+    let points = || lines.iter().flat_map(|l| l.points.iter());
+    let xmax = axis_max(points().map(|p| p.0).chain(marker_x));
+    let ymax = axis_max(points().map(|p| p.1));
+    svg((760, 480), |root| {
+        root.fill(&WHITE).map_err(err)?;
+        let root = root.titled(title, ("sans-serif", 20)).map_err(err)?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(subtitle, ("sans-serif", 13))
+            .margin(12)
+            .x_label_area_size(44)
+            .y_label_area_size(64)
+            .build_cartesian_2d(0f64..xmax, 0f64..ymax)
+            .map_err(err)?;
+        chart
+            .configure_mesh()
+            .x_desc(x_label)
+            .y_desc(y_label)
+            .draw()
+            .map_err(err)?;
+        if let Some(x) = marker_x {
+            chart
+                .draw_series(DashedLineSeries::new(
+                    [(x, 0.0), (x, ymax)],
+                    6,
+                    4,
+                    BLACK.stroke_width(1),
+                ))
+                .map_err(err)?;
+        }
+        for (i, line) in lines.iter().enumerate() {
+            let c = color(i);
+            let finite = line
+                .points
+                .iter()
+                .copied()
+                .filter(|(x, y)| x.is_finite() && y.is_finite());
+            chart
+                .draw_series(LineSeries::new(finite, c.stroke_width(2)))
+                .map_err(err)?
+                .label(line.label.as_str())
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 16, y)], c.stroke_width(2))
+                });
+        }
+        chart
+            .configure_series_labels()
+            .position(legend)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .map_err(err)?;
+        root.present().map_err(err)
+    })
 }
 
-/// Horizontal grid lines with y ticks at 0, 1/5, …, 5/5 of `vmax`.
-fn y_grid(s: &mut String, left: f64, plot_w: f64, vmax: f64, y: impl Fn(f64) -> f64) {
-    for i in 0..=5 {
-        let v = vmax * f64::from(i) / 5.0;
-        let yy = y(v);
-        let _ = writeln!(
-            s,
-            r##"<line x1="{left}" y1="{yy:.1}" x2="{:.1}" y2="{yy:.1}" stroke="#ddd"/><text x="{:.0}" y="{:.1}" text-anchor="end">{}</text>"##,
-            left + plot_w,
-            left - 6.0,
-            yy + 4.0,
-            fmt_tick(v)
-        );
+/// `(value, share of values ≤ it)` for a cumulative distribution, at most `max_points`
+/// points (evenly spaced ranks, always including the largest value).
+pub fn cdf_points(values: &[f64], max_points: usize) -> Vec<(f64, f64)> {
+    let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n == 0 {
+        return Vec::new();
     }
-}
-
-fn fmt_tick(v: f64) -> String {
-    if v >= 100.0 || v == 0.0 {
-        format!("{v:.0}")
-    } else {
-        format!("{v:.1}")
+    let step = n.div_ceil(max_points.max(1));
+    let mut out: Vec<(f64, f64)> = (0..n)
+        .step_by(step)
+        .map(|i| (v[i], (i + 1) as f64 / n as f64))
+        .collect();
+    if out.last().map(|p| p.1) != Some(1.0) {
+        out.push((v[n - 1], 1.0));
     }
+    out
 }
 
 #[cfg(test)]
@@ -269,15 +254,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn nice_max_rounds_up() {
-        assert_eq!(nice_max(0.0), 1.0);
-        assert_eq!(nice_max(7.0), 10.0);
-        assert_eq!(nice_max(180.0), 200.0);
-        assert_eq!(nice_max(2100.0), 2500.0);
-    }
-
-    #[test]
-    fn svg_has_one_bar_per_value_and_escapes_labels() {
+    fn bars_are_drawn_with_labels_and_legend() {
         let svg = grouped_bars_svg(
             "TTFT",
             "sub",
@@ -294,10 +271,61 @@ mod tests {
                 },
             ],
         );
-        assert!(svg.starts_with("<svg"));
+        assert!(svg.starts_with("<svg"), "{svg}");
         assert!(svg.trim_end().ends_with("</svg>"));
-        assert_eq!(svg.matches("<title>").count(), 5);
+        for text in ["round_robin", "p50", "p90", "p99", "TTFT"] {
+            assert!(svg.contains(text), "{text} missing");
+        }
         assert!(svg.contains("a&lt;b"));
-        assert!(!svg.contains("a<b"));
+        assert!(!svg.contains(">a<b<"));
+        // Five finite values: five filled bars in the series colours, plus three legend
+        // swatches.
+        let bars = PALETTE[..3]
+            .iter()
+            .map(|c| {
+                svg.matches(&format!("fill=\"#{:02X}{:02X}{:02X}\"", c.0, c.1, c.2))
+                    .count()
+            })
+            .sum::<usize>();
+        assert_eq!(bars, 5 + 3, "{svg}");
+    }
+
+    #[test]
+    fn line_chart_has_every_line_and_the_marker() {
+        let svg = line_chart_svg(
+            "share",
+            "sub",
+            "s",
+            "%",
+            &[
+                Line {
+                    label: "kv_aware".into(),
+                    points: vec![(0.0, 10.0), (1.0, 50.0)],
+                },
+                Line {
+                    label: "round_robin".into(),
+                    points: vec![(0.0, 50.0), (1.0, f64::NAN)],
+                },
+            ],
+            Some(0.5),
+        );
+        assert!(svg.contains("kv_aware") && svg.contains("round_robin"));
+        let unmarked = line_chart_svg("share", "sub", "s", "%", &[], None);
+        let marked = line_chart_svg("share", "sub", "s", "%", &[], Some(0.5));
+        assert!(
+            marked.matches("<polyline").count() > unmarked.matches("<polyline").count() + 2,
+            "the marker is drawn as dashes"
+        );
+    }
+
+    #[test]
+    fn cdf_points_end_at_one_and_are_bounded() {
+        let values: Vec<f64> = (0..1000).rev().map(f64::from).collect();
+        let pts = cdf_points(&values, 100);
+        assert!(pts.len() <= 101);
+        assert_eq!(pts.first(), Some(&(0.0, 0.001)));
+        assert_eq!(pts.last(), Some(&(999.0, 1.0)));
+        assert!(pts.windows(2).all(|w| w[0].0 <= w[1].0 && w[0].1 < w[1].1));
+        assert!(cdf_points(&[], 10).is_empty());
     }
 }

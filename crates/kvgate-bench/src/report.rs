@@ -109,6 +109,14 @@ pub struct Report {
     pub per_worker: BTreeMap<String, usize>,
     /// Max over mean of `per_worker` (1.0 = perfectly even); `None` without worker info.
     pub worker_spread: Option<f64>,
+    /// The TTFT distribution of completed requests: `(ms, share of requests at or
+    /// below)`, at most 200 points (for the CDF plot).
+    #[serde(default)]
+    pub ttft_cdf_ms: Vec<(f64, f64)>,
+    /// Requests sent per second of the replay, per worker that served them (for the
+    /// per-worker load plot): element `i` counts those sent in second `i`.
+    #[serde(default)]
+    pub per_worker_per_second: BTreeMap<String, Vec<u32>>,
 }
 
 impl Report {
@@ -136,6 +144,31 @@ impl Report {
             }
         }
         let worker_spread = spread(&per_worker);
+        let mut per_worker_per_second: BTreeMap<String, Vec<u32>> = BTreeMap::new();
+        for o in &ok {
+            if let Some(w) = &o.worker {
+                let bins = per_worker_per_second.entry(w.clone()).or_default();
+                let second = o.sent_at.as_secs() as usize;
+                if bins.len() <= second {
+                    bins.resize(second + 1, 0);
+                }
+                bins[second] += 1;
+            }
+        }
+        // Same length for every worker: a worker that got nothing late shows zeros.
+        let seconds = per_worker_per_second
+            .values()
+            .map(Vec::len)
+            .max()
+            .unwrap_or(0);
+        for bins in per_worker_per_second.values_mut() {
+            bins.resize(seconds, 0);
+        }
+        let ttft_values: Vec<f64> = ok
+            .iter()
+            .filter_map(|o| o.ttft)
+            .map(|d| d.as_secs_f64() * 1e3)
+            .collect();
         let rate = |x: f64| if secs > 0.0 { x / secs } else { 0.0 };
         Self {
             label: label.to_string(),
@@ -157,6 +190,8 @@ impl Report {
             prefix_hit_rate,
             per_worker,
             worker_spread,
+            ttft_cdf_ms: crate::plot::cdf_points(&ttft_values, 200),
+            per_worker_per_second,
         }
     }
 

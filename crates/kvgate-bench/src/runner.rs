@@ -93,10 +93,12 @@ pub async fn run(client: &BenchClient, requests: Vec<Request>, cfg: &RunConfig) 
             record(done, &mut outcomes, &mut errors, &pb);
         }
         let client = client.clone();
-        let delay = Instant::now().saturating_duration_since(start + req.arrival.div_f64(speedup));
+        let scheduled = req.arrival.div_f64(speedup);
+        let delay = Instant::now().saturating_duration_since(start + scheduled);
         tasks.spawn(async move {
             let mut out = client.send(&req).await;
             out.dispatch_delay = delay;
+            out.sent_at = scheduled + delay;
             drop(permit);
             out
         });
