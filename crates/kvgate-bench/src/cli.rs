@@ -673,6 +673,15 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     );
     let summary = compare::compare(&cfg, &requests).await?;
     println!("{}", render_markdown(&summary, &cfg.baseline));
+    println!(
+        "TTFT p90 vs round_robin: round_robin's p90 divided by the row's (above 1: faster). \
+         Prefix hit: cached over prompt tokens as the engines reported. \
+         Spread: the busiest engine's requests over the mean (1 = even)."
+    );
+    println!(
+        "Results with plots: {}/report.html (also compare.md, compare.json, ttft.svg, ttft-cdf.svg, logs/)",
+        out_dir.display()
+    );
     let failed: Vec<&str> = summary
         .rows
         .iter()
