@@ -16,10 +16,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::client::BenchClient;
 use crate::fleet::{EngineConfig, Fleet};
-use crate::plot::{
-    grouped_bars_svg, line_chart_svg, line_chart_svg_with_legend, BarGroup, Line,
-    SeriesLabelPosition,
-};
+use crate::plot::{grouped_bars_svg, line_chart_svg, BarGroup, Line, SeriesLabelPosition};
 use crate::report::{fmt_opt, fmt_pct, Report};
 use crate::request::Request;
 use crate::routers::{self, RouterContext, RouterSpec, Started};
@@ -383,7 +380,7 @@ pub fn render_cdf_svg(summary: &CompareSummary) -> String {
             })
         })
         .collect();
-    line_chart_svg_with_legend(
+    line_chart_svg(
         "TTFT distribution by router (further left is better)",
         &format!("{} — {} requests", summary.workload, summary.requests),
         "TTFT (ms)",
@@ -415,6 +412,7 @@ pub fn render_worker_load_svg(label: &str, report: &Report) -> String {
         "requests per second",
         &lines,
         None,
+        SeriesLabelPosition::UpperRight,
     )
 }
 

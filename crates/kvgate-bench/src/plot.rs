@@ -52,10 +52,7 @@ fn axis_max(values: impl Iterator<Item = f64>) -> f64 {
 
 /// Draws into an SVG string; a drawing error (which the SVG backend does not produce
 /// for finite input) leaves whatever was drawn so far.
-fn svg(
-    size: (u32, u32),
-    draw: impl FnOnce(DrawingArea<SVGBackend<'_>, plotters::coord::Shift>) -> Result<(), String>,
-) -> String {
+fn svg(size: (u32, u32), draw: impl FnOnce(SvgArea<'_>) -> Result<(), String>) -> String {
     let mut out = String::new();
     {
         let root = SVGBackend::with_string(&mut out, size).into_drawing_area();
@@ -68,6 +65,42 @@ fn svg(
 
 fn err(e: impl std::fmt::Display) -> String {
     e.to_string()
+}
+
+type SvgArea<'a> = DrawingArea<SVGBackend<'a>, plotters::coord::Shift>;
+
+/// A white page with the chart's title; the chart goes in what is left.
+fn titled<'a>(root: SvgArea<'a>, title: &str) -> Result<SvgArea<'a>, String> {
+    root.fill(&WHITE).map_err(err)?;
+    root.titled(title, ("sans-serif", 20)).map_err(err)
+}
+
+/// Every chart's frame: the subtitle as caption, margins, axis label areas.
+fn frame<'a, 'b>(
+    area: &'a SvgArea<'b>,
+    subtitle: &'a str,
+    x_label_area: u32,
+) -> ChartBuilder<'a, 'a, SVGBackend<'b>> {
+    let mut builder = ChartBuilder::on(area);
+    builder
+        .caption(subtitle, ("sans-serif", 13))
+        .margin(12)
+        .x_label_area_size(x_label_area)
+        .y_label_area_size(64);
+    builder
+}
+
+fn draw_legend<'a, CT: CoordTranslate>(
+    chart: &mut ChartContext<'a, SVGBackend<'a>, CT>,
+    position: SeriesLabelPosition,
+) -> Result<(), String> {
+    chart
+        .configure_series_labels()
+        .position(position)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)
 }
 
 /// A grouped bar chart: one group per router, one bar per series.
@@ -85,13 +118,8 @@ pub fn grouped_bars_svg(
     // Headroom above the tallest bar for the legend.
     let vmax = 1.25 * axis_max(groups.iter().flat_map(|g| g.values.iter().copied()));
     svg((width, 480), |root| {
-        root.fill(&WHITE).map_err(err)?;
-        let root = root.titled(title, ("sans-serif", 20)).map_err(err)?;
-        let mut chart = ChartBuilder::on(&root)
-            .caption(subtitle, ("sans-serif", 13))
-            .margin(12)
-            .x_label_area_size(40)
-            .y_label_area_size(64)
+        let root = titled(root, title)?;
+        let mut chart = frame(&root, subtitle, 40)
             .build_cartesian_2d((0..units).into_segmented(), 0f64..vmax)
             .map_err(err)?;
         let label_of = |v: &SegmentValue<u32>| -> String {
@@ -133,39 +161,14 @@ pub fn grouped_bars_svg(
                 .label(*name)
                 .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 10, y + 5)], c.filled()));
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()
-            .map_err(err)?;
+        draw_legend(&mut chart, SeriesLabelPosition::UpperLeft)?;
         root.present().map_err(err)
     })
 }
 
-/// A line chart, with an optional dashed vertical marker (e.g. when the fleet changed).
+/// A line chart, with an optional dashed vertical marker (e.g. when the fleet changed)
+/// and the legend where the lines are not (a CDF's lower right, a share's upper right).
 pub fn line_chart_svg(
-    title: &str,
-    subtitle: &str,
-    x_label: &str,
-    y_label: &str,
-    lines: &[Line],
-    marker_x: Option<f64>,
-) -> String {
-    line_chart_svg_with_legend(
-        title,
-        subtitle,
-        x_label,
-        y_label,
-        lines,
-        marker_x,
-        SeriesLabelPosition::UpperRight,
-    )
-}
-
-/// [`line_chart_svg`] with the legend where the lines are not (a CDF's lower right).
-pub fn line_chart_svg_with_legend(
     title: &str,
     subtitle: &str,
     x_label: &str,
@@ -178,13 +181,8 @@ pub fn line_chart_svg_with_legend(
     let xmax = axis_max(points().map(|p| p.0).chain(marker_x));
     let ymax = axis_max(points().map(|p| p.1));
     svg((760, 480), |root| {
-        root.fill(&WHITE).map_err(err)?;
-        let root = root.titled(title, ("sans-serif", 20)).map_err(err)?;
-        let mut chart = ChartBuilder::on(&root)
-            .caption(subtitle, ("sans-serif", 13))
-            .margin(12)
-            .x_label_area_size(44)
-            .y_label_area_size(64)
+        let root = titled(root, title)?;
+        let mut chart = frame(&root, subtitle, 44)
             .build_cartesian_2d(0f64..xmax, 0f64..ymax)
             .map_err(err)?;
         chart
@@ -218,13 +216,7 @@ pub fn line_chart_svg_with_legend(
                     PathElement::new(vec![(x, y), (x + 16, y)], c.stroke_width(2))
                 });
         }
-        chart
-            .configure_series_labels()
-            .position(legend)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()
-            .map_err(err)?;
+        draw_legend(&mut chart, legend)?;
         root.present().map_err(err)
     })
 }
@@ -308,10 +300,27 @@ mod tests {
                 },
             ],
             Some(0.5),
+            SeriesLabelPosition::UpperRight,
         );
         assert!(svg.contains("kv_aware") && svg.contains("round_robin"));
-        let unmarked = line_chart_svg("share", "sub", "s", "%", &[], None);
-        let marked = line_chart_svg("share", "sub", "s", "%", &[], Some(0.5));
+        let unmarked = line_chart_svg(
+            "share",
+            "sub",
+            "s",
+            "%",
+            &[],
+            None,
+            SeriesLabelPosition::UpperRight,
+        );
+        let marked = line_chart_svg(
+            "share",
+            "sub",
+            "s",
+            "%",
+            &[],
+            Some(0.5),
+            SeriesLabelPosition::UpperRight,
+        );
         assert!(
             marked.matches("<polyline").count() > unmarked.matches("<polyline").count() + 2,
             "the marker is drawn as dashes"

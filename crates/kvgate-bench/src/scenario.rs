@@ -34,7 +34,7 @@ use crate::compare::{
     engine_finished_requests, first_line, not_run_row, parse_counter_sum, start_router, RunError,
 };
 use crate::fleet::{EngineAddr, EngineConfig, Fleet};
-use crate::plot::{line_chart_svg, Line};
+use crate::plot::{line_chart_svg, Line, SeriesLabelPosition};
 use crate::report::{fmt_opt, fmt_pct, Report};
 use crate::request::Request;
 use crate::rng::SplitMix64;
@@ -848,6 +848,7 @@ pub fn render_share_svg(sum: &ScenarioSummary) -> String {
         "share (%)",
         &lines,
         marker,
+        SeriesLabelPosition::UpperRight,
     )
 }
 
