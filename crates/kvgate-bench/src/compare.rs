@@ -2,7 +2,8 @@
 //! per router, side by side.
 //!
 //! Owns the comparison loop (fresh engines → router → replay → report → teardown), the
-//! markdown table, the JSON summary and the SVG plot written to the output folder.
+//! markdown table, the JSON summary, the plots (drawn by `plot`) and `report.html`, the
+//! table and plots in one self-contained page, written to the output folder.
 //! Engines are restarted for every router so no router inherits a warm cache. It must
 //! not contain routing logic or per-request measurement.
 
