@@ -138,15 +138,10 @@ impl Report {
         let prefix_hit_rate =
             (cache_prompt > 0).then(|| cached_tokens as f64 / cache_prompt as f64);
         let mut per_worker = BTreeMap::new();
-        for o in &ok {
-            if let Some(w) = &o.worker {
-                *per_worker.entry(w.clone()).or_insert(0) += 1;
-            }
-        }
-        let worker_spread = spread(&per_worker);
         let mut per_worker_per_second: BTreeMap<String, Vec<u32>> = BTreeMap::new();
         for o in &ok {
             if let Some(w) = &o.worker {
+                *per_worker.entry(w.clone()).or_insert(0) += 1;
                 let bins = per_worker_per_second.entry(w.clone()).or_default();
                 let second = o.sent_at.as_secs() as usize;
                 if bins.len() <= second {
@@ -155,6 +150,7 @@ impl Report {
                 bins[second] += 1;
             }
         }
+        let worker_spread = spread(&per_worker);
         // Same length for every worker: a worker that got nothing late shows zeros.
         let seconds = per_worker_per_second
             .values()

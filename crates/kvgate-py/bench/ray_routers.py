@@ -19,6 +19,7 @@ The engines' caches (--num-blocks each) hold well under all tenants' prefixes.
 
 import argparse
 import asyncio
+import copy
 import json
 import os
 import random
@@ -157,7 +158,7 @@ def with_override(kwargs, override):
         value = json.loads(raw)
     except json.JSONDecodeError:
         value = raw
-    out = json.loads(json.dumps(kwargs))
+    out = copy.deepcopy(kwargs)
     *path, last = key.split(".")
     node = out
     for k in path:

@@ -69,6 +69,10 @@ fn expected_output(v: Option<i64>) -> Option<u32> {
         .map(|x| u32::try_from(x).unwrap_or(u32::MAX))
 }
 
+fn prompt_len(ids: &[u32]) -> u32 {
+    u32::try_from(ids.len()).unwrap_or(u32::MAX)
+}
+
 /// Runs `f` on the selection request of a prompt (its block keys, salted per LoRA
 /// adapter); an empty prompt is a `ValueError`.
 fn with_prompt<R>(
@@ -85,7 +89,7 @@ fn with_prompt<R>(
     let keys = svc.block_keys(token_ids, lora);
     let req = SelectRequest {
         block_keys: Some(&keys),
-        prompt_tokens: u32::try_from(token_ids.len()).unwrap_or(u32::MAX),
+        prompt_tokens: prompt_len(token_ids),
         session_key: None,
         now: Instant::now(),
     };
@@ -424,9 +428,15 @@ impl PySelectionService {
                 .worker_id(&worker_id)
                 .ok_or_else(|| book_error(BookError::UnknownWorker(worker_id.clone())))?;
             let keys = svc.block_keys(&token_ids, lora.as_deref());
-            let prompt_tokens = u32::try_from(token_ids.len()).unwrap_or(u32::MAX);
-            svc.book_request(&request_id, id, None, prompt_tokens, expected, &keys)
-                .map_err(book_error)
+            svc.book_request(
+                &request_id,
+                id,
+                None,
+                prompt_len(&token_ids),
+                expected,
+                &keys,
+            )
+            .map_err(book_error)
         })
     }
 
