@@ -22,7 +22,7 @@ pub use metrics::{
     DropReason, EventMetrics, EventMetricsSnapshot, WorkerCounters, WorkerEventStats,
 };
 pub use subscriber::{
-    purge_worker, spawn_subscriber, spawn_subscriber_with, EventSource, SharedIndex,
+    purge_worker, spawn_subscriber, spawn_subscriber_with, EventFeed, EventSource, SharedIndex,
     SubscriberConfig, SubscriberHandle,
 };
 pub use wire::{decode_batch, BlockRemoved, BlockStored, DecodeError, EventBatch, KvEvent};

@@ -275,17 +275,7 @@ impl Ingest {
                 self.dropped(DropReason::Stale);
                 return;
             }
-            Verdict::Restart => {
-                WorkerCounters::inc(&self.counters.restarts);
-                tracing::warn!(
-                    worker = %self.source.worker,
-                    seq,
-                    last = ?self.cursor.last(),
-                    "KV event sequence went backwards: engine restarted"
-                );
-                self.purge("engine restart (sequence reset)");
-                self.cursor.reset();
-            }
+            Verdict::Restart => self.restarted(seq),
             Verdict::Join => {
                 if config.warm_start {
                     if let Some(batches) = self.replay(0, config).await {
@@ -314,12 +304,75 @@ impl Ingest {
                 }
             }
         }
+        self.apply_in_order(seq, &payload);
+    }
+
+    /// The sequence went backwards: the engine restarted with an empty cache.
+    fn restarted(&mut self, seq: u64) {
+        WorkerCounters::inc(&self.counters.restarts);
+        tracing::warn!(
+            worker = %self.source.worker,
+            seq,
+            last = ?self.cursor.last(),
+            "KV event sequence went backwards: engine restarted"
+        );
+        self.purge("engine restart (sequence reset)");
+        self.cursor.reset();
+    }
+
+    /// Applies a live message the cursor has not seen yet and advances the cursor.
+    fn apply_in_order(&mut self, seq: u64, payload: &[u8]) {
         if self.cursor.already_applied(seq) {
             self.dropped(DropReason::Stale);
             return;
         }
-        self.apply_payload(seq, &payload);
+        self.apply_payload(seq, payload);
         self.cursor.advance(seq);
+    }
+}
+
+/// An engine's event stream handed over in process instead of read from a socket (the
+/// virtual-time simulation, `kvgate simulate`): the same ingest as a subscriber (the
+/// sequence cursor, a restart's purge, decoding, [`apply_batch`], the counters) without
+/// the socket, so what the index learns is what a subscriber would have learned. There
+/// is no replay buffer behind it: a gap purges the worker, as a failed replay does.
+pub struct EventFeed {
+    ingest: Ingest,
+}
+
+impl EventFeed {
+    /// A feed for `source.worker` into `index`.
+    pub fn new(source: EventSource, index: SharedIndex, metrics: Arc<EventMetrics>) -> Self {
+        let counters = metrics.worker(source.worker);
+        Self {
+            ingest: Ingest {
+                source,
+                index,
+                metrics,
+                counters,
+                cursor: Cursor::default(),
+                ranks_seen: Vec::new(),
+            },
+        }
+    }
+
+    /// One message as the engine published it: its sequence number and payload.
+    pub fn deliver(&mut self, seq: u64, payload: &[u8]) {
+        let ingest = &mut self.ingest;
+        match ingest.cursor.classify(seq) {
+            Verdict::Apply | Verdict::Join => {}
+            Verdict::Stale => {
+                ingest.dropped(DropReason::Stale);
+                return;
+            }
+            Verdict::Restart => ingest.restarted(seq),
+            Verdict::Gap { .. } => {
+                WorkerCounters::inc(&ingest.counters.gaps);
+                ingest.purge("unrecoverable sequence gap");
+                ingest.cursor.reset();
+            }
+        }
+        ingest.apply_in_order(seq, payload);
     }
 }
 
