@@ -35,6 +35,11 @@ use smallvec::SmallVec;
 use crate::hashing::BlockKey;
 use crate::ids::WorkerId;
 
+/// Callers report a booking's output progress every this many output tokens (the
+/// gateway counts streamed events, the simulation tokens): often enough that a
+/// request's decode weight tracks it, rarely enough to stay off the ledger's lock.
+pub const PROGRESS_EVERY: u32 = 8;
+
 /// A prompt in prefill is remembered by every this many block keys (positions
 /// `stride - 1`, `2·stride - 1`, …; a chained key stands for its whole prefix), so an
 /// 8,192-token prompt at block size 16 costs 32 map entries, and a credit is rounded

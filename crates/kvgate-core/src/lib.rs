@@ -25,6 +25,7 @@ pub use index::{
 
 pub use ledger::{
     BookingGuard, BookingSpec, Ledger, LedgerStats, PrefillCredit, WorkerAccuracy, WorkerLoad,
+    PROGRESS_EVERY,
 };
 pub use policy::{
     build_policy, Decision, FleetView, KvAwareConfig, PolicyConfig, PolicyKind,

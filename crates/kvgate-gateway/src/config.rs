@@ -11,7 +11,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use kvgate_core::{KvAwareConfig, PolicyKind, PrefixAffinityConfig, SessionConfig};
+use kvgate_core::{KvAwareConfig, PolicyConfig, PolicyKind, PrefixAffinityConfig, SessionConfig};
+use kvgate_selection::SelectionConfig;
 use serde::{Deserialize, Serialize};
 
 /// Everything one gateway process serves.
@@ -98,6 +99,29 @@ pub struct ModelConfig {
     pub kv_topic: String,
     /// Cap on prefix-index entries for this model.
     pub index_max_blocks: usize,
+}
+
+impl ModelConfig {
+    /// The selection service this model routes with (the gateway builds one per model;
+    /// `kvgate simulate` builds the same from the same flags).
+    pub fn selection_config(&self, booking_ttl: Duration) -> SelectionConfig {
+        SelectionConfig {
+            model: self.name.clone(),
+            block_size: self.block_size,
+            hash_salt: self.hash_salt.clone(),
+            policy: PolicyConfig {
+                kind: self.policy,
+                seed: self.seed,
+                kv_aware: self.kv_aware.clone(),
+                prefix_affinity: self.prefix_affinity.clone(),
+                session: self.session.clone(),
+            },
+            fallback: self.kv_fallback,
+            index_max_blocks: self.index_max_blocks,
+            kv_topic: self.kv_topic.clone(),
+            booking_ttl,
+        }
+    }
 }
 
 impl Default for ModelConfig {

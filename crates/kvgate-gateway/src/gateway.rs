@@ -13,9 +13,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use http::{HeaderName, HeaderValue};
-use kvgate_core::{PolicyConfig, PolicyKind, WorkerId};
+use kvgate_core::{PolicyKind, WorkerId};
 use kvgate_events::EventMetrics;
-use kvgate_selection::{SelectionConfig, SelectionService, WorkerEvents};
+use kvgate_selection::{SelectionService, WorkerEvents};
 use kvgate_tokenize::{LocalTokenizer, Tokenizer};
 use rustc_hash::FxHashMap;
 use tokio_util::sync::CancellationToken;
@@ -260,22 +260,7 @@ fn build_model(
 ) -> anyhow::Result<ModelState> {
     let name = &mc.name;
     let selection = SelectionService::new(
-        SelectionConfig {
-            model: name.clone(),
-            block_size: mc.block_size,
-            hash_salt: mc.hash_salt.clone(),
-            policy: PolicyConfig {
-                kind: mc.policy,
-                seed: mc.seed,
-                kv_aware: mc.kv_aware.clone(),
-                prefix_affinity: mc.prefix_affinity.clone(),
-                session: mc.session.clone(),
-            },
-            fallback: mc.kv_fallback,
-            index_max_blocks: mc.index_max_blocks,
-            kv_topic: mc.kv_topic.clone(),
-            booking_ttl,
-        },
+        mc.selection_config(booking_ttl),
         events.clone(),
         worker_ids.clone(),
     )?;

@@ -13,6 +13,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Instant;
 
 use kvgate_core::{BookingGuard, Decision};
 
@@ -46,6 +47,7 @@ impl Lease {
             p.max_tokens,
             p.keys.as_deref().unwrap_or_default(),
             max_in_flight,
+            Instant::now(),
         )?;
         Some(Lease {
             booking: Some(booking),

@@ -22,7 +22,7 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
-use kvgate_core::BookingGuard;
+use kvgate_core::{BookingGuard, PROGRESS_EVERY};
 use memchr::memmem;
 use serde::Deserialize;
 use tokio::time::Sleep;
@@ -36,8 +36,6 @@ use crate::lease::Lease;
 const MAX_LINE: usize = 1 << 20;
 /// Largest JSON body kept to read its `usage`.
 const MAX_JSON: usize = 8 << 20;
-/// Ledger progress is reported every this many output events.
-const PROGRESS_EVERY: u32 = 8;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Outcome {

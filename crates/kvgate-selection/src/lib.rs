@@ -29,7 +29,9 @@ use kvgate_core::{
     IndexConfig, Ledger, PolicyConfig, PolicyKind, PrefixIndex, RouteRequest, RoutingPolicy,
     SelectError, WorkerId,
 };
-use kvgate_events::{spawn_subscriber, EventMetrics, EventSource, SharedIndex, SubscriberHandle};
+use kvgate_events::{
+    spawn_subscriber, EventFeed, EventMetrics, EventSource, SharedIndex, SubscriberHandle,
+};
 use parking_lot::{Mutex, RwLock};
 use rustc_hash::FxHashMap;
 
@@ -114,6 +116,8 @@ struct WorkerEntry {
     name: String,
     events: Option<WorkerEvents>,
     subscribers: Vec<SubscriberHandle>,
+    /// Its KV events are handed over in process ([`SelectionService::add_worker_with_feed`]).
+    fed: bool,
 }
 
 /// A booking made by request id, held by the service until `free` or the sweep.
@@ -287,7 +291,10 @@ impl SelectionService {
 
     /// Recounts the workers with an event source (under the workers' write lock).
     fn count_events(&self, workers: &FxHashMap<WorkerId, WorkerEntry>) {
-        let n = workers.values().filter(|w| w.events.is_some()).count();
+        let n = workers
+            .values()
+            .filter(|w| w.events.is_some() || w.fed)
+            .count();
         self.with_events.store(n, Ordering::Release);
     }
 
@@ -337,6 +344,40 @@ impl SelectionService {
         self.insert_locked(&mut workers, id, name, events)
     }
 
+    /// Adds a worker whose KV events the caller hands over in process instead of a
+    /// subscriber reading them from a socket (the virtual-time simulation): returns the
+    /// [`EventFeed`] to deliver them through, `None` when the policy keeps no index.
+    /// The feed applies them exactly as a subscriber would.
+    pub fn add_worker_with_feed(
+        &self,
+        id: WorkerId,
+        name: &str,
+    ) -> anyhow::Result<Option<EventFeed>> {
+        let mut workers = self.workers.write();
+        if workers.contains_key(&id) || workers.values().any(|w| w.name == name) {
+            bail!(
+                "worker {name:?} is already part of model {:?}",
+                self.config.model
+            );
+        }
+        workers.insert(
+            id,
+            WorkerEntry {
+                name: name.to_string(),
+                events: None,
+                subscribers: Vec::new(),
+                fed: self.index.is_some(),
+            },
+        );
+        self.count_events(&workers);
+        self.notify_policy(&workers);
+        Ok(self.index.as_ref().map(|index| {
+            let mut source = EventSource::new(id, format!("in-process:{name}"));
+            source.topic = self.config.kv_topic.clone();
+            EventFeed::new(source, index.clone(), self.events.clone())
+        }))
+    }
+
     /// Starts a new worker's subscribers and adds it, under the workers' write lock.
     fn insert_locked(
         &self,
@@ -352,6 +393,7 @@ impl SelectionService {
                 name: name.to_string(),
                 events,
                 subscribers,
+                fed: false,
             },
         );
         self.count_events(workers);
@@ -543,7 +585,8 @@ impl SelectionService {
     /// Books `decision`'s worker if it has fewer than `max_in_flight` bookings (0: no
     /// limit), in one step; `None` when it is full. The guard ends the booking when
     /// dropped. `block_keys` are the prompt's (credited as being prefilled there until
-    /// the first token, for kv_aware).
+    /// the first token, for kv_aware); `now` is when the booking is made (the
+    /// simulation passes its virtual clock).
     pub fn try_book(
         &self,
         decision: &Decision,
@@ -551,9 +594,10 @@ impl SelectionService {
         expected_output_tokens: Option<u32>,
         block_keys: &[BlockKey],
         max_in_flight: u32,
+        now: Instant,
     ) -> Option<BookingGuard> {
         let spec = decision.booking(prompt_tokens, expected_output_tokens);
-        self.try_book_spec(decision.worker, spec, block_keys, max_in_flight)
+        self.try_book_spec(decision.worker, spec, block_keys, max_in_flight, now)
     }
 
     fn try_book_spec(
@@ -562,6 +606,7 @@ impl SelectionService {
         spec: BookingSpec,
         block_keys: &[BlockKey],
         max_in_flight: u32,
+        now: Instant,
     ) -> Option<BookingGuard> {
         // Only kv_aware reads the prompts in prefill (its credit).
         let keys = if self.kind() == PolicyKind::KvAware {
@@ -569,8 +614,7 @@ impl SelectionService {
         } else {
             &[]
         };
-        self.ledger
-            .try_book(worker, spec, keys, Instant::now(), max_in_flight)
+        self.ledger.try_book(worker, spec, keys, now, max_in_flight)
     }
 
     /// Books a request by id on `worker` (the decision that chose it supplies the
@@ -612,14 +656,15 @@ impl SelectionService {
         spec: BookingSpec,
         block_keys: &[BlockKey],
     ) {
-        let Some(guard) = self.try_book_spec(worker, spec, block_keys, 0) else {
+        let now = Instant::now();
+        let Some(guard) = self.try_book_spec(worker, spec, block_keys, 0, now) else {
             unreachable!("a booking without a limit is never refused")
         };
         requests.insert(
             request_id.to_string(),
             HeldBooking {
                 guard,
-                booked_at: Instant::now(),
+                booked_at: now,
             },
         );
     }
