@@ -191,6 +191,13 @@ async fn run_one(
             report.set_per_worker(counts);
         }
     }
+    if matches!(spec, RouterSpec::Kvgate(_)) {
+        // Policies that do not read the prompt predict nothing (0).
+        report.predicted_cached_tokens = kvgate_prediction(&url)
+            .await
+            .map(|(predicted, _)| predicted.round() as u64)
+            .filter(|&p| p > 0);
+    }
     let alive = fleet.check_alive();
     router.shutdown().await;
     fleet.shutdown().await;
@@ -254,6 +261,19 @@ pub(crate) async fn start_router(
     }
 }
 
+/// kvgate's predicted and engine-reported cached tokens so far, from its `/metrics`.
+pub(crate) async fn kvgate_prediction(router_url: &str) -> Option<(f64, f64)> {
+    let text = reqwest::get(format!("{router_url}/metrics"))
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()?;
+    let predicted = parse_counter_sum(&text, "kvgate_predicted_cached_tokens_total")?;
+    let reported = parse_counter_sum(&text, "kvgate_reported_cached_tokens_total")?;
+    Some((predicted, reported))
+}
+
 /// Sum of every sample of a Prometheus metric family in text exposition format.
 pub fn parse_counter_sum(text: &str, name: &str) -> Option<f64> {
     let mut found = false;
@@ -289,11 +309,11 @@ pub fn render_markdown(summary: &CompareSummary, baseline: &str) -> String {
     );
     let _ = writeln!(
         s,
-        "| router | ok | errors | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | TTFT p90 vs {baseline} | ITL p50 ms | E2E p50 ms | E2E p99 ms | req/s | out tok/s | prefix hit | spread max/mean | note |"
+        "| router | ok | errors | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | TTFT p90 vs {baseline} | ITL p50 ms | E2E p50 ms | E2E p99 ms | req/s | out tok/s | prefix hit | predicted / reported cached | spread max/mean | note |"
     );
     let _ = writeln!(
         s,
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
     );
     for row in &summary.rows {
         match &row.report {
@@ -303,7 +323,7 @@ pub fn render_markdown(summary: &CompareSummary, baseline: &str) -> String {
                     .map(|b| b.ttft_ms.p90 / r.ttft_ms.p90);
                 let _ = writeln!(
                     s,
-                    "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {} | {:.1} | {:.1} | {:.1} | {:.2} | {:.1} | {} | {} | {} |",
+                    "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {} | {:.1} | {:.1} | {:.1} | {:.2} | {:.1} | {} | {} | {} | {} |",
                     row.label,
                     r.ok,
                     r.errors,
@@ -317,11 +337,12 @@ pub fn render_markdown(summary: &CompareSummary, baseline: &str) -> String {
                     r.requests_per_s,
                     r.output_tokens_per_s,
                     fmt_pct(r.prefix_hit_rate),
+                    fmt_opt(r.predicted_over_reported(), 3),
                     fmt_opt(r.worker_spread, 2),
                     row.note.as_deref().unwrap_or(""),
                 );
             }
-            None => not_run_row(&mut s, &row.label, &row.status, row.note.as_deref(), 13),
+            None => not_run_row(&mut s, &row.label, &row.status, row.note.as_deref(), 14),
         }
     }
     s
@@ -494,7 +515,9 @@ fn html_escape(t: &str) -> String {
         .replace('"', "&quot;")
 }
 
-fn write_outputs(dir: &Path, summary: &CompareSummary, baseline: &str) -> anyhow::Result<()> {
+/// Writes `compare.md`, `compare.json`, `ttft.svg`, `ttft-cdf.svg` and `report.html`
+/// for `summary` into `dir` (also what `kvgate simulate` writes).
+pub fn write_outputs(dir: &Path, summary: &CompareSummary, baseline: &str) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let md = render_markdown(summary, baseline);
     for (name, bytes) in [

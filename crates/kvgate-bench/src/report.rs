@@ -117,6 +117,11 @@ pub struct Report {
     /// per-worker load plot): element `i` counts those sent in second `i`.
     #[serde(default)]
     pub per_worker_per_second: BTreeMap<String, Vec<u32>>,
+    /// The cached tokens the router predicted for the completed requests (kvgate rows;
+    /// `None` when the router does not say), beside `cached_tokens`, what the engines
+    /// reported.
+    #[serde(default)]
+    pub predicted_cached_tokens: Option<u64>,
 }
 
 impl Report {
@@ -188,7 +193,14 @@ impl Report {
             worker_spread,
             ttft_cdf_ms: crate::plot::cdf_points(&ttft_values, 200),
             per_worker_per_second,
+            predicted_cached_tokens: None,
         }
+    }
+
+    /// Predicted over engine-reported cached tokens (1 = honest), when both are known.
+    pub fn predicted_over_reported(&self) -> Option<f64> {
+        let predicted = self.predicted_cached_tokens?;
+        (self.cached_tokens > 0).then(|| predicted as f64 / self.cached_tokens as f64)
     }
 
     /// Set per-worker counts from another source (e.g. the engines' own counters) when
@@ -249,6 +261,9 @@ impl Report {
             self.cached_tokens,
             self.prompt_tokens
         );
+        if let Some(ratio) = self.predicted_over_reported() {
+            let _ = writeln!(s, "predicted / reported cached tokens {ratio:.3}");
+        }
         if !self.per_worker.is_empty() {
             let _ = writeln!(
                 s,

@@ -30,9 +30,7 @@ use anyhow::Context;
 use serde::{Deserialize, Serialize};
 
 use crate::client::{BenchClient, Outcome};
-use crate::compare::{
-    engine_finished_requests, first_line, not_run_row, parse_counter_sum, start_router, RunError,
-};
+use crate::compare::{engine_finished_requests, first_line, not_run_row, start_router, RunError};
 use crate::fleet::{EngineAddr, EngineConfig, Fleet};
 use crate::plot::{line_chart_svg, Line, SeriesLabelPosition};
 use crate::report::{fmt_opt, fmt_pct, Report};
@@ -48,7 +46,7 @@ const SHARE_WINDOW: Duration = Duration::from_secs(10);
 /// How long a hung engine stays hung before it is killed and restarted: longer than
 /// kvgate's default health checks take to declare it dead (3 failed probes, 2 s apart,
 /// 1 s timeout), so the requests waiting on it are cut off by health, not by the kill.
-const HANG: Duration = Duration::from_secs(10);
+pub const HANG: Duration = Duration::from_secs(10);
 
 /// The scenarios, in suite order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -364,7 +362,7 @@ pub async fn run_scenarios(
             .with_context(|| format!("cannot write {}", svg.display()))?;
         out.push(summary);
         // Written after every scenario, so a long suite leaves results as it goes.
-        write_outputs(&cfg.out_dir, &out)?;
+        write_outputs(&cfg.out_dir, &out, &render_markdown(&out))?;
     }
     Ok(out)
 }
@@ -731,14 +729,7 @@ fn final_counts(
 
 /// kvgate's predicted over engine-reported cached tokens, from its `/metrics`.
 async fn prediction_ratio(router_url: &str) -> Option<f64> {
-    let text = reqwest::get(format!("{router_url}/metrics"))
-        .await
-        .ok()?
-        .text()
-        .await
-        .ok()?;
-    let predicted = parse_counter_sum(&text, "kvgate_predicted_cached_tokens_total")?;
-    let reported = parse_counter_sum(&text, "kvgate_reported_cached_tokens_total")?;
+    let (predicted, reported) = crate::compare::kvgate_prediction(router_url).await?;
     (reported > 0.0).then(|| predicted / reported)
 }
 
@@ -852,9 +843,15 @@ pub fn render_share_svg(sum: &ScenarioSummary) -> String {
     )
 }
 
-fn write_outputs(dir: &Path, summaries: &[ScenarioSummary]) -> anyhow::Result<()> {
+/// Writes `markdown` as `scenarios.md` and the summaries as `scenarios.json` into `dir`
+/// (also what `kvgate simulate scenarios` writes).
+pub fn write_outputs(
+    dir: &Path,
+    summaries: &[ScenarioSummary],
+    markdown: &str,
+) -> anyhow::Result<()> {
     for (name, bytes) in [
-        ("scenarios.md", render_markdown(summaries).into_bytes()),
+        ("scenarios.md", markdown.as_bytes().to_vec()),
         ("scenarios.json", serde_json::to_vec_pretty(summaries)?),
     ] {
         let path = dir.join(name);
