@@ -46,6 +46,9 @@ enum Command {
     Up(kvgate_bench::up::UpArgs),
     /// Tokenize an OpenAI request body read from stdin, exactly as the engine would.
     Tokenize(kvgate_tokenize::cli::TokenizeArgs),
+    /// Compare routing policies on a simulated fleet in virtual time (deterministic, no
+    /// sockets, the real routing code); plan fleet size for a TTFT target.
+    Simulate(kvgate_sim::cli::SimulateArgs),
 }
 
 fn init_logging(filter: &str, json: bool) {
@@ -84,6 +87,7 @@ fn main() -> ExitCode {
             Command::Demo(args) => kvgate_bench::cli::run_demo(args).await,
             Command::Up(args) => kvgate_bench::up::run_up(args).await,
             Command::Tokenize(args) => kvgate_tokenize::cli::run(args).await,
+            Command::Simulate(args) => kvgate_sim::cli::run(args),
         }
     });
     match result {
