@@ -273,8 +273,8 @@ fn speed_up(mut requests: Vec<Request>, speedup: f64) -> anyhow::Result<Vec<Requ
 
 /// `ENGINE:SHARE`: which requests go straight to an engine (chosen by a hash of the
 /// request id and the seed, so the same ones every row).
-fn bypass_load(requests: &[Request], spec: Option<&str>, seed: u64) -> anyhow::Result<Load> {
-    let mut load = Load::open(requests);
+fn bypass_load(requests: Vec<Request>, spec: Option<&str>, seed: u64) -> anyhow::Result<Load> {
+    let mut load = Load::from_requests(requests);
     let Some(spec) = spec else { return Ok(load) };
     let shape = || format!("--bypass {spec:?} must look like ENGINE:SHARE, e.g. 1:0.25");
     let (engine, share) = spec.split_once(':').with_context(shape)?;
@@ -333,8 +333,8 @@ fn run_compare(args: RunArgs) -> anyhow::Result<()> {
         args.fleet.block_size,
         seed,
     )?;
-    let load = bypass_load(&requests, args.bypass.as_deref(), seed)?;
     let s = summarize(&requests);
+    let load = bypass_load(requests, args.bypass.as_deref(), seed)?;
     eprintln!(
         "kvgate simulate: {} requests ({} prompt tokens) over {:.0} s on {} engines × {} blocks, {} rows",
         s.requests,
@@ -354,7 +354,7 @@ fn run_compare(args: RunArgs) -> anyhow::Result<()> {
     }
     let summary = CompareSummary {
         workload,
-        requests: requests.len(),
+        requests: s.requests,
         engines: fleet.engines,
         speedup: args.speedup,
         rows: results
@@ -423,7 +423,7 @@ fn run_plan(args: PlanArgs) -> anyhow::Result<()> {
         "kvgate simulate plan: {desc}; {} at TTFT p90 ≤ {} ms",
         row.label, args.ttft_p90_ms
     );
-    let result = plan(row, &fleet, &Load::open(&requests), &cfg)?;
+    let result = plan(row, &fleet, &Load::from_requests(requests), &cfg)?;
     println!("{}", result.render_markdown());
     Ok(())
 }

@@ -82,11 +82,13 @@ pub struct Load {
 impl Load {
     /// Requests at their arrival times, all through the router.
     pub fn open(requests: &[Request]) -> Self {
+        Self::from_requests(requests.to_vec())
+    }
+
+    /// As [`Load::open`], taking the requests (a whole trace is large).
+    pub fn from_requests(requests: Vec<Request>) -> Self {
         Self {
-            open: requests
-                .iter()
-                .map(|r| (r.clone(), Target::Router))
-                .collect(),
+            open: requests.into_iter().map(|r| (r, Target::Router)).collect(),
             closed: Vec::new(),
         }
     }
@@ -415,12 +417,14 @@ impl Simulation<'_> {
             .collect();
         candidates.sort_unstable();
         let ids: Vec<WorkerId> = candidates.iter().map(|(w, _)| *w).collect();
-        let keys = if self.kind.uses_tokens() {
-            Some(self.service.block_keys(&request.prompt, None))
+        // As the gateway prepares a request: only a policy that reads the prompt gets
+        // it tokenized, so the others book it without a length (routing::prepare).
+        let (keys, prompt_tokens) = if self.kind.uses_tokens() {
+            let keys = self.service.block_keys(&request.prompt, None);
+            (Some(keys), self.records[record].prompt_tokens)
         } else {
-            None
+            (None, 0)
         };
-        let prompt_tokens = self.records[record].prompt_tokens;
         let now = self.instant();
         let select = SelectRequest {
             block_keys: keys.as_deref(),
