@@ -73,10 +73,12 @@ pub struct WorkloadArgs {
     /// Synthetic shared-prefix: number of distinct system prompts.
     #[arg(long, default_value_t = 1)]
     pub groups: usize,
-    /// Synthetic: users (shared-prefix) or conversations (multi-turn).
+    /// Synthetic: users (shared-prefix), conversations (multi-turn) or agent episodes
+    /// (tool-agent).
     #[arg(long, default_value_t = 32)]
     pub users: usize,
-    /// Synthetic multi-turn: mean think time between turns, seconds.
+    /// Synthetic multi-turn / tool-agent: mean think time (tool latency) between turns,
+    /// seconds.
     #[arg(long, default_value_t = 2.0)]
     pub think_time: f64,
 }
@@ -119,7 +121,7 @@ impl WorkloadArgs {
             return Ok((synth.to_requests(window), desc));
         }
         let Some(kind) = self.workload else {
-            bail!("give a trace (--trace FILE) or a synthetic workload (--workload shared-prefix|multi-turn|no-sharing)");
+            bail!("give a trace (--trace FILE) or a synthetic workload (--workload shared-prefix|multi-turn|tool-agent|no-sharing)");
         };
         let cfg = WorkloadConfig {
             kind,
@@ -676,6 +678,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     println!(
         "TTFT p90 vs round_robin: round_robin's p90 divided by the row's (above 1: faster). \
          Prefix hit: cached over prompt tokens as the engines reported. \
+         Predicted / reported cached: what kvgate expected the engines to serve from cache over what they reported (1 = honest; n/a: the policy does not read prompts). \
          Spread: the busiest engine's requests over the mean (1 = even)."
     );
     println!(

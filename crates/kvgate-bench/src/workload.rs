@@ -1,4 +1,5 @@
-//! Built-in synthetic workloads: shared-prefix (herding test), multi-turn, no-sharing.
+//! Built-in synthetic workloads: shared-prefix (herding test), multi-turn, tool-agent,
+//! no-sharing.
 //!
 //! Owns the generators that turn a few parameters into a deterministic list of
 //! `Request`s with Poisson arrivals, the same type a trace produces. It must not send
@@ -17,6 +18,10 @@ pub enum WorkloadKind {
     SharedPrefix,
     /// Conversations whose prompt grows turn by turn (previous turns are a prefix).
     MultiTurn,
+    /// Agent episodes: a tool suite's long system prompt (one of `groups`), a task, then
+    /// steps that each append the model's tool call and the tool's result, arriving
+    /// after the tool's latency (`think_time`). Short outputs, fast-growing prompts.
+    ToolAgent,
     /// Every prompt is distinct: no prefix reuse at all.
     NoSharing,
 }
@@ -27,6 +32,7 @@ impl WorkloadKind {
         match self {
             WorkloadKind::SharedPrefix => "shared-prefix",
             WorkloadKind::MultiTurn => "multi-turn",
+            WorkloadKind::ToolAgent => "tool-agent",
             WorkloadKind::NoSharing => "no-sharing",
         }
     }
@@ -128,6 +134,7 @@ impl WorkloadConfig {
         let mut reqs = match self.kind {
             WorkloadKind::SharedPrefix => self.shared_prefix(),
             WorkloadKind::MultiTurn => self.multi_turn(),
+            WorkloadKind::ToolAgent => self.tool_agent(),
             WorkloadKind::NoSharing => self.no_sharing(),
         };
         reqs.sort_by_key(|r| (r.arrival, r.id));
@@ -205,6 +212,50 @@ impl WorkloadConfig {
         out
     }
 
+    fn tool_agent(&self) -> Vec<Request> {
+        let episodes = self.users.max(1).min(self.requests.max(1));
+        let steps = self.requests.div_ceil(episodes).max(1);
+        let groups = self.groups.max(1) as u64;
+        let suites: Vec<Vec<u32>> = (0..groups)
+            .map(|g| self.tokens(NS_SYSTEM, g, 1, self.prefix_tokens))
+            .collect();
+        let starts = self.arrivals(episodes, 3);
+        let mut latency = SplitMix64::keyed(self.seed, NS_ARRIVALS ^ 0x7001);
+        let mut out = Vec::with_capacity(episodes * steps);
+        for (e, start) in starts.into_iter().enumerate() {
+            let e64 = e as u64;
+            let mut context = suites[(e64 % groups) as usize].clone();
+            // The task, then per step the tool's result.
+            context.extend(self.tokens(NS_USER_TURN, e64, u64::MAX, self.suffix_tokens.max(1)));
+            let mut at = start;
+            for step in 0..steps {
+                if out.len() >= self.requests {
+                    break;
+                }
+                let s64 = step as u64;
+                if step > 0 {
+                    at += Duration::from_secs_f64(latency.exponential(self.think_time_s.max(0.0)));
+                    context.extend(self.tokens(NS_SUFFIX, e64, s64, self.suffix_tokens.max(1)));
+                }
+                out.push(Request {
+                    id: out.len() as u64,
+                    arrival: at,
+                    prompt: context.clone(),
+                    max_tokens: self.output_tokens.max(1),
+                    session_id: Some(format!("agent-{e}")),
+                });
+                // The tool call the model made.
+                context.extend(self.tokens(
+                    NS_ASSISTANT_TURN,
+                    e64,
+                    s64,
+                    self.output_tokens.max(1) as usize,
+                ));
+            }
+        }
+        out
+    }
+
     fn no_sharing(&self) -> Vec<Request> {
         let len = (self.prefix_tokens + self.suffix_tokens).max(1);
         self.arrivals(self.requests, 2)
@@ -247,6 +298,36 @@ mod tests {
             assert!(r.session_id.is_some());
         }
         assert_ne!(reqs[0].prompt[64..], reqs[1].prompt[64..]);
+    }
+
+    #[test]
+    fn tool_agent_steps_extend_their_episode_and_share_the_suite() {
+        let reqs = WorkloadConfig {
+            groups: 2,
+            ..cfg(WorkloadKind::ToolAgent)
+        }
+        .generate();
+        assert_eq!(reqs.len(), 40);
+        let mut by_agent: std::collections::BTreeMap<&str, Vec<&Request>> = Default::default();
+        for r in &reqs {
+            by_agent
+                .entry(r.session_id.as_deref().unwrap())
+                .or_default()
+                .push(r);
+        }
+        assert_eq!(by_agent.len(), 5);
+        for steps in by_agent.values() {
+            for w in steps.windows(2) {
+                assert!(w[1].arrival >= w[0].arrival);
+                // Each step's prompt: the previous one, its tool call (4) and the result (8).
+                assert_eq!(w[1].prompt.len(), w[0].prompt.len() + 4 + 8);
+                assert_eq!(w[1].prompt[..w[0].prompt.len()], w[0].prompt[..]);
+            }
+        }
+        // Agents 0 and 2 use suite 0, agent 1 suite 1.
+        let first = |a: &str| by_agent[a][0].prompt[..64].to_vec();
+        assert_eq!(first("agent-0"), first("agent-2"));
+        assert_ne!(first("agent-0"), first("agent-1"));
     }
 
     #[test]
