@@ -484,7 +484,7 @@ pub fn render_html(summary: &CompareSummary, baseline: &str) -> String {
     }
     let _ = writeln!(
         s,
-        "<p>TTFT p90 vs {}: the baseline's p90 divided by the row's (above 1: faster than the baseline). Prefix hit: cached over prompt tokens as the engines reported them. Spread: the busiest worker's requests over the mean (1 = even).</p>",
+        "<p>TTFT p90 vs {}: the baseline's p90 divided by the row's (above 1: faster than the baseline). Prefix hit: cached over prompt tokens as the engines reported them. Predicted / reported cached: what kvgate expected the engines to serve from cache over what they reported (1 = honest; n/a: the policy does not read prompts). Spread: the busiest worker's requests over the mean (1 = even).</p>",
         html_escape(baseline)
     );
     for svg in [render_svg(summary), render_cdf_svg(summary)] {
