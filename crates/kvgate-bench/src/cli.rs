@@ -273,16 +273,13 @@ pub struct ChaosArgs {
     pub out_dir: PathBuf,
 }
 
-/// `kvgate bench scenarios`.
-#[derive(clap::Args, Debug)]
-pub struct ScenariosArgs {
+/// Which scenarios, and the load each row gets: shared by `kvgate bench scenarios` and
+/// `kvgate simulate scenarios`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ScenarioLoadArgs {
     /// Scenarios to run, comma-separated (default: all, in suite order).
     #[arg(long, value_enum, value_delimiter = ',')]
     pub scenarios: Vec<ScenarioKind>,
-    /// Routers, comma-separated, as for `bench compare` (default: kv_aware,
-    /// prefix_affinity, round_robin and the peer routers, skipped when not installed).
-    #[arg(long, value_delimiter = ',')]
-    pub routers: Vec<String>,
     /// Seconds of routed load per row.
     #[arg(long, default_value_t = 30.0)]
     pub duration: f64,
@@ -295,9 +292,32 @@ pub struct ScenariosArgs {
     /// KV blocks per engine for every scenario (default: each scenario's own).
     #[arg(long)]
     pub num_blocks: Option<u32>,
-    /// Seed for the tenants' prompts and popularity draws.
+    /// Seed for the tenants' prompts and popularity draws (simulated: also the engines
+    /// and the policies).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+}
+
+impl ScenarioLoadArgs {
+    /// The scenarios asked for, all of them by default.
+    pub fn kinds(&self) -> Vec<ScenarioKind> {
+        if self.scenarios.is_empty() {
+            ScenarioKind::ALL.to_vec()
+        } else {
+            self.scenarios.clone()
+        }
+    }
+}
+
+/// `kvgate bench scenarios`.
+#[derive(clap::Args, Debug)]
+pub struct ScenariosArgs {
+    #[command(flatten)]
+    pub load: ScenarioLoadArgs,
+    /// Routers, comma-separated, as for `bench compare` (default: kv_aware,
+    /// prefix_affinity, round_robin and the peer routers, skipped when not installed).
+    #[arg(long, value_delimiter = ',')]
+    pub routers: Vec<String>,
     /// Simulated-time speedup of the engines' latency model.
     #[arg(long, default_value_t = 1.0)]
     pub engine_speedup: f64,
@@ -560,11 +580,7 @@ async fn run_scenario_suite(args: ScenariosArgs) -> anyhow::Result<()> {
     } else {
         parse_routers(&args.routers)?
     };
-    let scenarios = if args.scenarios.is_empty() {
-        ScenarioKind::ALL.to_vec()
-    } else {
-        args.scenarios.clone()
-    };
+    let scenarios = args.load.kinds();
     let cfg = ScenarioConfig {
         engine: EngineConfig {
             kvgate_bin: resolve_kvgate_bin(args.kvgate_bin.as_deref())?,
@@ -572,17 +588,17 @@ async fn run_scenario_suite(args: ScenariosArgs) -> anyhow::Result<()> {
             block_size: 16,
             num_blocks: 0,
             speedup: args.engine_speedup,
-            seed: args.seed,
+            seed: args.load.seed,
             extra_args: Vec::new(),
             startup_timeout: Duration::from_secs(60),
         },
-        num_blocks_override: args.num_blocks,
+        num_blocks_override: args.load.num_blocks,
         routers,
         model: "mock-model".into(),
         out_dir: args.out_dir.clone(),
-        duration: positive_secs(args.duration, "--duration")?,
-        concurrency: args.concurrency.max(1),
-        change_at: Duration::try_from_secs_f64(args.change_at)
+        duration: positive_secs(args.load.duration, "--duration")?,
+        concurrency: args.load.concurrency.max(1),
+        change_at: Duration::try_from_secs_f64(args.load.change_at)
             .context("--change-at must be a number of seconds")?,
         request_timeout: positive_secs(args.request_timeout, "--request-timeout")?,
         router_startup_timeout: Duration::from_secs(60),

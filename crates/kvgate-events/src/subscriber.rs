@@ -136,15 +136,7 @@ pub fn spawn_subscriber_with(
     metrics: Arc<EventMetrics>,
 ) -> SubscriberHandle {
     let (stop, stop_rx) = watch::channel(false);
-    let counters = metrics.worker(source.worker);
-    let ingest = Ingest {
-        source,
-        index,
-        metrics,
-        counters,
-        cursor: Cursor::default(),
-        ranks_seen: Vec::new(),
-    };
+    let ingest = Ingest::new(source, index, metrics);
     let task = tokio::spawn(run(ingest, config, stop_rx));
     SubscriberHandle {
         stop,
@@ -164,6 +156,18 @@ struct Ingest {
 }
 
 impl Ingest {
+    fn new(source: EventSource, index: SharedIndex, metrics: Arc<EventMetrics>) -> Self {
+        let counters = metrics.worker(source.worker);
+        Self {
+            source,
+            index,
+            metrics,
+            counters,
+            cursor: Cursor::default(),
+            ranks_seen: Vec::new(),
+        }
+    }
+
     /// Counts and (rate-limited) logs one dropped message.
     fn dropped(&self, reason: DropReason) {
         let at = WorkerRef::new(self.source.worker, self.source.dp_rank);
@@ -343,16 +347,8 @@ pub struct EventFeed {
 impl EventFeed {
     /// A feed for `source.worker` into `index`.
     pub fn new(source: EventSource, index: SharedIndex, metrics: Arc<EventMetrics>) -> Self {
-        let counters = metrics.worker(source.worker);
         Self {
-            ingest: Ingest {
-                source,
-                index,
-                metrics,
-                counters,
-                cursor: Cursor::default(),
-                ranks_seen: Vec::new(),
-            },
+            ingest: Ingest::new(source, index, metrics),
         }
     }
 

@@ -13,12 +13,12 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use clap::Parser;
-use kvgate_bench::cli::WorkloadArgs;
+use kvgate_bench::cli::{ScenarioLoadArgs, WorkloadArgs};
 use kvgate_bench::compare::{render_markdown, write_outputs, CompareRow, CompareSummary};
 use kvgate_bench::report::{fmt_pct, Report};
 use kvgate_bench::request::{summarize, Request};
 use kvgate_bench::scenario::{
-    render_share_svg, Change, ScenarioKind, ScenarioRow, ScenarioSummary, Shape, TenantWorkload,
+    render_share_svg, Change, ScenarioRow, ScenarioSummary, Shape, TenantWorkload,
 };
 use kvgate_mock_engine::cli::MockEngineArgs;
 use kvgate_mock_engine::SimConfig as EngineSimConfig;
@@ -220,27 +220,11 @@ pub struct PlanArgs {
 /// `kvgate simulate scenarios`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ScenariosArgs {
-    /// Scenarios to run, comma-separated (default: all, in suite order).
-    #[arg(long, value_enum, value_delimiter = ',')]
-    pub scenarios: Vec<ScenarioKind>,
+    #[command(flatten)]
+    pub load: ScenarioLoadArgs,
     /// Rows, comma-separated, as for --policies.
     #[arg(long, default_value = "round_robin,prefix_affinity,kv_aware")]
     pub policies: String,
-    /// Seconds of routed load per row.
-    #[arg(long, default_value_t = 30.0)]
-    pub duration: f64,
-    /// Requests in flight through the router (closed loop).
-    #[arg(long, default_value_t = 4)]
-    pub concurrency: usize,
-    /// Seconds into the load at which the fleet changes.
-    #[arg(long, default_value_t = 8.0)]
-    pub change_at: f64,
-    /// KV blocks per engine for every scenario (default: each scenario's own).
-    #[arg(long)]
-    pub num_blocks: Option<u32>,
-    /// Seed for the tenants' prompts and popularity draws, the engines and the policies.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
     /// From the end of an engine step to the router applying its KV events, in ms.
     #[arg(long, default_value_t = 1.0)]
     pub event_delay_ms: f64,
@@ -458,27 +442,24 @@ const SHARE_BIN_MS: f64 = 1000.0;
 const SHARE_WINDOW_MS: f64 = 10_000.0;
 
 fn run_scenarios(args: ScenariosArgs) -> anyhow::Result<()> {
-    let kinds = if args.scenarios.is_empty() {
-        ScenarioKind::ALL.to_vec()
-    } else {
-        args.scenarios.clone()
-    };
-    if !(args.duration.is_finite() && args.duration > 0.0) {
+    let load_args = &args.load;
+    let kinds = load_args.kinds();
+    if !(load_args.duration.is_finite() && load_args.duration > 0.0) {
         bail!("--duration must be a positive number of seconds");
     }
-    let rows = parse_rows(&args.policies, &args.kvgate_arg, 16, args.seed)?;
+    let rows = parse_rows(&args.policies, &args.kvgate_arg, 16, load_args.seed)?;
     std::fs::create_dir_all(&args.out_dir)
         .with_context(|| format!("cannot create {}", args.out_dir.display()))?;
-    let duration_ms = args.duration * 1000.0;
-    let change_at_ms = args.change_at * 1000.0;
+    let duration_ms = load_args.duration * 1000.0;
+    let change_at_ms = load_args.change_at * 1000.0;
     let mut summaries = Vec::new();
     for kind in kinds {
         let shape = Shape {
-            num_blocks: args.num_blocks.unwrap_or(kind.shape().num_blocks),
+            num_blocks: load_args.num_blocks.unwrap_or(kind.shape().num_blocks),
             ..kind.shape()
         };
-        let fleet = scenario_fleet(&shape, change_at_ms, args.seed, args.event_delay_ms)?;
-        let workload = Arc::new(TenantWorkload::new(&shape, args.seed));
+        let fleet = scenario_fleet(&shape, change_at_ms, load_args.seed, args.event_delay_ms)?;
+        let workload = Arc::new(TenantWorkload::new(&shape, load_args.seed));
         let source = {
             let w = workload.clone();
             Arc::new(move |k: u64| w.request(k)) as Arc<dyn Fn(u64) -> Request + Send + Sync>
@@ -487,7 +468,7 @@ fn run_scenarios(args: ScenariosArgs) -> anyhow::Result<()> {
             open: Vec::new(),
             closed: vec![ClosedLoop {
                 target: Target::Router,
-                clients: args.concurrency.max(1),
+                clients: load_args.concurrency.max(1),
                 until_ms: duration_ms,
                 first_id: 0,
                 source: source.clone(),
@@ -543,9 +524,9 @@ fn run_scenarios(args: ScenariosArgs) -> anyhow::Result<()> {
         let summary = ScenarioSummary {
             scenario: kind,
             shape,
-            duration_s: args.duration,
-            concurrency: args.concurrency,
-            change_at_s: args.change_at,
+            duration_s: load_args.duration,
+            concurrency: load_args.concurrency,
+            change_at_s: load_args.change_at,
             rows: out_rows,
         };
         let svg = args.out_dir.join(format!("{kind}-share.svg"));

@@ -534,25 +534,7 @@ impl Simulation<'_> {
             return;
         }
         let Some(out) = e.pending.take() else { return };
-        if !out.events.is_empty() {
-            // Encoded as vLLM 0.32 publishes them; the feed decodes them as a
-            // subscriber does.
-            if let Ok(payload) =
-                kvgate_mock_engine::wire::encode_batch(now / 1000.0, &out.events, 0)
-            {
-                let seq = e.next_seq;
-                e.next_seq += 1;
-                self.agenda.push(
-                    now + delay,
-                    Phase::Deliver,
-                    Happening::Deliver {
-                        engine,
-                        seq,
-                        payload,
-                    },
-                );
-            }
-        }
+        publish(&mut self.agenda, e, engine, &out.events, now, delay);
         let mut ended = Vec::new();
         for o in &out.outputs {
             let Some(flight) = e.flights.get_mut(&o.id) else {
@@ -624,21 +606,7 @@ impl Simulation<'_> {
                 let delay = self.fleet.event_delay_ms;
                 let e = &mut self.engines[engine];
                 if let Some(events) = e.sim.reset_prefix_cache(true) {
-                    if let Ok(payload) =
-                        kvgate_mock_engine::wire::encode_batch(now / 1000.0, &events, 0)
-                    {
-                        let seq = e.next_seq;
-                        e.next_seq += 1;
-                        self.agenda.push(
-                            now + delay,
-                            Phase::Deliver,
-                            Happening::Deliver {
-                                engine,
-                                seq,
-                                payload,
-                            },
-                        );
-                    }
+                    publish(&mut self.agenda, e, engine, &events, now, delay);
                 }
                 if e.pending.is_none() && !e.sim.is_idle() {
                     let generation = e.generation;
@@ -681,5 +649,34 @@ impl Simulation<'_> {
             Happening::BackUp { engine, generation },
         );
         Ok(())
+    }
+}
+
+/// An engine publishes `events` at `now` (one batch, the next sequence number), encoded
+/// as vLLM 0.32 encodes them; they reach the router's feed, which decodes them as a
+/// subscriber does, `delay_ms` later.
+fn publish(
+    agenda: &mut Agenda<Happening>,
+    e: &mut SimEngine,
+    engine: usize,
+    events: &[kvgate_mock_engine::KvEvent],
+    now: f64,
+    delay_ms: f64,
+) {
+    if events.is_empty() {
+        return;
+    }
+    if let Ok(payload) = kvgate_mock_engine::wire::encode_batch(now / 1000.0, events, 0) {
+        let seq = e.next_seq;
+        e.next_seq += 1;
+        agenda.push(
+            now + delay_ms,
+            Phase::Deliver,
+            Happening::Deliver {
+                engine,
+                seq,
+                payload,
+            },
+        );
     }
 }
