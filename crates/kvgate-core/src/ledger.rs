@@ -20,8 +20,8 @@
 //!   first. It is never renewed by being read or by a later booking of the same prefix.
 //! * **Prediction accuracy.** When the engine reports how many prompt tokens it served
 //!   from cache, the guard passes that on and the ledger keeps, per worker, decayed sums
-//!   of predicted and reported cached tokens, and how much of the credited part came
-//!   true ([`WorkerAccuracy`]).
+//!   of predicted and reported cached tokens, and how much of the credited part and of
+//!   the indexed part came true ([`WorkerAccuracy`]).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -99,6 +99,10 @@ pub struct WorkerAccuracy {
     pub credited: f64,
     /// Decayed sum of the credited tokens the engine did serve from cache.
     pub credit_realized: f64,
+    /// Decayed sum of the tokens the index showed cached when the request was routed.
+    pub indexed: f64,
+    /// Decayed sum of those the engine did serve from cache.
+    pub indexed_realized: f64,
 }
 
 impl WorkerAccuracy {
@@ -115,6 +119,14 @@ impl WorkerAccuracy {
             / (self.credited + CREDIT_TRUST_PRIOR_TOKENS)
     }
 
+    /// The share of the tokens the index showed cached that the engine then served from
+    /// cache (blocks evicted between routing and prefill were not), shrunk toward 1 by
+    /// the same prior as the credit's: in `(0, 1]`.
+    pub fn index_trust(&self) -> f64 {
+        (self.indexed_realized + CREDIT_TRUST_PRIOR_TOKENS)
+            / (self.indexed + CREDIT_TRUST_PRIOR_TOKENS)
+    }
+
     fn record(&mut self, spec: &BookingSpec, reported: u32) {
         let keep = 1.0 - 1.0 / ACCURACY_WINDOW;
         let reported = reported.min(spec.prompt_tokens);
@@ -127,6 +139,9 @@ impl WorkerAccuracy {
         self.reported = self.reported * keep + f64::from(reported);
         self.credited = self.credited * keep + f64::from(spec.credited_tokens);
         self.credit_realized = self.credit_realized * keep + f64::from(realized);
+        self.indexed = self.indexed * keep + f64::from(spec.indexed_tokens);
+        self.indexed_realized =
+            self.indexed_realized * keep + f64::from(reported.min(spec.indexed_tokens));
     }
 }
 

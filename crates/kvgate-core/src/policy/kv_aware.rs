@@ -83,8 +83,19 @@
 //! blocks it will not have, while a worker whose credits come true keeps full credit.
 //! The prior behind the trust keeps a few samples from swinging it.
 //!
+//! What the index shows is weighed the same way, by the worker's index trust
+//! ([`WorkerAccuracy::index_trust`]): the share of the tokens its index showed cached
+//! at routing time that the engine then served from cache. It is 1 while requests run
+//! soon after they are routed; it falls when a worker's queue outlasts its cache's
+//! turnover, so that blocks present when a request is routed are evicted before its
+//! prefill. Measured in `kvgate simulate` on the whole conversation trace with four
+//! engines at four times its rate, where queues last minutes: without it kv_aware
+//! predicted 37% more cached tokens than the engines served, with it 3% fewer; wherever
+//! the fleet keeps up it changes nothing (docs/BENCHMARKS.md).
+//!
 //! [`Ledger::prefill_credits`]: crate::ledger::Ledger::prefill_credits
 //! [`WorkerAccuracy::credit_trust`]: crate::ledger::WorkerAccuracy::credit_trust
+//! [`WorkerAccuracy::index_trust`]: crate::ledger::WorkerAccuracy::index_trust
 
 use std::time::Duration;
 
@@ -231,7 +242,12 @@ impl RoutingPolicy for KvAwarePolicy {
         }
         let mut lines = load_lines(view);
         let credits = self.prefill_credits(req, view, keys);
-        let cached = self.cached_blocks(&mut lines, &index.overlaps(keys), &credits);
+        let index_trust: Vec<f64> = view
+            .candidates
+            .iter()
+            .map(|w| view.ledger.accuracy(*w).index_trust())
+            .collect();
+        let cached = self.cached_blocks(&mut lines, &index.overlaps(keys), &credits, &index_trust);
         let block_size = f64::from(index.block_size());
         let prompt_blocks = f64::from(req.prompt_tokens) / block_size;
         let costs = self.costs(&mut lines, &cached.blocks, prompt_blocks, block_size);
@@ -249,6 +265,7 @@ impl RoutingPolicy for KvAwarePolicy {
         let indexed_cached_tokens = cached.indexed_device[i] * bs;
         let credited_tokens = cached.credited[i] * bs;
         let trusted_credit = (credits[i].trust * f64::from(credited_tokens)).round() as u32;
+        let trusted_indexed = (index_trust[i] * f64::from(indexed_cached_tokens)).round() as u32;
         let best_cost = costs.iter().copied().fold(f64::INFINITY, f64::min);
         let reason = if choice.home {
             "cold miss: the prefix's home worker (cached nowhere)"
@@ -264,7 +281,7 @@ impl RoutingPolicy for KvAwarePolicy {
         Ok(Decision {
             worker: lines[i].worker,
             policy: PolicyKind::KvAware,
-            predicted_cached_tokens: indexed_cached_tokens + trusted_credit,
+            predicted_cached_tokens: trusted_indexed + trusted_credit,
             indexed_cached_tokens,
             credited_tokens,
             reason,
@@ -323,6 +340,7 @@ impl KvAwarePolicy {
         lines: &mut [WorkerScore],
         overlaps: &crate::index::OverlapScores,
         credits: &[PrefillCredit],
+        index_trust: &[f64],
     ) -> Cached {
         let c = &self.config;
         let mut indexed_device = vec![0u32; lines.len()];
@@ -346,7 +364,7 @@ impl KvAwarePolicy {
                 if credited[i] > 0 {
                     line.overlap_blocks[Tier::Device.index()] += credited[i];
                 }
-                indexed + credit.trust * f64::from(credited[i])
+                index_trust[i] * indexed + credit.trust * f64::from(credited[i])
             })
             .collect();
         Cached {

@@ -975,6 +975,67 @@ fn kv_aware_trusts_a_credit_as_far_as_the_workers_credits_came_true() {
     assert!(d0.predicted_cached_tokens < 200, "{d0:?}");
 }
 
+/// Both workers' indexes show the prompt cached; worker 0's engine has lately served
+/// none of what its index showed (the blocks were evicted between routing and prefill:
+/// a queue longer than its cache's turnover), worker 1's all of it. The prediction for
+/// worker 0 is scaled down to what such predictions turned out to be worth, so the
+/// follow-up goes to worker 1, and worker 0 alone is predicted little.
+#[test]
+fn kv_aware_trusts_the_index_as_far_as_the_workers_indexed_predictions_came_true() {
+    let ledger = Ledger::new(BS);
+    let mut index = new_index();
+    let prompt: Vec<u32> = (0..2048).collect();
+    engine_caches(&mut index, WorkerId(0), &prompt);
+    engine_caches(&mut index, WorkerId(1), &prompt);
+    for (worker, reported) in [(WorkerId(0), 0), (WorkerId(1), 2048)] {
+        for _ in 0..100 {
+            let g = ledger.book(
+                worker,
+                BookingSpec {
+                    prompt_tokens: 2048,
+                    cached_tokens: 2048,
+                    indexed_tokens: 2048,
+                    ..Default::default()
+                },
+                &[],
+                Instant::now(),
+            );
+            g.engine_reported_cached(reported);
+        }
+    }
+    assert!(ledger.accuracy(WorkerId(0)).index_trust() < 0.1);
+    assert!(ledger.accuracy(WorkerId(1)).index_trust() > 0.99);
+    let mut longer = prompt.clone();
+    longer.extend(50_000..50_128);
+    let keys = index.hasher().block_keys(&longer);
+    let policy = KvAwarePolicy::new(KvAwareConfig::default(), Some(4));
+    let d = select(
+        &policy,
+        Some(&keys),
+        longer.len() as u32,
+        None,
+        &workers(2),
+        &ledger,
+        Some(&index),
+    )
+    .unwrap();
+    assert_eq!(d.worker, WorkerId(1), "{:?}", d.scores);
+    assert!(d.predicted_cached_tokens >= 2000, "{d:?}");
+    let d0 = select(
+        &policy,
+        Some(&keys),
+        longer.len() as u32,
+        None,
+        &[WorkerId(0)],
+        &ledger,
+        Some(&index),
+    )
+    .unwrap();
+    // The index's view stays visible; the prediction is what it is worth.
+    assert!(d0.indexed_cached_tokens >= 2000, "{d0:?}");
+    assert!(d0.predicted_cached_tokens < 200, "{d0:?}");
+}
+
 /// A fleet that already caches its tenants: worker 0 holds the tenant's prompt and has
 /// three requests in flight; worker 1 was just added and holds nothing. Per request,
 /// both the locality term and the DESIGN cost keep the prompt on worker 0 (one
