@@ -40,9 +40,74 @@ struct Head<'a> {
     max_tokens: Option<f64>,
     #[serde(default)]
     max_completion_tokens: Option<f64>,
-    /// Present in chat requests (its content is skipped, not parsed).
+    /// Present in chat requests; only its size is read.
     #[serde(default)]
-    messages: Option<serde::de::IgnoredAny>,
+    messages: Option<PromptSize>,
+    /// A completion's prompt; only its size is read.
+    #[serde(default)]
+    prompt: Option<PromptSize>,
+}
+
+/// An estimate of a prompt's length in tokens without tokenizing it, for policies that
+/// route on load alone (they must still know a long prompt from a short one: the
+/// ledger books its prefill). Token ids count one each; text counts one token per 4
+/// bytes (about right for English with common tokenizers); inside messages, every
+/// string value counts (content, tool calls) and keys do not. Read while the body is
+/// scanned, without allocating.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PromptSize(pub u64);
+
+impl<'de> Deserialize<'de> for PromptSize {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = PromptSize;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a prompt")
+            }
+            fn visit_str<E>(self, v: &str) -> Result<PromptSize, E> {
+                Ok(PromptSize((v.len() as u64).div_ceil(4)))
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<PromptSize, E> {
+                Ok(PromptSize(1))
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<PromptSize, E> {
+                Ok(PromptSize(1))
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<PromptSize, E> {
+                Ok(PromptSize(1))
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<PromptSize, E> {
+                Ok(PromptSize(0))
+            }
+            fn visit_unit<E>(self) -> Result<PromptSize, E> {
+                Ok(PromptSize(0))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<PromptSize, A::Error> {
+                let mut n = 0u64;
+                while let Some(PromptSize(x)) = seq.next_element()? {
+                    n = n.saturating_add(x);
+                }
+                Ok(PromptSize(n))
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<PromptSize, A::Error> {
+                let mut n = 0u64;
+                while let Some((_, PromptSize(x))) =
+                    map.next_entry::<serde::de::IgnoredAny, PromptSize>()?
+                {
+                    n = n.saturating_add(x);
+                }
+                Ok(PromptSize(n))
+            }
+        }
+        d.deserialize_any(Visit)
+    }
 }
 
 /// A request ready to be routed.
@@ -54,6 +119,8 @@ pub struct Prepared {
     /// Block keys (`Some(empty)` when the body has nothing to route on).
     pub keys: Option<Vec<BlockKey>>,
     pub prompt_tokens: u32,
+    /// `prompt_tokens` is [`PromptSize`]'s estimate (the policy reads no tokens).
+    pub prompt_tokens_estimated: bool,
     /// Token ids, when tokenized and asked for (`/tokenize`).
     pub token_ids: Option<Vec<u32>>,
 }
@@ -98,6 +165,7 @@ pub async fn prepare(
         max_tokens: to_u32(head.max_completion_tokens).or(to_u32(head.max_tokens)),
         keys: None,
         prompt_tokens: 0,
+        prompt_tokens_estimated: false,
         token_ids: None,
         model,
         lora,
@@ -107,6 +175,10 @@ pub async fn prepare(
         TokenUse::ReturnIds => p.model.tokenizer.is_some(),
     };
     if !needed {
+        // Load-only routing still books the prompt's prefill: estimate its length.
+        let size = head.messages.or(head.prompt).unwrap_or_default();
+        p.prompt_tokens = u32::try_from(size.0).unwrap_or(u32::MAX);
+        p.prompt_tokens_estimated = true;
         return Ok(p);
     }
     let value: serde_json::Value =

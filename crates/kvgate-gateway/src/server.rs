@@ -240,6 +240,7 @@ async fn explain(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
         "worker_id": worker.id.0,
         "reason": decision.reason,
         "prompt_tokens": p.prompt_tokens,
+        "prompt_tokens_estimated": p.prompt_tokens_estimated,
         "prompt_blocks": p.keys.as_ref().map(Vec::len),
         "block_size": p.model.selection.block_size(),
         "predicted_cached_tokens": decision.predicted_cached_tokens,

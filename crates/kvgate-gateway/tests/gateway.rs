@@ -902,6 +902,66 @@ async fn health_checks_take_workers_out_and_back_without_touching_load() {
     gw.shutdown().await;
 }
 
+/// A policy that reads no tokens still books a prompt's size: the gateway estimates it
+/// from the body without tokenizing (token ids one each, text one per 4 bytes), so a
+/// long prompt in flight weighs on its worker's load.
+#[tokio::test]
+async fn load_only_policies_book_an_estimate_of_the_prompt() {
+    let a = fake(
+        "a",
+        Behavior {
+            chunk_delay: Duration::from_millis(50),
+            repeat: 40,
+            ..Behavior::default()
+        },
+    )
+    .await;
+    let gw = start(config(&[&a.url], PolicyKind::LeastLoaded))
+        .await
+        .unwrap();
+    let c = client();
+    let explain = |body: Value| {
+        let c = c.clone();
+        let url = format!("{}/v1/route/explain", gw.url());
+        async move {
+            c.post(url)
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+                .json::<Value>()
+                .await
+                .unwrap()
+        }
+    };
+    let ids: Vec<u32> = (0..300).collect();
+    let ex = explain(json!({"model": "m", "prompt": ids})).await;
+    assert_eq!(ex["prompt_tokens"], 300, "{ex}");
+    assert_eq!(ex["prompt_tokens_estimated"], true);
+    let ex = explain(json!({"model": "m", "prompt": "x".repeat(4000)})).await;
+    assert_eq!(ex["prompt_tokens"], 1000, "{ex}");
+    let ex = explain(json!({"model": "m", "messages": [
+        {"role": "system", "content": "y".repeat(800)},
+        {"role": "user", "content": [{"type": "text", "text": "z".repeat(400)}]}
+    ]}))
+    .await;
+    // 200 + 100 for the contents, 2 + 1 + 1 for "system", "user" and "text".
+    assert_eq!(ex["prompt_tokens"], 304, "{ex}");
+
+    // A long prompt in flight: its worker's booked decode blocks count the prompt.
+    let held = c
+        .post(format!("{}/v1/completions", gw.url()))
+        .json(&json!({"model": "m", "prompt": "w".repeat(64_000), "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    let ex = explain(json!({"model": "m", "prompt": "short"})).await;
+    let blocks = ex["scores"][0]["decode_blocks"].as_f64().unwrap();
+    assert!(blocks >= 16_000.0 / 16.0, "{ex}");
+    drop(held);
+    gw.shutdown().await;
+}
+
 #[tokio::test]
 async fn models_tokenize_explain_and_graceful_shutdown() {
     let a = fake(

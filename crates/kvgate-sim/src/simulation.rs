@@ -417,14 +417,15 @@ impl Simulation<'_> {
             .collect();
         candidates.sort_unstable();
         let ids: Vec<WorkerId> = candidates.iter().map(|(w, _)| *w).collect();
-        // As the gateway prepares a request: only a policy that reads the prompt gets
-        // it tokenized, so the others book it without a length (routing::prepare).
-        let (keys, prompt_tokens) = if self.kind.uses_tokens() {
-            let keys = self.service.block_keys(&request.prompt, None);
-            (Some(keys), self.records[record].prompt_tokens)
-        } else {
-            (None, 0)
-        };
+        // As the gateway prepares a request (routing::prepare): only a policy that
+        // reads the prompt gets it tokenized and keyed; the others book the estimate
+        // of `routing::PromptSize`, which for a prompt of token ids (what the bench
+        // sends) is its length.
+        let prompt_tokens = self.records[record].prompt_tokens;
+        let keys = self
+            .kind
+            .uses_tokens()
+            .then(|| self.service.block_keys(&request.prompt, None));
         let now = self.instant();
         let select = SelectRequest {
             block_keys: keys.as_deref(),
