@@ -6,6 +6,7 @@
 //!   event ingestion must) and then the matching BlockRemoved.
 //! Results and the command: docs/BENCHMARKS.md.
 
+mod common;
 #[path = "../../../crates/kvgate-core/benches/support/mod.rs"]
 mod support;
 
@@ -14,10 +15,7 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use dynamo_kv_router::indexer::RadixTree;
-use dynamo_kv_router::protocols::{
-    compute_block_hash_for_seq, BlockHashOptions, ExternalSequenceBlockHash, KvCacheEvent,
-    KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, KvCacheStoredBlockData, RouterEvent,
-};
+use dynamo_kv_router::protocols::{compute_block_hash_for_seq, BlockHashOptions, RouterEvent};
 use kvgate_core::{BlockHasher, IndexConfig, PrefixIndex, Tier, WorkerId, WorkerRef};
 use support::mooncake::{scenario, StoredEvent};
 
@@ -28,47 +26,18 @@ const ENTRIES: usize = 1_000_000;
 const QUERY_TOKENS: usize = 8192;
 
 fn dyn_stored(ev: &StoredEvent, id: u64) -> RouterEvent {
-    // Dynamo's ingestion hashes the event's token ids into local block hashes.
-    let local =
-        compute_block_hash_for_seq(&ev.tokens, BLOCK_SIZE as u32, BlockHashOptions::default());
-    RouterEvent::new(
-        u64::from(ev.worker),
-        KvCacheEvent {
-            event_id: id,
-            dp_rank: 0,
-            data: KvCacheEventData::Stored(KvCacheStoreData {
-                parent_hash: ev.parent.map(ExternalSequenceBlockHash),
-                start_position: None,
-                blocks: local
-                    .into_iter()
-                    .zip(&ev.engine_hashes)
-                    .map(|(tokens_hash, h)| KvCacheStoredBlockData {
-                        block_hash: ExternalSequenceBlockHash(*h),
-                        tokens_hash,
-                        mm_extra_info: None,
-                    })
-                    .collect(),
-            }),
-        },
+    common::stored(
+        ev.worker,
+        id,
+        ev.parent,
+        &ev.engine_hashes,
+        &ev.tokens,
+        BLOCK_SIZE as u32,
     )
 }
 
 fn dyn_removed(ev: &StoredEvent, id: u64) -> RouterEvent {
-    RouterEvent::new(
-        u64::from(ev.worker),
-        KvCacheEvent {
-            event_id: id,
-            dp_rank: 0,
-            data: KvCacheEventData::Removed(KvCacheRemoveData {
-                block_hashes: ev
-                    .engine_hashes
-                    .iter()
-                    .rev()
-                    .map(|h| ExternalSequenceBlockHash(*h))
-                    .collect(),
-            }),
-        },
-    )
+    common::removed(ev.worker, id, ev.engine_hashes.iter().rev().copied())
 }
 
 fn benches(c: &mut Criterion) {

@@ -12,6 +12,7 @@
 //! Run: `CARGO_TARGET_DIR=target/dynamo-compare cargo bench --manifest-path
 //! bench/dynamo-compare/Cargo.toml --bench memory_churn` (results: docs/BENCHMARKS.md).
 
+mod common;
 #[path = "../../../crates/kvgate-core/benches/support/mod.rs"]
 mod support;
 
@@ -21,13 +22,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use dynamo_kv_router::indexer::RadixTree;
-use dynamo_kv_router::protocols::{
-    compute_block_hash_for_seq, BlockHashOptions, ExternalSequenceBlockHash, KvCacheEvent,
-    KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, KvCacheStoredBlockData, RouterEvent,
-};
-use kvgate_core::{
-    BlockHasher, IndexConfig, PrefixIndex, StoredBlocks, Tier, WorkerId, WorkerRef,
-};
+use kvgate_core::{BlockHasher, IndexConfig, PrefixIndex, StoredBlocks, Tier, WorkerId, WorkerRef};
 use support::mooncake::scenario;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -133,44 +128,23 @@ struct Dynamo {
 
 impl Index for Dynamo {
     fn store(&mut self, worker: u32, parent: Option<u64>, hashes: &[u64], tokens: &[u32]) {
-        let local =
-            compute_block_hash_for_seq(tokens, BLOCK_SIZE as u32, BlockHashOptions::default());
         self.next_id += 1;
-        let event = RouterEvent::new(
-            u64::from(worker),
-            KvCacheEvent {
-                event_id: self.next_id,
-                dp_rank: 0,
-                data: KvCacheEventData::Stored(KvCacheStoreData {
-                    parent_hash: parent.map(ExternalSequenceBlockHash),
-                    start_position: None,
-                    blocks: local
-                        .into_iter()
-                        .zip(hashes)
-                        .map(|(tokens_hash, h)| KvCacheStoredBlockData {
-                            block_hash: ExternalSequenceBlockHash(*h),
-                            tokens_hash,
-                            mm_extra_info: None,
-                        })
-                        .collect(),
-                }),
-            },
+        let event = common::stored(
+            worker,
+            self.next_id,
+            parent,
+            hashes,
+            tokens,
+            BLOCK_SIZE as u32,
         );
-        self.tree.apply_event(event).expect("dynamo accepts the event");
+        self.tree
+            .apply_event(event)
+            .expect("dynamo accepts the event");
     }
 
     fn remove(&mut self, worker: u32, hashes: &[u64]) {
         self.next_id += 1;
-        let event = RouterEvent::new(
-            u64::from(worker),
-            KvCacheEvent {
-                event_id: self.next_id,
-                dp_rank: 0,
-                data: KvCacheEventData::Removed(KvCacheRemoveData {
-                    block_hashes: hashes.iter().map(|h| ExternalSequenceBlockHash(*h)).collect(),
-                }),
-            },
-        );
+        let event = common::removed(worker, self.next_id, hashes.iter().copied());
         let _ = self.tree.apply_event(event);
     }
 
@@ -241,7 +215,12 @@ fn churn(index: &mut dyn Index, c: &Churn) -> ChurnResult {
         let w = worker as usize;
         let root = (request / u64::from(WORKERS)) % c.roots;
         if !held_roots[w][root as usize] {
-            index.store(worker, None, &[root_hashes[root as usize]], &root_tokens[root as usize]);
+            index.store(
+                worker,
+                None,
+                &[root_hashes[root as usize]],
+                &root_tokens[root as usize],
+            );
             held_roots[w][root as usize] = true;
             events += 1;
         }
@@ -259,7 +238,9 @@ fn churn(index: &mut dyn Index, c: &Churn) -> ChurnResult {
         held[w] += hashes.len();
         fifo[w].push_back(hashes);
         while held[w] > c.capacity {
-            let Some(old) = fifo[w].pop_front() else { break };
+            let Some(old) = fifo[w].pop_front() else {
+                break;
+            };
             let leaf_first: Vec<u64> = old.iter().rev().copied().collect();
             index.remove(worker, &leaf_first);
             events += old.len() as u64;
@@ -339,12 +320,8 @@ fn main() {
     drop(dy);
     let kv_per = kv_bytes as f64 / kv_entries as f64;
     let dy_per = dy_bytes as f64 / dy_entries as f64;
-    println!(
-        "memory kvgate: {kv_entries} entries, {kv_bytes} bytes, {kv_per:.1} bytes per entry"
-    );
-    println!(
-        "memory dynamo: {dy_entries} entries, {dy_bytes} bytes, {dy_per:.1} bytes per entry"
-    );
+    println!("memory kvgate: {kv_entries} entries, {kv_bytes} bytes, {kv_per:.1} bytes per entry");
+    println!("memory dynamo: {dy_entries} entries, {dy_bytes} bytes, {dy_per:.1} bytes per entry");
     println!("memory ratio kvgate / dynamo: {:.2}", kv_per / dy_per);
     drop(s);
 

@@ -909,6 +909,20 @@ fn kv_aware_credit_ends_with_the_prefill_so_an_added_worker_gets_traffic() {
     );
 }
 
+/// 100 past requests on `worker`, each predicted as `spec` and reported by the engine
+/// with `reported` cached tokens: the worker's accuracy history.
+fn report_history(
+    ledger: &std::sync::Arc<Ledger>,
+    worker: WorkerId,
+    spec: BookingSpec,
+    reported: u32,
+) {
+    for _ in 0..100 {
+        let g = ledger.book(worker, spec, &[], Instant::now());
+        g.engine_reported_cached(reported);
+    }
+}
+
 /// Two workers are each prefilling the same prompt; worker 0's past credits never came
 /// true (the engine reported none of the credited tokens cached), worker 1's always
 /// did. The follow-up trusts worker 1's credit, and the prediction for a low-trust
@@ -919,22 +933,14 @@ fn kv_aware_trusts_a_credit_as_far_as_the_workers_credits_came_true() {
     let index = new_index();
     let prompt: Vec<u32> = (0..2048).collect();
     let keys = index.hasher().block_keys(&prompt);
-    for (worker, reported) in [(WorkerId(0), 0), (WorkerId(1), 2048)] {
-        for _ in 0..100 {
-            let g = ledger.book(
-                worker,
-                BookingSpec {
-                    prompt_tokens: 2048,
-                    cached_tokens: 2048,
-                    credited_tokens: 2048,
-                    ..Default::default()
-                },
-                &[],
-                Instant::now(),
-            );
-            g.engine_reported_cached(reported);
-        }
-    }
+    let credited = BookingSpec {
+        prompt_tokens: 2048,
+        cached_tokens: 2048,
+        credited_tokens: 2048,
+        ..Default::default()
+    };
+    report_history(&ledger, WorkerId(0), credited, 0);
+    report_history(&ledger, WorkerId(1), credited, 2048);
     let spec = BookingSpec {
         prompt_tokens: 2048,
         expected_output_tokens: Some(16),
@@ -987,22 +993,14 @@ fn kv_aware_trusts_the_index_as_far_as_the_workers_indexed_predictions_came_true
     let prompt: Vec<u32> = (0..2048).collect();
     engine_caches(&mut index, WorkerId(0), &prompt);
     engine_caches(&mut index, WorkerId(1), &prompt);
-    for (worker, reported) in [(WorkerId(0), 0), (WorkerId(1), 2048)] {
-        for _ in 0..100 {
-            let g = ledger.book(
-                worker,
-                BookingSpec {
-                    prompt_tokens: 2048,
-                    cached_tokens: 2048,
-                    indexed_tokens: 2048,
-                    ..Default::default()
-                },
-                &[],
-                Instant::now(),
-            );
-            g.engine_reported_cached(reported);
-        }
-    }
+    let indexed = BookingSpec {
+        prompt_tokens: 2048,
+        cached_tokens: 2048,
+        indexed_tokens: 2048,
+        ..Default::default()
+    };
+    report_history(&ledger, WorkerId(0), indexed, 0);
+    report_history(&ledger, WorkerId(1), indexed, 2048);
     assert!(ledger.accuracy(WorkerId(0)).index_trust() < 0.1);
     assert!(ledger.accuracy(WorkerId(1)).index_trust() > 0.99);
     let mut longer = prompt.clone();
