@@ -4,7 +4,8 @@
 //! [`kvgate_core::PrefixIndex`]: decoding vLLM/SGLang payloads ([`wire`], on top of a
 //! bounds-checked MessagePack reader in [`msgpack`]), translating events into index
 //! calls ([`apply`]), subscribing with sequence tracking, replay and reconnects
-//! ([`subscriber`], [`replay`], [`link`]), and per-worker counters ([`metrics`]).
+//! ([`subscriber`], [`replay`], [`link`]; [`EventFeed`] is the same ingest fed in
+//! process, for the simulation), and per-worker counters ([`metrics`]).
 //! It must not route requests, keep load, or own the index's locking policy beyond
 //! taking the write lock once per batch.
 

@@ -17,7 +17,8 @@
 //! It must not do HTTP, judge worker health, admit requests or tokenize: callers pass
 //! the candidates (healthy, not excluded) and the prompt's token ids or block keys.
 //! Adding a worker with KV events spawns subscribers, so that must happen inside a
-//! tokio runtime.
+//! tokio runtime; a worker whose events the caller feeds in process
+//! ([`SelectionService::add_worker_with_feed`], the simulation) needs none.
 
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
