@@ -49,7 +49,8 @@ pub struct WorkloadArgs {
     /// Synthesized token ids are drawn from [100, 100 + vocab-size).
     #[arg(long, default_value_t = 32_000)]
     pub vocab_size: u32,
-    /// Seed for token synthesis and synthetic arrivals.
+    /// Seed for token synthesis and synthetic arrivals (kvgate simulate: also the
+    /// engines' hashes and the policies' random choices).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Multiply trace output lengths by this factor.

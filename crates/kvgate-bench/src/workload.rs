@@ -18,9 +18,10 @@ pub enum WorkloadKind {
     SharedPrefix,
     /// Conversations whose prompt grows turn by turn (previous turns are a prefix).
     MultiTurn,
-    /// Agent episodes: a tool suite's long system prompt (one of `groups`), a task, then
-    /// steps that each append the model's tool call and the tool's result, arriving
-    /// after the tool's latency (`think_time`). Short outputs, fast-growing prompts.
+    /// Agent episodes (--users): a tool suite's long system prompt (one of --groups), a
+    /// task, then steps that each append the model's tool call and the tool's result,
+    /// arriving after the tool's latency (--think-time). Short outputs, fast-growing
+    /// prompts.
     ToolAgent,
     /// Every prompt is distinct: no prefix reuse at all.
     NoSharing,
