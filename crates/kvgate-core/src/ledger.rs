@@ -153,6 +153,8 @@ pub struct PrefillCredit {
     pub blocks: u32,
     /// The worker's [`WorkerAccuracy::credit_trust`].
     pub trust: f64,
+    /// The worker's [`WorkerAccuracy::index_trust`].
+    pub index_trust: f64,
 }
 
 /// Cumulative counters.
@@ -353,9 +355,10 @@ impl Ledger {
     }
 
     /// Per candidate (in `candidates` order): the leading blocks of `keys` that a booking
-    /// on it, made within `max_age` of `now`, is prefilling now, and how far the
-    /// worker's credits have come true. Probes the request's checkpoints from the
-    /// deepest down, so the cost is a few map lookups however many bookings exist.
+    /// on it, made within `max_age` of `now`, is prefilling now (none when `max_age` is
+    /// zero: the credit is off), and how far the worker's credits and indexed
+    /// predictions have come true. Probes the request's checkpoints from the deepest
+    /// down, so the cost is a few map lookups however many bookings exist.
     pub fn prefill_credits(
         &self,
         keys: &[BlockKey],
@@ -366,15 +369,16 @@ impl Ledger {
         let inner = self.inner.lock();
         let mut out: Vec<PrefillCredit> = candidates
             .iter()
-            .map(|w| PrefillCredit {
-                blocks: 0,
-                trust: inner
-                    .accuracy
-                    .get(w)
-                    .map_or(1.0, WorkerAccuracy::credit_trust),
+            .map(|w| {
+                let accuracy = inner.accuracy.get(w);
+                PrefillCredit {
+                    blocks: 0,
+                    trust: accuracy.map_or(1.0, WorkerAccuracy::credit_trust),
+                    index_trust: accuracy.map_or(1.0, WorkerAccuracy::index_trust),
+                }
             })
             .collect();
-        if inner.prefilling.is_empty() {
+        if inner.prefilling.is_empty() || max_age.is_zero() {
             return out;
         }
         let stride = PREFILL_CHECKPOINT_STRIDE;

@@ -242,12 +242,7 @@ impl RoutingPolicy for KvAwarePolicy {
         }
         let mut lines = load_lines(view);
         let credits = self.prefill_credits(req, view, keys);
-        let index_trust: Vec<f64> = view
-            .candidates
-            .iter()
-            .map(|w| view.ledger.accuracy(*w).index_trust())
-            .collect();
-        let cached = self.cached_blocks(&mut lines, &index.overlaps(keys), &credits, &index_trust);
+        let cached = self.cached_blocks(&mut lines, &index.overlaps(keys), &credits);
         let block_size = f64::from(index.block_size());
         let prompt_blocks = f64::from(req.prompt_tokens) / block_size;
         let costs = self.costs(&mut lines, &cached.blocks, prompt_blocks, block_size);
@@ -265,7 +260,8 @@ impl RoutingPolicy for KvAwarePolicy {
         let indexed_cached_tokens = cached.indexed_device[i] * bs;
         let credited_tokens = cached.credited[i] * bs;
         let trusted_credit = (credits[i].trust * f64::from(credited_tokens)).round() as u32;
-        let trusted_indexed = (index_trust[i] * f64::from(indexed_cached_tokens)).round() as u32;
+        let trusted_indexed =
+            (credits[i].index_trust * f64::from(indexed_cached_tokens)).round() as u32;
         let best_cost = costs.iter().copied().fold(f64::INFINITY, f64::min);
         let reason = if choice.home {
             "cold miss: the prefix's home worker (cached nowhere)"
@@ -310,7 +306,8 @@ struct Choice {
 }
 
 impl KvAwarePolicy {
-    /// Credits for prompts in prefill, per candidate (none when the credit is off).
+    /// Credits for prompts in prefill (none when the credit is off) and the trusts,
+    /// per candidate.
     fn prefill_credits(
         &self,
         req: &RouteRequest<'_>,
@@ -320,15 +317,6 @@ impl KvAwarePolicy {
         let c = &self.config;
         let ttl =
             Duration::try_from_secs_f64(c.pending_credit_secs.max(0.0)).unwrap_or(Duration::ZERO);
-        if ttl.is_zero() {
-            return vec![
-                PrefillCredit {
-                    blocks: 0,
-                    trust: 1.0
-                };
-                view.candidates.len()
-            ];
-        }
         view.ledger
             .prefill_credits(keys, view.candidates, req.now, ttl)
     }
@@ -340,7 +328,6 @@ impl KvAwarePolicy {
         lines: &mut [WorkerScore],
         overlaps: &crate::index::OverlapScores,
         credits: &[PrefillCredit],
-        index_trust: &[f64],
     ) -> Cached {
         let c = &self.config;
         let mut indexed_device = vec![0u32; lines.len()];
@@ -364,7 +351,7 @@ impl KvAwarePolicy {
                 if credited[i] > 0 {
                     line.overlap_blocks[Tier::Device.index()] += credited[i];
                 }
-                index_trust[i] * indexed + credit.trust * f64::from(credited[i])
+                credit.index_trust * indexed + credit.trust * f64::from(credited[i])
             })
             .collect();
         Cached {
