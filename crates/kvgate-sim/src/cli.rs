@@ -366,18 +366,7 @@ fn write_reports(dir: &Path, rows: &[SimRow], results: &[(SimRun, Report)]) -> a
     std::fs::create_dir_all(&reports)
         .with_context(|| format!("cannot create {}", reports.display()))?;
     for (row, (_, rep)) in rows.iter().zip(results) {
-        let stem: String = row
-            .label
-            .chars()
-            .map(|c| {
-                if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
-                    c
-                } else {
-                    '-'
-                }
-            })
-            .collect();
-        let path = reports.join(format!("{stem}.json"));
+        let path = reports.join(format!("{}.json", row.file_stem));
         std::fs::write(&path, serde_json::to_vec_pretty(rep)?)
             .with_context(|| format!("cannot write {}", path.display()))?;
     }

@@ -16,6 +16,9 @@ use kvgate_gateway::config::ModelConfig;
 pub struct SimRow {
     /// The spec as written (`kv_aware@overlap-weight=2`).
     pub label: String,
+    /// Where its per-row report goes: `reports/<file_stem>.json`, named as `bench
+    /// compare` names a row's.
+    pub file_stem: String,
     /// What `kvgate serve --policy ... <flags>` would route with.
     pub model: ModelConfig,
 }
@@ -72,8 +75,10 @@ fn parse_row(
         bail!("row {spec:?}: no model configured");
     };
     model.seed.get_or_insert(seed);
+    let label = policy.to_string();
     Ok(SimRow {
-        label: policy.to_string(),
+        file_stem: RouterSpec::Kvgate(policy).file_stem(),
+        label,
         model,
     })
 }
