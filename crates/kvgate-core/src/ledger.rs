@@ -18,6 +18,12 @@
 //!   evidence: at the first token (the engine has stored the blocks and published
 //!   their events, so the index takes over) or when the booking ends, whichever comes
 //!   first. It is never renewed by being read or by a later booking of the same prefix.
+//! * **Other replicas' load.** Router replicas in front of the same workers report the
+//!   load they booked to each other; the ledger holds their reports
+//!   ([`crate::peer_loads`]) beside its own bookings and never mixes the two:
+//!   [`Ledger::loads_of`] and [`Ledger::load`] are this router's bookings (its limits,
+//!   metrics and admin API), [`Ledger::fleet_loads_of`] adds the peers' (what policies
+//!   score).
 //! * **Prediction accuracy.** When the engine reports how many prompt tokens it served
 //!   from cache, the guard passes that on and the ledger keeps, per worker, decayed sums
 //!   of predicted and reported cached tokens, and how much of the credited part and of
@@ -34,6 +40,7 @@ use smallvec::SmallVec;
 
 use crate::hashing::BlockKey;
 use crate::ids::WorkerId;
+use crate::peer_loads::{self, PeerApplied, PeerLoads, PeerReport, PeerStats};
 
 /// Callers report a booking's output progress every this many output tokens (the
 /// gateway counts streamed events, the simulation tokens): often enough that a
@@ -189,6 +196,7 @@ struct Inner {
     prefilling: FxHashMap<BlockKey, SmallVec<[(WorkerId, u64); 2]>>,
     accuracy: FxHashMap<WorkerId, WorkerAccuracy>,
     stats: LedgerStats,
+    peers: PeerLoads,
 }
 
 impl Inner {
@@ -417,9 +425,42 @@ impl Ledger {
             .unwrap_or_default()
     }
 
-    /// Forgets a removed worker's accuracy record (its bookings end with their guards).
+    /// Forgets a removed worker's accuracy record and peer load (its bookings end with
+    /// their guards).
     pub fn forget_worker(&self, worker: WorkerId) {
-        self.inner.lock().accuracy.remove(&worker);
+        let mut inner = self.inner.lock();
+        inner.accuracy.remove(&worker);
+        inner.peers.forget_worker(worker);
+    }
+
+    /// Applies another replica's report of its bookings ([`PeerLoads::apply`]).
+    pub fn apply_peer_report(&self, report: PeerReport, now: Instant) -> PeerApplied {
+        self.inner.lock().peers.apply(report, now)
+    }
+
+    /// Drops a replica's reported bookings when the stream of its run `incarnation`
+    /// ended ([`PeerLoads::remove`]). True when held.
+    pub fn remove_peer(&self, replica: &str, incarnation: u64) -> bool {
+        self.inner.lock().peers.remove(replica, incarnation)
+    }
+
+    /// Drops the reports of replicas silent for longer than `silence`; returns them.
+    pub fn expire_peers(&self, now: Instant, silence: Duration) -> Vec<String> {
+        self.inner.lock().peers.expire(now, silence)
+    }
+
+    /// The other replicas' summed load on one worker.
+    pub fn peer_load(&self, worker: WorkerId) -> WorkerLoad {
+        self.inner.lock().peers.load(worker)
+    }
+
+    pub fn peer_stats(&self) -> PeerStats {
+        self.inner.lock().peers.stats()
+    }
+
+    /// Names of the replicas whose reports are held.
+    pub fn peer_replicas(&self) -> Vec<String> {
+        self.inner.lock().peers.replicas()
     }
 
     /// Records that the request has produced `output_tokens` tokens so far.
@@ -488,7 +529,7 @@ impl Ledger {
         expired.len()
     }
 
-    /// Load of one worker (zero when it has nothing booked).
+    /// Load this router booked on one worker (zero when it has nothing booked).
     pub fn load(&self, worker: WorkerId) -> WorkerLoad {
         self.inner
             .lock()
@@ -498,12 +539,28 @@ impl Ledger {
             .unwrap_or_default()
     }
 
-    /// Loads of several workers at once, under one lock acquisition, in `workers` order.
+    /// Loads this router booked on several workers at once, under one lock
+    /// acquisition, in `workers` order.
     pub fn loads_of(&self, workers: &[WorkerId]) -> Vec<WorkerLoad> {
         let inner = self.inner.lock();
         workers
             .iter()
             .map(|w| inner.loads.get(w).copied().unwrap_or_default())
+            .collect()
+    }
+
+    /// The whole fleet's load on each of `workers`, in order: this router's bookings
+    /// plus what the other replicas reported. What policies score.
+    pub fn fleet_loads_of(&self, workers: &[WorkerId]) -> Vec<WorkerLoad> {
+        let inner = self.inner.lock();
+        workers
+            .iter()
+            .map(|w| {
+                peer_loads::sum(
+                    inner.loads.get(w).copied().unwrap_or_default(),
+                    inner.peers.load(*w),
+                )
+            })
             .collect()
     }
 

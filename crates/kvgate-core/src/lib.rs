@@ -2,7 +2,8 @@
 //!
 //! Owns the routing logic and nothing else: how prompts become block keys
 //! ([`hashing`]), which worker holds which blocks ([`index`]), how much work each
-//! worker has that this router booked ([`ledger`]), and how a worker is chosen
+//! worker has that this router booked ([`ledger`]) and that its peer replicas
+//! reported ([`peer_loads`]), and how a worker is chosen
 //! ([`policy`]). It must not do I/O, spawn threads, read clocks behind the caller's
 //! back in ways tests cannot control, or depend on an async runtime: every input
 //! arrives as an argument so the crate can be tested and benchmarked exactly.
@@ -14,6 +15,7 @@ pub mod hashing;
 pub mod ids;
 pub mod index;
 pub mod ledger;
+pub mod peer_loads;
 pub mod policy;
 
 pub use hashing::{BlockHasher, BlockKey};
@@ -27,6 +29,7 @@ pub use ledger::{
     BookingGuard, BookingSpec, Ledger, LedgerStats, PrefillCredit, WorkerAccuracy, WorkerLoad,
     PROGRESS_EVERY,
 };
+pub use peer_loads::{PeerApplied, PeerReport, PeerStats};
 pub use policy::{
     build_policy, Decision, FleetView, KvAwareConfig, PolicyConfig, PolicyKind,
     PrefixAffinityConfig, RouteRequest, RoutingPolicy, SelectError, SessionConfig, WorkerScore,

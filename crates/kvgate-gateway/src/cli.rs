@@ -9,7 +9,7 @@ use kvgate_core::{KvAwareConfig, PolicyKind};
 
 use crate::config::{
     normalize_url, parse_assignment, Config, FailoverConfig, HealthConfig, LimitsConfig,
-    ModelConfig, TimeoutsConfig, WorkerConfig,
+    ModelConfig, PeersConfig, TimeoutsConfig, WorkerConfig,
 };
 
 /// Help headings of `kvgate serve --help`.
@@ -18,6 +18,7 @@ const KV_AWARE: &str = "kv_aware policy";
 const AUTH: &str = "Authentication";
 const LIMITS: &str = "Admission limits";
 const UPSTREAM: &str = "Upstream timeouts, health and failover";
+const PEERS: &str = "Replicas sharing load";
 
 /// A flag's help with the default it falls back to, read from the config's own
 /// `Default` so the two cannot drift (the flag stays optional: unset, a `--config`
@@ -148,6 +149,22 @@ pub struct ServeArgs {
     pub ledger_ttl_secs: Option<u64>,
     #[arg(long, help_heading = UPSTREAM, help = with_default("Grace period for in-flight requests on shutdown, seconds", Config::default().shutdown_grace_secs))]
     pub shutdown_grace_secs: Option<u64>,
+
+    /// Another kvgate replica in front of the same workers, http://HOST:PORT (repeat):
+    /// each reports its bookings to the others, and every replica scores the whole
+    /// fleet's load. Peers authenticate with --admin-token when one is set.
+    #[arg(long = "peer", value_name = "URL", help_heading = PEERS)]
+    pub peers: Vec<String>,
+    /// The replicas as one DNS name, NAME:PORT (a Kubernetes headless Service),
+    /// re-resolved periodically; this replica's own address is skipped.
+    #[arg(long, value_name = "NAME:PORT", help_heading = PEERS)]
+    pub peers_dns: Option<String>,
+    /// This replica's name among its peers, stable across restarts (a pod name)
+    /// [default: HOSTNAME/LISTEN_ADDRESS:PORT].
+    #[arg(long, env = "KVGATE_REPLICA_ID", help_heading = PEERS)]
+    pub replica_id: Option<String>,
+    #[arg(long, value_name = "MS", help_heading = PEERS, help = with_default("A peer not heard from for this long loses its bookings here, ms", PeersConfig::default().expiry_ms))]
+    pub peer_expiry_ms: Option<u64>,
 }
 
 fn has_model_flags(a: &ServeArgs) -> bool {
@@ -299,6 +316,16 @@ impl ServeArgs {
         set(&mut c.failover.backoff_ms, &self.retry_backoff_ms);
         set(&mut c.ledger_ttl_secs, &self.ledger_ttl_secs);
         set(&mut c.shutdown_grace_secs, &self.shutdown_grace_secs);
+        if !self.peers.is_empty() {
+            c.peers.urls = self.peers.iter().map(|u| normalize_url(u)).collect();
+        }
+        if self.peers_dns.is_some() {
+            c.peers.dns = self.peers_dns.clone();
+        }
+        if self.replica_id.is_some() {
+            c.peers.replica_id = self.replica_id.clone();
+        }
+        set(&mut c.peers.expiry_ms, &self.peer_expiry_ms);
     }
 }
 

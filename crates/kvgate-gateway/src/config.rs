@@ -41,6 +41,8 @@ pub struct Config {
     pub ledger_ttl_secs: u64,
     /// On SIGTERM/ctrl-c, in-flight requests get this long to finish.
     pub shutdown_grace_secs: u64,
+    /// Other kvgate replicas in front of the same workers, sharing their load.
+    pub peers: PeersConfig,
 }
 
 impl Default for Config {
@@ -59,7 +61,82 @@ impl Default for Config {
             failover: FailoverConfig::default(),
             ledger_ttl_secs: 3600,
             shutdown_grace_secs: 30,
+            peers: PeersConfig::default(),
         }
+    }
+}
+
+/// Router replicas in front of the same workers: each reports the load it booked to
+/// the others over HTTP, and scores the whole fleet's (docs/DESIGN.md, "Replicas").
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PeersConfig {
+    /// This replica's name among its peers, stable across its restarts (a Kubernetes
+    /// pod name). Default: `HOSTNAME/LISTEN_ADDRESS:PORT`.
+    pub replica_id: Option<String>,
+    /// Other replicas' base URLs (`http://host:port`).
+    pub urls: Vec<String>,
+    /// A DNS name whose addresses are the replicas (`name:port`, e.g. a Kubernetes
+    /// headless Service), re-resolved every `dns_refresh_ms`; this replica's own
+    /// address is recognized and skipped.
+    pub dns: Option<String>,
+    pub dns_refresh_ms: u64,
+    /// How often this replica looks for a change in its bookings to report, ms.
+    pub publish_ms: u64,
+    /// A report goes out at least this often without a change, ms.
+    pub heartbeat_ms: u64,
+    /// A peer not heard from for this long loses its bookings here, ms.
+    pub expiry_ms: u64,
+}
+
+impl Default for PeersConfig {
+    fn default() -> Self {
+        Self {
+            replica_id: None,
+            urls: Vec::new(),
+            dns: None,
+            dns_refresh_ms: 5_000,
+            publish_ms: 20,
+            heartbeat_ms: 500,
+            expiry_ms: 2_000,
+        }
+    }
+}
+
+impl PeersConfig {
+    /// Whether this replica follows any peer.
+    pub fn enabled(&self) -> bool {
+        !self.urls.is_empty() || self.dns.is_some()
+    }
+
+    fn validate(&self) -> anyhow::Result<()> {
+        for url in &self.urls {
+            validate_worker_url(url).with_context(|| format!("peers.urls: {url}"))?;
+        }
+        if let Some(dns) = &self.dns {
+            match dns.rsplit_once(':') {
+                Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {}
+                _ => bail!("peers.dns {dns:?} must be NAME:PORT"),
+            }
+        }
+        if self
+            .replica_id
+            .as_deref()
+            .is_some_and(|r| r.trim().is_empty())
+        {
+            bail!("peers.replica_id is set but empty");
+        }
+        if self.publish_ms == 0 || self.heartbeat_ms == 0 || self.dns_refresh_ms == 0 {
+            bail!("peers.publish_ms, heartbeat_ms and dns_refresh_ms must be positive");
+        }
+        if self.expiry_ms <= self.heartbeat_ms {
+            bail!(
+                "peers.expiry_ms ({}) must be longer than peers.heartbeat_ms ({}), or every peer would expire between reports",
+                self.expiry_ms,
+                self.heartbeat_ms
+            );
+        }
+        Ok(())
     }
 }
 
@@ -422,6 +499,7 @@ impl Config {
         if self.limits.max_body_bytes == 0 {
             bail!("limits.max_body_bytes must be positive");
         }
+        self.peers.validate()?;
         for (what, key) in [
             ("api_key", &self.api_key),
             ("admin_token", &self.admin_token),

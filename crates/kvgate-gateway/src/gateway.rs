@@ -44,6 +44,8 @@ pub struct Gateway {
     /// byte); requests still queued or tokenizing watch it directly.
     pub(crate) grace_over: CancellationToken,
     forward_auth: ForwardAuth,
+    /// This replica's identity and load reports for its peers.
+    pub(crate) peers: crate::peers::PeerHub,
 }
 
 impl std::fmt::Debug for Gateway {
@@ -100,6 +102,7 @@ impl Gateway {
             models,
             names,
             config,
+            peers: crate::peers::PeerHub::default(),
         });
         for (model, workers) in pending {
             gw.metrics.init_model(&model.name, model.kind().as_str());

@@ -7,7 +7,8 @@
 //! (an attempt's `lease`: admission plus booking; forward, retry before the first
 //! byte) → `proxy` (upstream HTTP) → `observe` (pass bytes through, drive the
 //! booking, end the lease).
-//! Background: `health` (checks, ledger sweep). State: `gateway`, `registry`,
+//! Background: `health` (checks, ledger sweep), `peers` (load reports exchanged with
+//! other kvgate replicas). State: `gateway`, `registry`,
 //! `breaker`, `limits`. Must not contain policy scoring (kvgate-core) or event
 //! decoding (kvgate-events).
 
@@ -25,13 +26,15 @@ pub mod lease;
 pub mod limits;
 pub mod metrics;
 pub mod observe;
+pub mod peers;
 pub mod proxy;
 pub mod registry;
 pub mod routing;
 pub mod server;
 
 pub use config::{
-    Config, FailoverConfig, HealthConfig, LimitsConfig, ModelConfig, TimeoutsConfig, WorkerConfig,
+    Config, FailoverConfig, HealthConfig, LimitsConfig, ModelConfig, PeersConfig, TimeoutsConfig,
+    WorkerConfig,
 };
 pub use errors::ApiError;
 pub use gateway::Gateway;

@@ -9,8 +9,8 @@ use std::fmt::Write as _;
 
 use kvgate_events::EventMetricsSnapshot;
 use prometheus::{
-    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
 
 /// All gateway metrics.
@@ -38,6 +38,15 @@ pub struct Metrics {
     ledger_booked: IntGaugeVec,
     ledger_swept: IntGaugeVec,
     index_entries: IntGaugeVec,
+    /// Load reports sent to peers (`out`, one per report per subscribed peer) and
+    /// received from them (`in`).
+    pub peer_reports: IntCounterVec,
+    /// Peers whose report stream this replica follows now.
+    pub peers_connected: IntGauge,
+    /// Peers following this replica's report stream now.
+    pub peer_subscribers: IntGauge,
+    peer_in_flight: IntGaugeVec,
+    peer_replicas: IntGaugeVec,
 }
 
 fn counter(
@@ -58,6 +67,12 @@ fn igauge(
     labels: &[&str],
 ) -> prometheus::Result<IntGaugeVec> {
     let g = IntGaugeVec::new(Opts::new(name, help), labels)?;
+    r.register(Box::new(g.clone()))?;
+    Ok(g)
+}
+
+fn plain_gauge(r: &Registry, name: &str, help: &str) -> prometheus::Result<IntGauge> {
+    let g = IntGauge::new(name, help)?;
     r.register(Box::new(g.clone()))?;
     Ok(g)
 }
@@ -122,6 +137,11 @@ impl Metrics {
             ledger_booked: igauge(&r, "kvgate_ledger_booked_total", "Bookings made since start", &["model"])?,
             ledger_swept: igauge(&r, "kvgate_ledger_swept_total", "Bookings freed by the TTL sweep (leaks caught)", &["model"])?,
             index_entries: igauge(&r, "kvgate_index_entries", "Prefix index entries per model", &["model"])?,
+            peer_reports: counter(&r, "kvgate_peer_reports_total", "Load reports exchanged with peer replicas: out = sent (per subscriber), in = received", &["direction"])?,
+            peers_connected: plain_gauge(&r, "kvgate_peers_connected", "Peer replicas whose load reports this replica follows")?,
+            peer_subscribers: plain_gauge(&r, "kvgate_peer_subscribers", "Peer replicas following this replica's load reports")?,
+            peer_in_flight: igauge(&r, "kvgate_peer_in_flight", "Requests in flight that peer replicas reported booking, per model", &["model"])?,
+            peer_replicas: igauge(&r, "kvgate_peer_replicas", "Peer replicas whose bookings are held, per model", &["model"])?,
             registry: r,
         })
     }
@@ -148,6 +168,9 @@ impl Metrics {
             c.with_label_values(&[model]);
         }
         self.cached_tokens_error.with_label_values(&[model]);
+        for direction in ["in", "out"] {
+            self.peer_reports.with_label_values(&[direction]);
+        }
     }
 
     /// [`init_model`](Self::init_model) for a worker's series (at start and when one is
@@ -177,6 +200,8 @@ impl Metrics {
             &self.ledger_booked,
             &self.ledger_swept,
             &self.index_entries,
+            &self.peer_in_flight,
+            &self.peer_replicas,
         ] {
             g.reset();
         }
@@ -252,6 +277,18 @@ impl ScrapeGauges<'_> {
             .ledger_swept
             .with_label_values(&[model])
             .set(clamp(stats.swept));
+    }
+
+    /// What the peer replicas reported for one model.
+    pub fn peers(&self, model: &str, stats: &kvgate_core::PeerStats) {
+        self.m
+            .peer_in_flight
+            .with_label_values(&[model])
+            .set(stats.in_flight.min(i64::MAX as u64) as i64);
+        self.m
+            .peer_replicas
+            .with_label_values(&[model])
+            .set(stats.replicas as i64);
     }
 
     pub fn index_entries(&self, model: &str, entries: usize) {

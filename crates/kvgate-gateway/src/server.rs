@@ -54,6 +54,7 @@ pub fn router(gw: Arc<Gateway>) -> Router {
                 .delete(crate::admin::remove_query),
         )
         .route("/admin/workers/{id}", delete(crate::admin::remove_id))
+        .route(crate::peers::LOADS_PATH, get(crate::peers::serve_loads))
         .fallback(not_found)
         .method_not_allowed_fallback(crate::front_door::method_not_allowed)
         .with_state(gw)
@@ -228,6 +229,8 @@ async fn explain(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
                 "in_flight": s.in_flight,
                 "prefill_tokens": s.prefill_tokens,
                 "decode_blocks": s.decode_blocks,
+                "local": p.model.ledger().load(s.worker),
+                "peer": p.model.ledger().peer_load(s.worker),
                 "cost": s.cost,
             })
         })
@@ -244,6 +247,7 @@ async fn explain(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
         "prompt_blocks": p.keys.as_ref().map(Vec::len),
         "block_size": p.model.selection.block_size(),
         "predicted_cached_tokens": decision.predicted_cached_tokens,
+        "peer_replicas": p.model.ledger().peer_replicas(),
         "scores": scores,
     }))
     .into_response()
@@ -299,6 +303,7 @@ async fn metrics(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Response
                     g.accuracy(&m.name, &w.url, &m.ledger().accuracy(w.id));
                 }
                 g.ledger(&m.name, &m.ledger().stats());
+                g.peers(&m.name, &m.ledger().peer_stats());
                 if let Some(index) = m.index() {
                     g.index_entries(&m.name, index.read().len());
                 }
@@ -355,9 +360,17 @@ pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
         .await
         .with_context(|| format!("cannot listen on {}:{}", bind.0, bind.1))?;
     let addr = listener.local_addr()?;
+    let identity = gw
+        .peers
+        .init_identity(gw.config.peers.replica_id.as_deref(), addr);
+    if gw.config.peers.enabled() {
+        tracing::info!(replica = %identity.replica, peers = ?gw.config.peers.urls, dns = ?gw.config.peers.dns, "sharing load with peer replicas");
+    }
     let tasks = vec![
         tokio::spawn(crate::health::run_health_checks(gw.clone())),
         tokio::spawn(crate::health::run_ledger_sweep(gw.clone())),
+        tokio::spawn(crate::peers::run_publisher(gw.clone())),
+        tokio::spawn(crate::peers::run_followers(gw.clone())),
     ];
     let app = router(gw.clone());
     let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {

@@ -186,6 +186,8 @@ const SERVE_FLAGS_WITHOUT_DEFAULT: &[&str] = &[
     "--admin-token",
     "--worker-api-key",
     "--metrics-token",
+    "--peer",
+    "--peers-dns",
 ];
 
 #[test]

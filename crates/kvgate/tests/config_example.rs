@@ -18,4 +18,5 @@ fn readme_yaml_example_parses_and_validates() {
         Some("tcp://10.0.0.11:5557")
     );
     assert_eq!(config.models[1].workers[1].url, "http://10.0.0.22:8000");
+    assert!(config.peers.enabled());
 }

@@ -16,9 +16,10 @@ pub(crate) fn rng(seed: Option<u64>) -> Mutex<SmallRng> {
     })
 }
 
-/// One explanation line per candidate with its ledger load and no overlap or cost.
+/// One explanation line per candidate with its load across the fleet (this router's
+/// bookings and its peers') and no overlap or cost.
 pub(crate) fn load_lines(view: &FleetView<'_>) -> Vec<WorkerScore> {
-    let loads = view.ledger.loads_of(view.candidates);
+    let loads = view.ledger.fleet_loads_of(view.candidates);
     view.candidates
         .iter()
         .zip(loads)

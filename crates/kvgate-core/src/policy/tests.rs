@@ -189,6 +189,53 @@ fn least_loaded_avoids_the_busy_worker() {
     }
 }
 
+/// Another replica reported three requests in flight on worker 0, this router booked
+/// one on worker 1: policies score the whole fleet's load, so worker 1 (1 in flight)
+/// beats worker 0 (3), though this router alone booked more on worker 1. Once the peer
+/// goes silent, its load no longer counts.
+#[test]
+fn policies_score_the_load_peer_replicas_reported_as_well_as_their_own() {
+    let ledger = Ledger::new(BS);
+    let now = Instant::now();
+    let _mine = ledger.book(
+        WorkerId(1),
+        BookingSpec {
+            prompt_tokens: 1000,
+            ..Default::default()
+        },
+        &[],
+        now,
+    );
+    let peer = crate::peer_loads::PeerReport {
+        replica: "replica-b".into(),
+        incarnation: 1,
+        seq: 1,
+        loads: vec![(
+            WorkerId(0),
+            crate::ledger::WorkerLoad {
+                in_flight: 3,
+                prefill_tokens: 3000,
+                decode_blocks: 200.0,
+            },
+        )],
+    };
+    ledger.apply_peer_report(peer, now);
+    let ws = workers(2);
+    let policy = LeastLoadedPolicy::new(Some(1));
+    let d = select(&policy, None, 0, None, &ws, &ledger, None).unwrap();
+    assert_eq!(d.worker, WorkerId(1), "{:?}", d.scores);
+    assert_eq!(
+        d.scores[0].in_flight, 3,
+        "the score line shows the fleet's load"
+    );
+    // This router's own view (limits, metrics) stays its own.
+    assert_eq!(ledger.load(WorkerId(0)).in_flight, 0);
+    assert_eq!(ledger.peer_load(WorkerId(0)).in_flight, 3);
+    ledger.expire_peers(now + Duration::from_secs(3), Duration::from_secs(2));
+    let d = select(&policy, None, 0, None, &ws, &ledger, None).unwrap();
+    assert_eq!(d.worker, WorkerId(0), "{:?}", d.scores);
+}
+
 fn session_assignment(policy: &SessionPolicy, ws: &[WorkerId], n: usize) -> Vec<WorkerId> {
     let ledger = Ledger::new(BS);
     (0..n)

@@ -1,0 +1,309 @@
+//! Load that other router replicas have booked on the workers this router shares with
+//! them, as each replica last reported it.
+//!
+//! Owns the per-replica reports and their per-worker sums, and the rules that keep
+//! them honest: a report replaces the replica's previous one whole (reports are
+//! totals, not deltas, so a lost or repeated message cannot leave drift behind); a
+//! replica that restarts under the same name (a newer incarnation) replaces its old
+//! bookings rather than adding to them; a report older than the one held is ignored;
+//! a replica that went silent is dropped by [`PeerLoads::expire`]. It must not do I/O
+//! or know how reports travel (the gateway's peers module does), and it never holds
+//! this router's own bookings (the ledger does).
+//!
+//! Reports name workers by [`WorkerId`]: the caller resolves the peer's worker URLs
+//! to this process's ids before applying, and drops workers it does not serve.
+
+use std::time::{Duration, Instant};
+
+use rustc_hash::FxHashMap;
+use serde::Serialize;
+
+use crate::ids::WorkerId;
+use crate::ledger::WorkerLoad;
+
+/// One replica's report of the load it has booked, per worker.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PeerReport {
+    /// The replica's name (stable across its restarts, e.g. a pod name).
+    pub replica: String,
+    /// Which run of that replica: a larger value is a later run (the gateway uses its
+    /// start time), so a restarted replica's reports replace its old ones.
+    pub incarnation: u64,
+    /// Increases with every report of one incarnation.
+    pub seq: u64,
+    pub loads: Vec<(WorkerId, WorkerLoad)>,
+}
+
+/// What applying a report did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PeerApplied {
+    /// First report heard from this replica.
+    New,
+    /// A newer report of the same run replaced the previous one.
+    Updated,
+    /// A later run of the replica replaced the earlier run's bookings.
+    Restarted,
+    /// Older than (or the same as) what is held: ignored.
+    Stale,
+}
+
+/// Totals over every peer replica held.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct PeerStats {
+    /// Replicas whose reports are held.
+    pub replicas: usize,
+    /// Their requests in flight, summed over workers.
+    pub in_flight: u64,
+}
+
+#[derive(Debug)]
+struct Held {
+    incarnation: u64,
+    seq: u64,
+    heard_at: Instant,
+    loads: Vec<(WorkerId, WorkerLoad)>,
+}
+
+/// The peer replicas' reports and their sum per worker.
+#[derive(Debug, Default)]
+pub struct PeerLoads {
+    replicas: FxHashMap<String, Held>,
+    totals: FxHashMap<WorkerId, WorkerLoad>,
+}
+
+impl PeerLoads {
+    /// Applies a report heard at `now`. A report of the same run that is not newer is
+    /// ignored, but still counts as hearing from the replica.
+    pub fn apply(&mut self, report: PeerReport, now: Instant) -> PeerApplied {
+        let applied = match self.replicas.get_mut(&report.replica) {
+            None => PeerApplied::New,
+            Some(held) => {
+                if report.incarnation < held.incarnation
+                    || (report.incarnation == held.incarnation && report.seq <= held.seq)
+                {
+                    if report.incarnation == held.incarnation {
+                        held.heard_at = now;
+                    }
+                    return PeerApplied::Stale;
+                }
+                if report.incarnation > held.incarnation {
+                    PeerApplied::Restarted
+                } else {
+                    PeerApplied::Updated
+                }
+            }
+        };
+        self.replicas.insert(
+            report.replica,
+            Held {
+                incarnation: report.incarnation,
+                seq: report.seq,
+                heard_at: now,
+                loads: report.loads,
+            },
+        );
+        self.recompute();
+        applied
+    }
+
+    /// Drops a replica's bookings when the stream of its run `incarnation` ended.
+    /// True when they were held; a later run's bookings (the replica restarted and
+    /// reports on another stream) are kept.
+    pub fn remove(&mut self, replica: &str, incarnation: u64) -> bool {
+        let held = self
+            .replicas
+            .get(replica)
+            .is_some_and(|h| h.incarnation == incarnation);
+        if held {
+            self.replicas.remove(replica);
+            self.recompute();
+        }
+        held
+    }
+
+    /// Drops every replica not heard from for longer than `silence`; returns their
+    /// names.
+    pub fn expire(&mut self, now: Instant, silence: Duration) -> Vec<String> {
+        let gone: Vec<String> = self
+            .replicas
+            .iter()
+            .filter(|(_, h)| now.saturating_duration_since(h.heard_at) > silence)
+            .map(|(name, _)| name.clone())
+            .collect();
+        if !gone.is_empty() {
+            for name in &gone {
+                self.replicas.remove(name);
+            }
+            self.recompute();
+        }
+        gone
+    }
+
+    /// Forgets a worker this router no longer serves.
+    pub fn forget_worker(&mut self, worker: WorkerId) {
+        for held in self.replicas.values_mut() {
+            held.loads.retain(|(w, _)| *w != worker);
+        }
+        self.totals.remove(&worker);
+    }
+
+    /// The peers' summed load on one worker (zero when none is held).
+    pub fn load(&self, worker: WorkerId) -> WorkerLoad {
+        self.totals.get(&worker).copied().unwrap_or_default()
+    }
+
+    pub fn stats(&self) -> PeerStats {
+        PeerStats {
+            replicas: self.replicas.len(),
+            in_flight: self.totals.values().map(|l| u64::from(l.in_flight)).sum(),
+        }
+    }
+
+    /// Names of the replicas held, sorted.
+    pub fn replicas(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.replicas.keys().cloned().collect();
+        names.sort();
+        names
+    }
+
+    /// Rebuilt from the held reports rather than adjusted, so no float drift or lost
+    /// subtraction can survive a change (replicas × workers is small).
+    fn recompute(&mut self) {
+        self.totals.clear();
+        for held in self.replicas.values() {
+            for (worker, l) in &held.loads {
+                let t = self.totals.entry(*worker).or_default();
+                t.in_flight += l.in_flight;
+                t.prefill_tokens += l.prefill_tokens;
+                t.decode_blocks += l.decode_blocks;
+            }
+        }
+    }
+}
+
+/// Adds two loads (this router's and the peers').
+pub fn sum(a: WorkerLoad, b: WorkerLoad) -> WorkerLoad {
+    WorkerLoad {
+        in_flight: a.in_flight + b.in_flight,
+        prefill_tokens: a.prefill_tokens + b.prefill_tokens,
+        decode_blocks: a.decode_blocks + b.decode_blocks,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(in_flight: u32) -> WorkerLoad {
+        WorkerLoad {
+            in_flight,
+            prefill_tokens: u64::from(in_flight) * 100,
+            decode_blocks: f64::from(in_flight) * 2.0,
+        }
+    }
+
+    fn report(replica: &str, incarnation: u64, seq: u64, loads: &[(u32, u32)]) -> PeerReport {
+        PeerReport {
+            replica: replica.into(),
+            incarnation,
+            seq,
+            loads: loads
+                .iter()
+                .map(|(w, n)| (WorkerId(*w), load(*n)))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn replicas_add_up_per_worker_and_a_report_replaces_the_previous_one_whole() {
+        let mut p = PeerLoads::default();
+        let t = Instant::now();
+        assert_eq!(
+            p.apply(report("a", 1, 1, &[(0, 2), (1, 1)]), t),
+            PeerApplied::New
+        );
+        assert_eq!(p.apply(report("b", 7, 1, &[(0, 3)]), t), PeerApplied::New);
+        assert_eq!(p.load(WorkerId(0)), load(5));
+        assert_eq!(p.load(WorkerId(1)), load(1));
+        // a's next report no longer names worker 1: its bookings there ended.
+        assert_eq!(
+            p.apply(report("a", 1, 2, &[(0, 1)]), t),
+            PeerApplied::Updated
+        );
+        assert_eq!(p.load(WorkerId(0)), load(4));
+        assert_eq!(p.load(WorkerId(1)), WorkerLoad::default());
+        assert_eq!(
+            p.stats(),
+            PeerStats {
+                replicas: 2,
+                in_flight: 4
+            }
+        );
+    }
+
+    #[test]
+    fn a_restarted_replica_replaces_its_old_bookings_and_old_reports_are_ignored() {
+        let mut p = PeerLoads::default();
+        let t = Instant::now();
+        p.apply(report("a", 10, 5, &[(0, 4)]), t);
+        // Same name, later run: its old run's 4 requests are gone with it.
+        assert_eq!(
+            p.apply(report("a", 20, 1, &[(0, 1)]), t),
+            PeerApplied::Restarted
+        );
+        assert_eq!(p.load(WorkerId(0)), load(1));
+        // A late report of the old run, or a repeat, changes nothing.
+        assert_eq!(
+            p.apply(report("a", 10, 6, &[(0, 9)]), t),
+            PeerApplied::Stale
+        );
+        assert_eq!(
+            p.apply(report("a", 20, 1, &[(0, 9)]), t),
+            PeerApplied::Stale
+        );
+        assert_eq!(p.load(WorkerId(0)), load(1));
+        assert_eq!(p.stats().replicas, 1);
+        // The old run's stream ending does not take the new run's bookings with it.
+        assert!(!p.remove("a", 10));
+        assert_eq!(p.load(WorkerId(0)), load(1));
+        assert!(p.remove("a", 20));
+    }
+
+    #[test]
+    fn a_silent_replica_expires_and_a_closed_one_is_removed() {
+        let mut p = PeerLoads::default();
+        let t = Instant::now();
+        p.apply(report("a", 1, 1, &[(0, 2)]), t);
+        p.apply(
+            report("b", 1, 1, &[(0, 3)]),
+            t + Duration::from_millis(1500),
+        );
+        let gone = p.expire(t + Duration::from_millis(2500), Duration::from_secs(2));
+        assert_eq!(gone, vec!["a".to_owned()]);
+        assert_eq!(p.load(WorkerId(0)), load(3));
+        // A repeated report still counts as hearing from b.
+        p.apply(
+            report("b", 1, 1, &[(0, 3)]),
+            t + Duration::from_millis(3000),
+        );
+        assert!(p
+            .expire(t + Duration::from_millis(4500), Duration::from_secs(2))
+            .is_empty());
+        assert!(p.remove("b", 1));
+        assert!(!p.remove("b", 1));
+        assert_eq!(p.load(WorkerId(0)), WorkerLoad::default());
+        assert_eq!(p.stats(), PeerStats::default());
+    }
+
+    #[test]
+    fn a_forgotten_worker_loses_its_peer_load() {
+        let mut p = PeerLoads::default();
+        let t = Instant::now();
+        p.apply(report("a", 1, 1, &[(0, 2), (1, 1)]), t);
+        p.forget_worker(WorkerId(0));
+        assert_eq!(p.load(WorkerId(0)), WorkerLoad::default());
+        p.apply(report("b", 1, 1, &[(1, 1)]), t);
+        assert_eq!(p.load(WorkerId(0)), WorkerLoad::default());
+        assert_eq!(p.load(WorkerId(1)), load(2));
+    }
+}

@@ -1,0 +1,524 @@
+//! Replicas that agree: this gateway's load reports to its peer replicas, and theirs to
+//! it.
+//!
+//! Owns this replica's identity (name, incarnation), the report it publishes (the
+//! load it booked per worker, by worker URL, for every model), the report stream it
+//! serves at `GET /peer/v1/loads`, following each peer's stream (static URLs, or the
+//! addresses of a DNS name re-resolved periodically) and handing what arrives to the
+//! model's ledger, which holds it beside this replica's own bookings
+//! (`kvgate_core::peer_loads`). It must not choose workers or change this replica's
+//! own bookings, and it never forwards a peer's load to another peer (each replica
+//! reports only what it booked, so nothing is counted twice).
+//!
+//! Why reports of totals over HTTP, not per-booking messages over ZeroMQ: a report is
+//! this replica's whole booked load per worker, sent when it changes (checked every
+//! `publish_ms`) and at least every `heartbeat_ms`. A lost, repeated or reordered
+//! report cannot leave drift, a late joiner is complete after one report, and a
+//! restarted replica's report replaces its old run's bookings by construction; the
+//! size is one line per worker, not per request. HTTP rides the listener that is
+//! already exposed (no second port in a Kubernetes Service), reuses the admin token
+//! for authentication, and a closed connection says at once that a peer is gone
+//! (killed process: its bookings drop immediately; silent peer: after `expiry_ms`).
+//! The `zeromq` crate's SUB socket neither reports a lost peer nor reconnects (the
+//! KV-event subscriber needs its own link watch for that).
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use bytes::{Bytes, BytesMut};
+use http::{header, HeaderMap, HeaderName, HeaderValue, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use kvgate_core::{PeerApplied, PeerReport, WorkerLoad};
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::auth::check_bearer;
+use crate::errors::ApiError;
+use crate::gateway::Gateway;
+
+/// Path of the report stream.
+pub const LOADS_PATH: &str = "/peer/v1/loads";
+/// Header with which a follower names itself, so a replica can refuse to follow
+/// itself (a DNS name lists every replica, this one included).
+pub const REPLICA_HEADER: HeaderName = HeaderName::from_static("x-kvgate-replica");
+/// A report line longer than this ends the stream (a peer gone wrong).
+const MAX_REPORT_BYTES: usize = 4 << 20;
+/// Wait before following a peer again after its stream ended or failed.
+const BACKOFF_INITIAL: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+/// Who this replica is among its peers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Identity {
+    pub replica: String,
+    /// Start time in nanoseconds since the Unix epoch: a restart has a larger one.
+    pub incarnation: u64,
+}
+
+/// A report as it travels: one JSON object per line.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WireReport {
+    pub replica: String,
+    pub incarnation: u64,
+    pub seq: u64,
+    pub models: Vec<WireModel>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WireModel {
+    pub model: String,
+    pub workers: Vec<WireLoad>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WireLoad {
+    /// The worker's URL, as configured (normalized).
+    pub url: String,
+    pub in_flight: u32,
+    pub prefill_tokens: u64,
+    pub decode_blocks: f64,
+}
+
+/// This replica's side of the exchange: its identity and its latest report line.
+pub struct PeerHub {
+    identity: OnceLock<Identity>,
+    latest: watch::Sender<Bytes>,
+}
+
+impl Default for PeerHub {
+    fn default() -> Self {
+        Self {
+            identity: OnceLock::new(),
+            latest: watch::Sender::new(Bytes::new()),
+        }
+    }
+}
+
+impl PeerHub {
+    /// Sets this replica's identity once it listens (the default name needs the port).
+    pub fn init_identity(&self, configured: Option<&str>, addr: SocketAddr) -> &Identity {
+        self.identity.get_or_init(|| Identity {
+            replica: configured
+                .map(str::to_owned)
+                .unwrap_or_else(|| format!("{}/{addr}", host_name())),
+            incarnation: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64),
+        })
+    }
+
+    pub fn identity(&self) -> Option<&Identity> {
+        self.identity.get()
+    }
+}
+
+/// The machine's host name (a Kubernetes pod's name), for the default replica name.
+fn host_name() -> String {
+    std::env::var("HOSTNAME")
+        .ok()
+        .filter(|h| !h.is_empty())
+        .or_else(|| {
+            std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .ok()
+                .map(|h| h.trim().to_owned())
+                .filter(|h| !h.is_empty())
+        })
+        .unwrap_or_else(|| "kvgate".to_owned())
+}
+
+/// This replica's load per model and worker, by URL.
+fn local_loads(gw: &Gateway) -> Vec<WireModel> {
+    gw.models()
+        .map(|m| {
+            let workers = m.workers();
+            let ids: Vec<_> = workers.iter().map(|w| w.id).collect();
+            let loads = m.ledger().loads_of(&ids);
+            WireModel {
+                model: m.name.to_string(),
+                workers: workers
+                    .iter()
+                    .zip(loads)
+                    .filter(|(_, l)| l.in_flight > 0)
+                    .map(|(w, l)| WireLoad {
+                        url: w.url.to_string(),
+                        in_flight: l.in_flight,
+                        prefill_tokens: l.prefill_tokens,
+                        decode_blocks: l.decode_blocks,
+                    })
+                    .collect(),
+            }
+        })
+        .collect()
+}
+
+/// Publishes this replica's report whenever its bookings change (checked every
+/// `publish_ms`) and at least every `heartbeat_ms`, and expires silent peers, until
+/// shutdown. Runs whether or not peers are configured: a peer may follow this
+/// replica without this one following it.
+pub async fn run_publisher(gw: Arc<Gateway>) {
+    let Some(identity) = gw.peers.identity().cloned() else {
+        return;
+    };
+    let cfg = &gw.config.peers;
+    let heartbeat = Duration::from_millis(cfg.heartbeat_ms);
+    let expiry = Duration::from_millis(cfg.expiry_ms);
+    let mut tick = tokio::time::interval(Duration::from_millis(cfg.publish_ms));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last: Option<(Vec<WireModel>, Instant)> = None;
+    let mut seq = 0u64;
+    loop {
+        tokio::select! {
+            _ = gw.shutdown.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let now = Instant::now();
+        for m in gw.models() {
+            for gone in m.ledger().expire_peers(now, expiry) {
+                tracing::warn!(model = %m.name, replica = %gone, ?expiry, "peer replica went silent; dropping its bookings");
+            }
+        }
+        let models = local_loads(&gw);
+        let due = match &last {
+            None => true,
+            Some((prev, at)) => *prev != models || now.duration_since(*at) >= heartbeat,
+        };
+        if !due {
+            continue;
+        }
+        seq += 1;
+        let report = WireReport {
+            replica: identity.replica.clone(),
+            incarnation: identity.incarnation,
+            seq,
+            models: models.clone(),
+        };
+        match serde_json::to_vec(&report) {
+            Ok(mut line) => {
+                line.push(b'\n');
+                gw.peers.latest.send_replace(Bytes::from(line));
+            }
+            Err(err) => tracing::warn!(%err, "cannot encode the load report"),
+        }
+        last = Some((models, now));
+    }
+}
+
+/// `GET /peer/v1/loads`: this replica's reports as a stream of JSON lines, the
+/// latest at once and then each new one, until shutdown. Guarded by the admin token
+/// when one is set.
+pub async fn serve_loads(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Response {
+    if let Err(e) = check_bearer(&headers, gw.config.admin_token.as_deref(), "admin token") {
+        return e.into_response();
+    }
+    let Some(identity) = gw.peers.identity() else {
+        return ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            "starting",
+            "this replica is starting",
+        )
+        .with_retry_after(1)
+        .into_response();
+    };
+    let follower = headers.get(&REPLICA_HEADER).and_then(|v| v.to_str().ok());
+    if follower == Some(identity.replica.as_str()) {
+        return ApiError::new(
+            StatusCode::CONFLICT,
+            "invalid_request_error",
+            "peer_is_self",
+            "this is the replica asking: a replica does not follow itself",
+        )
+        .into_response();
+    }
+    let mut rx = gw.peers.latest.subscribe();
+    rx.mark_changed();
+    let stop = gw.shutdown.clone();
+    let subscribers = gw.metrics.peer_subscribers.clone();
+    let sent = gw.metrics.peer_reports.with_label_values(&["out"]);
+    subscribers.inc();
+    // Decrements the subscriber gauge when the stream is dropped, however it ends.
+    let guard = scopeguard(move || subscribers.dec());
+    let stream = futures::stream::unfold((rx, stop, guard), move |(mut rx, stop, guard)| {
+        let sent = sent.clone();
+        async move {
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return None,
+                    changed = rx.changed() => changed.ok()?,
+                }
+                let line = rx.borrow_and_update().clone();
+                if !line.is_empty() {
+                    sent.inc();
+                    return Some((Ok::<_, std::convert::Infallible>(line), (rx, stop, guard)));
+                }
+            }
+        }
+    });
+    (
+        [
+            (header::CONTENT_TYPE, "application/x-ndjson"),
+            (header::CACHE_CONTROL, "no-store"),
+        ],
+        Body::from_stream(stream),
+    )
+        .into_response()
+}
+
+/// Runs a closure when dropped.
+struct OnDrop<F: FnMut()>(F);
+
+impl<F: FnMut()> Drop for OnDrop<F> {
+    fn drop(&mut self) {
+        (self.0)()
+    }
+}
+
+fn scopeguard<F: FnMut()>(f: F) -> OnDrop<F> {
+    OnDrop(f)
+}
+
+/// Follows every configured peer until shutdown: the static URLs, and the addresses
+/// of the DNS name, re-resolved every `dns_refresh_ms` (a peer whose address leaves
+/// the name stops being followed, and its bookings drop).
+pub async fn run_followers(gw: Arc<Gateway>) {
+    let cfg = gw.config.peers.clone();
+    if !cfg.enabled() {
+        return;
+    }
+    let mut following: BTreeMap<String, CancellationToken> = BTreeMap::new();
+    let mut refresh = tokio::time::interval(Duration::from_millis(cfg.dns_refresh_ms));
+    refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = gw.shutdown.cancelled() => break,
+            _ = refresh.tick() => {}
+        }
+        let mut wanted: Vec<String> = cfg.urls.clone();
+        if let Some(name) = &cfg.dns {
+            match tokio::net::lookup_host(name.as_str()).await {
+                Ok(addrs) => wanted.extend(addrs.map(|a| format!("http://{a}"))),
+                Err(err) => {
+                    // Keep following the last known addresses rather than drop them all
+                    // on a resolver hiccup.
+                    tracing::warn!(dns = %name, %err, "cannot resolve the peers' DNS name; keeping the last addresses");
+                    wanted.extend(following.keys().cloned());
+                }
+            }
+        }
+        wanted.sort();
+        wanted.dedup();
+        following.retain(|url, stop| {
+            let keep = wanted.contains(url);
+            if !keep {
+                tracing::info!(peer = %url, "peer address gone from DNS; no longer following it");
+                stop.cancel();
+            }
+            keep
+        });
+        for url in wanted {
+            if following.contains_key(&url) {
+                continue;
+            }
+            let stop = gw.shutdown.child_token();
+            following.insert(url.clone(), stop.clone());
+            tokio::spawn(follow(gw.clone(), url, stop));
+        }
+    }
+    for stop in following.values() {
+        stop.cancel();
+    }
+}
+
+/// How one stream from a peer ended.
+#[derive(Debug)]
+enum StreamEnd {
+    /// The address is this replica: never follow it.
+    IsSelf,
+    /// Told to stop (shutdown, or the address left DNS).
+    Stopped,
+    /// Ended or failed: follow again after a backoff.
+    Retry(String),
+}
+
+/// Follows one peer address until `stop`: streams its reports into the ledgers, and
+/// when the stream ends drops the bookings it reported and follows it again.
+async fn follow(gw: Arc<Gateway>, url: String, stop: CancellationToken) {
+    let mut backoff = BACKOFF_INITIAL;
+    let mut last_error = String::new();
+    loop {
+        let started = Instant::now();
+        match follow_once(&gw, &url, &stop).await {
+            StreamEnd::IsSelf => {
+                tracing::debug!(peer = %url, "peer address is this replica; skipping it");
+                return;
+            }
+            StreamEnd::Stopped => return,
+            StreamEnd::Retry(error) => {
+                if error != last_error {
+                    tracing::warn!(peer = %url, %error, "peer report stream ended; following it again");
+                    last_error = error;
+                }
+            }
+        }
+        if started.elapsed() > BACKOFF_MAX {
+            backoff = BACKOFF_INITIAL;
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(BACKOFF_MAX);
+    }
+}
+
+/// One stream from a peer; whatever the peer reported is dropped when it ends.
+async fn follow_once(gw: &Gateway, url: &str, stop: &CancellationToken) -> StreamEnd {
+    let Some(identity) = gw.peers.identity() else {
+        return StreamEnd::Stopped;
+    };
+    let expiry = Duration::from_millis(gw.config.peers.expiry_ms);
+    let mut req = match Request::get(format!("{url}{LOADS_PATH}")).body(Full::new(Bytes::new())) {
+        Ok(r) => r,
+        Err(e) => return StreamEnd::Retry(format!("bad peer URL: {e}")),
+    };
+    if let Ok(v) = HeaderValue::from_str(&identity.replica) {
+        req.headers_mut().insert(REPLICA_HEADER, v);
+    }
+    if let Some(token) = &gw.config.admin_token {
+        if let Ok(v) = HeaderValue::from_str(&format!("Bearer {token}")) {
+            req.headers_mut().insert(header::AUTHORIZATION, v);
+        }
+    }
+    let resp = tokio::select! {
+        _ = stop.cancelled() => return StreamEnd::Stopped,
+        r = tokio::time::timeout(expiry, gw.client.request(req)) => match r {
+            Ok(Ok(resp)) => resp,
+            Ok(Err(e)) => return StreamEnd::Retry(format!("cannot connect: {e}")),
+            Err(_) => return StreamEnd::Retry("no answer".into()),
+        },
+    };
+    match resp.status() {
+        StatusCode::OK => {}
+        StatusCode::CONFLICT => return StreamEnd::IsSelf,
+        status => return StreamEnd::Retry(format!("answered {status}")),
+    }
+    let connected = gw.metrics.peers_connected.clone();
+    connected.inc();
+    let mut heard: Option<(String, u64)> = None;
+    let end = read_reports(gw, resp.into_body(), expiry, stop, &mut heard).await;
+    connected.dec();
+    if let Some((replica, incarnation)) = heard {
+        for m in gw.models() {
+            if m.ledger().remove_peer(&replica, incarnation) {
+                tracing::info!(model = %m.name, %replica, peer = %url, "peer replica's stream ended; dropped its bookings");
+            }
+        }
+    }
+    end
+}
+
+/// Reads report lines until the stream ends, goes silent for `expiry`, or `stop`.
+async fn read_reports(
+    gw: &Gateway,
+    mut body: hyper::body::Incoming,
+    expiry: Duration,
+    stop: &CancellationToken,
+    heard: &mut Option<(String, u64)>,
+) -> StreamEnd {
+    let received = gw.metrics.peer_reports.with_label_values(&["in"]);
+    let own = gw.peers.identity().map(|i| i.replica.clone());
+    let mut buf = BytesMut::new();
+    loop {
+        let frame = tokio::select! {
+            _ = stop.cancelled() => return StreamEnd::Stopped,
+            f = tokio::time::timeout(expiry, body.frame()) => f,
+        };
+        let data = match frame {
+            Err(_) => return StreamEnd::Retry(format!("silent for {expiry:?}")),
+            Ok(None) => return StreamEnd::Retry("the peer closed the stream".into()),
+            Ok(Some(Err(e))) => return StreamEnd::Retry(format!("stream failed: {e}")),
+            Ok(Some(Ok(frame))) => match frame.into_data() {
+                Ok(d) => d,
+                Err(_) => continue,
+            },
+        };
+        buf.extend_from_slice(&data);
+        while let Some(nl) = memchr::memchr(b'\n', &buf) {
+            let line = buf.split_to(nl + 1);
+            let report: WireReport = match serde_json::from_slice(&line[..nl]) {
+                Ok(r) => r,
+                Err(e) => return StreamEnd::Retry(format!("bad report: {e}")),
+            };
+            if own.as_deref() == Some(report.replica.as_str()) {
+                return StreamEnd::IsSelf;
+            }
+            received.inc();
+            let run = (report.replica.clone(), report.incarnation);
+            if heard.as_ref().is_some_and(|h| *h != run) {
+                return StreamEnd::Retry("the peer changed its name or run mid-stream".into());
+            }
+            *heard = Some(run);
+            apply(gw, report);
+        }
+        if buf.len() > MAX_REPORT_BYTES {
+            return StreamEnd::Retry("report line too long".into());
+        }
+    }
+}
+
+/// Hands a report to each model's ledger, with worker URLs resolved to this
+/// replica's ids (workers this replica does not serve are left out).
+fn apply(gw: &Gateway, report: WireReport) {
+    let now = Instant::now();
+    for m in gw.models() {
+        let wire = report.models.iter().find(|w| *w.model == *m.name);
+        let workers = m.workers();
+        let loads = wire
+            .map(|w| {
+                w.workers
+                    .iter()
+                    .filter_map(|l| {
+                        let url = crate::config::normalize_url(&l.url);
+                        let worker = workers.iter().find(|w| *w.url == *url)?;
+                        Some((
+                            worker.id,
+                            WorkerLoad {
+                                in_flight: l.in_flight,
+                                prefill_tokens: l.prefill_tokens,
+                                decode_blocks: if l.decode_blocks.is_finite() {
+                                    l.decode_blocks.max(0.0)
+                                } else {
+                                    0.0
+                                },
+                            },
+                        ))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let applied = m.ledger().apply_peer_report(
+            PeerReport {
+                replica: report.replica.clone(),
+                incarnation: report.incarnation,
+                seq: report.seq,
+                loads,
+            },
+            now,
+        );
+        match applied {
+            PeerApplied::New => {
+                tracing::info!(model = %m.name, replica = %report.replica, "following a peer replica's bookings")
+            }
+            PeerApplied::Restarted => {
+                tracing::info!(model = %m.name, replica = %report.replica, "peer replica restarted; its old bookings are replaced")
+            }
+            PeerApplied::Updated | PeerApplied::Stale => {}
+        }
+    }
+}

@@ -1,0 +1,385 @@
+//! Replicas that agree, end to end: several `kvgate serve` processes in front of the
+//! same mock engines, on loopback, each following the others' load reports
+//! (`--peer`, `--peers-dns`). A booking made on one replica shows in the others' load
+//! within 100 ms and steers their routing; a replica that hangs or dies loses its
+//! bookings at the others within the expiry; a replica restarted under the same name
+//! replaces its old bookings rather than adding to them.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use kvgate_bench::fleet::{EngineConfig, Fleet};
+use kvgate_bench::process::{free_ports, ManagedChild};
+use serde_json::{json, Value};
+
+const MODEL: &str = "mock-model";
+const EXPIRY_MS: u64 = 1000;
+
+fn bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_kvgate"))
+}
+
+async fn engines(n: usize, logs: &std::path::Path) -> Fleet {
+    Fleet::start(
+        &EngineConfig {
+            kvgate_bin: bin(),
+            engines: n,
+            block_size: 16,
+            num_blocks: 1024,
+            // Real-time token pace, so a long answer stays in flight for seconds.
+            speedup: 1.0,
+            seed: 0,
+            extra_args: vec![],
+            startup_timeout: Duration::from_secs(30),
+        },
+        logs,
+    )
+    .await
+    .unwrap()
+}
+
+/// Starts `kvgate serve` (least_loaded over the fleet) and waits until it answers.
+async fn replica(
+    name: &str,
+    host: &str,
+    port: u16,
+    fleet: &Fleet,
+    extra: &[String],
+    logs: &std::path::Path,
+) -> ManagedChild {
+    let mut args: Vec<String> = [
+        "serve",
+        "--host",
+        host,
+        "--port",
+        &port.to_string(),
+        "--model",
+        MODEL,
+        "--policy",
+        "least_loaded",
+        "--peer-expiry-ms",
+        &EXPIRY_MS.to_string(),
+        "--log",
+        "info",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    for a in fleet.addrs() {
+        args.extend(["--worker".into(), a.url.clone()]);
+    }
+    args.extend(extra.iter().cloned());
+    let mut child = ManagedChild::spawn(name, &bin(), &args, logs).unwrap();
+    child
+        .wait_for_http(
+            &[format!("http://{host}:{port}/health")],
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap();
+    child
+}
+
+fn http() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap()
+}
+
+/// `/v1/route/explain` on a replica: its scores by worker URL.
+async fn explain(url: &str) -> Value {
+    http()
+        .post(format!("{url}/v1/route/explain"))
+        .json(&json!({"model": MODEL, "prompt": "hello"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+/// The peers' and this replica's in-flight count on `worker`, as `url` sees them.
+async fn loads_on(url: &str, worker: &str) -> (u64, u64) {
+    let e = explain(url).await;
+    let s = e["scores"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["worker"] == worker)
+        .unwrap_or_else(|| panic!("{worker} not in {e}"))
+        .clone();
+    (
+        s["peer"]["in_flight"].as_u64().unwrap(),
+        s["local"]["in_flight"].as_u64().unwrap(),
+    )
+}
+
+/// Polls until `url` sees `want` peer requests in flight on `worker`; how long it took.
+async fn until_peer_load(url: &str, worker: &str, want: u64, within: Duration) -> Duration {
+    let start = Instant::now();
+    loop {
+        if loads_on(url, worker).await.0 == want {
+            return start.elapsed();
+        }
+        assert!(
+            start.elapsed() < within,
+            "{url} did not see {want} peer requests on {worker} within {within:?}: {}",
+            explain(url).await
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// Starts a long streamed completion through `url`: the response (held open, so its
+/// booking stays) and the worker that serves it.
+async fn hold_request(url: &str) -> (reqwest::Response, String) {
+    let resp = http()
+        .post(format!("{url}/v1/completions"))
+        .json(&json!({
+            "model": MODEL,
+            "prompt": "a long story about replicas that agree",
+            "max_tokens": 4000,
+            "stream": true,
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let worker = resp.headers()["x-kvgate-worker"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    (resp, worker)
+}
+
+async fn metric(url: &str, name: &str) -> f64 {
+    let text = http()
+        .get(format!("{url}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    kvgate_bench::compare::parse_counter_sum(&text, name).unwrap_or(0.0)
+}
+
+async fn until_metric(url: &str, name: &str, want: f64) {
+    let start = Instant::now();
+    while metric(url, name).await != want {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "{url}: {name} never reached {want}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_share_their_bookings_and_drop_a_dead_or_silent_ones() {
+    let logs = tempfile::tempdir().unwrap();
+    let fleet = engines(2, logs.path()).await;
+    let ports = free_ports(4).unwrap();
+    let url = |i: usize| format!("http://127.0.0.1:{}", ports[i]);
+    // a, b, c follow each other; a2 (port 3) is where "a" comes back after a restart,
+    // so b and c follow that address too (a Kubernetes pod comes back on a new IP).
+    let peers_of = |i: usize| -> Vec<String> {
+        (0..4)
+            .filter(|&j| j != i)
+            .flat_map(|j| ["--peer".to_owned(), url(j)])
+            .collect()
+    };
+    let with_id = |id: &str, i: usize| {
+        let mut v = vec!["--replica-id".to_owned(), id.to_owned()];
+        v.extend(peers_of(i));
+        v
+    };
+    let mut a = replica(
+        "a",
+        "127.0.0.1",
+        ports[0],
+        &fleet,
+        &with_id("a", 0),
+        logs.path(),
+    )
+    .await;
+    let _b = replica(
+        "b",
+        "127.0.0.1",
+        ports[1],
+        &fleet,
+        &with_id("b", 1),
+        logs.path(),
+    )
+    .await;
+    let _c = replica(
+        "c",
+        "127.0.0.1",
+        ports[2],
+        &fleet,
+        &with_id("c", 2),
+        logs.path(),
+    )
+    .await;
+    for i in 0..3 {
+        until_metric(&url(i), "kvgate_peers_connected", 2.0).await;
+    }
+
+    // A booking on a shows at b and c within 100 ms (median of six; each within 1 s).
+    let mut seen = Vec::new();
+    let mut held: Vec<(reqwest::Response, String)> = Vec::new();
+    for _ in 0..6 {
+        let (resp, worker) = hold_request(&url(0)).await;
+        let n = held.iter().filter(|h| h.1 == worker).count() as u64 + 1;
+        for i in [1, 2] {
+            seen.push(until_peer_load(&url(i), &worker, n, Duration::from_secs(1)).await);
+        }
+        held.push((resp, worker));
+    }
+    seen.sort();
+    assert!(
+        seen[seen.len() / 2] < Duration::from_millis(100),
+        "peer load visible after {seen:?}"
+    );
+    // Keep a's bookings on one worker only: end the others, which b and c see too.
+    let first = held[0].1.clone();
+    let (keep, end): (Vec<_>, Vec<_>) = held.into_iter().partition(|h| h.1 == first);
+    let other: Vec<String> = end.iter().map(|h| h.1.clone()).collect();
+    drop(end);
+    let held = keep;
+    for w in &other {
+        for i in [1, 2] {
+            until_peer_load(&url(i), w, 0, Duration::from_secs(2)).await;
+        }
+    }
+    let busy = held[0].1.clone();
+    let n = held.len() as u64;
+    // b sees a's load and routes to the other worker, though b itself booked nothing
+    // on either (without a's load both would tie, and least_loaded picks at random).
+    for _ in 0..10 {
+        let e = explain(&url(1)).await;
+        assert_ne!(e["worker"], json!(busy), "{e}");
+    }
+    let (_b_resp, b_worker) = hold_request(&url(1)).await;
+    assert_ne!(b_worker, busy, "b routed onto the worker a is loading");
+    // c sees both.
+    until_peer_load(&url(2), &b_worker, 1, Duration::from_secs(1)).await;
+    assert_eq!(loads_on(&url(2), &busy).await, (n, 0));
+    let e = explain(&url(2)).await;
+    assert_eq!(e["peer_replicas"], json!(["a", "b"]), "{e}");
+
+    // a hangs (SIGSTOP: connections open, nothing sent): b and c drop its bookings
+    // once it has been silent for the expiry, not before half of it.
+    a.signal(libc::SIGSTOP).unwrap();
+    let stopped = Instant::now();
+    for i in [1, 2] {
+        until_peer_load(&url(i), &busy, 0, Duration::from_millis(EXPIRY_MS * 3)).await;
+    }
+    assert!(
+        stopped.elapsed() >= Duration::from_millis(EXPIRY_MS / 2),
+        "dropped after {:?}",
+        stopped.elapsed()
+    );
+    // It wakes: its reports (the same bookings) come back.
+    a.signal(libc::SIGCONT).unwrap();
+    for i in [1, 2] {
+        until_peer_load(&url(i), &busy, n, Duration::from_secs(10)).await;
+    }
+
+    // "a" starts again elsewhere under the same name while its old process still runs
+    // with n requests booked (a pod replaced before the old one is gone): the later run
+    // replaces the earlier one's bookings at b and c; they hold its one booking, not
+    // n + 1.
+    let _a2 = replica(
+        "a2",
+        "127.0.0.1",
+        ports[3],
+        &fleet,
+        &with_id("a", 3),
+        logs.path(),
+    )
+    .await;
+    let (_a2_resp, _) = hold_request(&url(3)).await;
+    let peer_total = |e: &Value| -> u64 {
+        e["scores"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["peer"]["in_flight"].as_u64().unwrap())
+            .sum()
+    };
+    // b's own request is a peer booking at c, local at b.
+    let want = |i: usize| if i == 2 { 2 } else { 1 };
+    for i in [1, 2] {
+        let start = Instant::now();
+        loop {
+            let e = explain(&url(i)).await;
+            if peer_total(&e) == want(i) {
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "replica {i} holds {} peer bookings: {e}",
+                peer_total(&e)
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    // The old process dies: its stream closing does not take the new run's booking
+    // with it, and its reports never come back.
+    a.kill().await;
+    tokio::time::sleep(Duration::from_millis(EXPIRY_MS * 2)).await;
+    for i in [1, 2] {
+        let e = explain(&url(i)).await;
+        assert_eq!(peer_total(&e), want(i), "{e}");
+    }
+    let e = explain(&url(2)).await;
+    assert_eq!(e["peer_replicas"], json!(["a", "b"]), "{e}");
+    assert!(metric(&url(2), "kvgate_peer_reports_total").await > 0.0);
+    drop(held);
+}
+
+/// Two replicas found through one DNS name (each on its own loopback address, same
+/// port): each follows the name's addresses, skips its own, and a booking on either
+/// shows at the other. A replica killed outright loses its bookings at once (its
+/// stream closes), well before the expiry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_found_through_dns_skip_themselves_and_drop_a_killed_one_at_once() {
+    let logs = tempfile::tempdir().unwrap();
+    let fleet = engines(2, logs.path()).await;
+    let port = free_ports(1).unwrap()[0];
+    // "localhost" resolves to 127.0.0.1 only; the second replica listens on
+    // 127.0.0.2 and is given as a URL to the first.
+    let dns = format!("localhost:{port}");
+    let a_args = vec![
+        "--peers-dns".to_owned(),
+        dns.clone(),
+        "--peer".to_owned(),
+        format!("http://127.0.0.2:{port}"),
+    ];
+    let b_args = vec!["--peers-dns".to_owned(), dns];
+    let a_url = format!("http://127.0.0.1:{port}");
+    let b_url = format!("http://127.0.0.2:{port}");
+    let _a = replica("a", "127.0.0.1", port, &fleet, &a_args, logs.path()).await;
+    let mut b = replica("b", "127.0.0.2", port, &fleet, &b_args, logs.path()).await;
+    // Each follows exactly one peer: the other (its own address was refused).
+    until_metric(&a_url, "kvgate_peers_connected", 1.0).await;
+    until_metric(&b_url, "kvgate_peers_connected", 1.0).await;
+    until_metric(&a_url, "kvgate_peer_subscribers", 1.0).await;
+    let (_ra, wa) = hold_request(&a_url).await;
+    until_peer_load(&b_url, &wa, 1, Duration::from_secs(1)).await;
+    let (_rb, wb) = hold_request(&b_url).await;
+    assert_ne!(wa, wb, "b avoided the worker a loads");
+    until_peer_load(&a_url, &wb, 1, Duration::from_secs(1)).await;
+    b.kill().await;
+    let killed = Instant::now();
+    until_peer_load(&a_url, &wb, 0, Duration::from_millis(EXPIRY_MS * 3)).await;
+    assert!(
+        killed.elapsed() < Duration::from_millis(EXPIRY_MS),
+        "a closed stream drops the bookings at once, not after the expiry: {:?}",
+        killed.elapsed()
+    );
+}
