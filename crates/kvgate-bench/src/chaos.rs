@@ -292,7 +292,10 @@ pub async fn run_chaos(cfg: &ChaosConfig) -> anyhow::Result<ChaosSummary> {
         spec.label()
     );
     let (gateway, url) = match routers::start(&spec, &ctx, &addrs).await? {
-        Started::Running { child, url } => (child, url),
+        Started::Running { child, url, more } => {
+            anyhow::ensure!(more.is_empty(), "the fault suite runs one kvgate replica");
+            (child, url)
+        }
         Started::Skipped(why) => anyhow::bail!("kvgate did not start: {why}"),
     };
     let gateway_pid = gateway.pid();

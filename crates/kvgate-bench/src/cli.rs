@@ -404,7 +404,9 @@ pub struct CompareArgs {
     /// (vllm-router:kv_aware, vllm-router:cache_aware, sglang-router:cache_aware).
     /// Default: every kvgate policy and the three peer rows (skipped when not installed).
     /// A row may carry its own options: `kv_aware@overlap-weight=2@temperature=0.1`
-    /// appends `--overlap-weight 2 --temperature 0.1` to that row's command line only.
+    /// appends `--overlap-weight 2 --temperature 0.1` to that row's command line only;
+    /// `kv_aware@replicas=3` starts three kvgate replicas that follow each other's load
+    /// and spreads the requests over them (`@sync=off`: unaware of each other).
     #[arg(long, value_delimiter = ',')]
     pub routers: Vec<String>,
     /// Row the ratio column compares against.

@@ -91,6 +91,10 @@ pub fn tokens_as_text(ids: &[u32]) -> String {
 pub struct BenchClient {
     http: reqwest::Client,
     url: String,
+    /// Completions URLs requests are spread over round-robin (just `url` unless
+    /// [`BenchClient::spread_over`] gave several), and the next one's turn.
+    targets: std::sync::Arc<[String]>,
+    turn: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     model: String,
     timeout: Duration,
     format: PromptFormat,
@@ -112,6 +116,8 @@ impl BenchClient {
             .build()?;
         Ok(Self {
             http,
+            targets: vec![url.clone()].into(),
+            turn: Default::default(),
             url,
             model: model.to_string(),
             timeout,
@@ -125,7 +131,19 @@ impl BenchClient {
         self
     }
 
-    /// The completions URL this client posts to.
+    /// Spreads requests round-robin over these base URLs (router replicas) instead of
+    /// the one given to [`BenchClient::new`].
+    pub fn spread_over(mut self, bases: &[String]) -> Self {
+        if !bases.is_empty() {
+            self.targets = bases
+                .iter()
+                .map(|b| format!("{}/v1/completions", b.trim_end_matches('/')))
+                .collect();
+        }
+        self
+    }
+
+    /// The completions URL this client posts to (the first, when spread).
     pub fn url(&self) -> &str {
         &self.url
     }
@@ -167,7 +185,9 @@ impl BenchClient {
     }
 
     async fn exchange(&self, req: &Request, start: Instant, out: &mut Outcome) {
-        let mut builder = self.http.post(&self.url).json(&self.body(req));
+        let turn = self.turn.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let url = &self.targets[turn % self.targets.len()];
+        let mut builder = self.http.post(url).json(&self.body(req));
         if let Some(session) = &req.session_id {
             builder = builder.header(SESSION_HEADER, session);
         }

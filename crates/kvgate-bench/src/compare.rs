@@ -177,9 +177,13 @@ async fn run_one(
         kvgate_extra_args: cfg.kvgate_extra_args.clone(),
     };
     let engines = fleet.addrs().to_vec();
-    let (mut fleet, router, url) = start_router(spec, &ctx, fleet, &engines).await?;
+    let (mut fleet, router, url, more) = start_router(spec, &ctx, fleet, &engines).await?;
+    let mut urls = vec![url.clone()];
+    urls.extend(more.iter().map(|(_, u)| u.clone()));
+    // Clients spread round-robin over the row's replicas (one URL without @replicas).
     let client = BenchClient::new(&url, &cfg.model, cfg.request_timeout)?
-        .with_prompt_format(spec.prompt_format());
+        .with_prompt_format(spec.prompt_format())
+        .spread_over(&urls);
     let run_cfg = RunConfig {
         label: spec.label(),
         ..cfg.run.clone()
@@ -192,14 +196,19 @@ async fn run_one(
         }
     }
     if matches!(spec, RouterSpec::Kvgate(_)) {
-        // Policies that do not read the prompt predict nothing (0).
-        report.predicted_cached_tokens = kvgate_prediction(&url)
-            .await
-            .map(|(predicted, _)| predicted.round() as u64)
-            .filter(|&p| p > 0);
+        // Policies that do not read the prompt predict nothing (0). Several replicas:
+        // the sum of their predictions.
+        let mut predicted = 0.0;
+        for u in &urls {
+            predicted += kvgate_prediction(u).await.map_or(0.0, |(p, _)| p);
+        }
+        report.predicted_cached_tokens = Some(predicted.round() as u64).filter(|&p| p > 0);
     }
     let alive = fleet.check_alive();
     router.shutdown().await;
+    for (child, _) in more {
+        child.shutdown().await;
+    }
     fleet.shutdown().await;
     alive.context("an engine died during the run")?;
     Ok(report)
@@ -238,6 +247,14 @@ pub(crate) async fn engine_finished_requests(
     parse_counter_sum(&text, "vllm:request_success_total")
 }
 
+/// A row's fleet, its router (first replica) and URL, and its other replicas.
+pub(crate) type RunningRouter = (
+    Fleet,
+    Box<crate::process::ManagedChild>,
+    String,
+    Vec<(crate::process::ManagedChild, String)>,
+);
+
 /// Starts `spec` in front of `engines` (this row's fleet). When the router is skipped or
 /// fails to start, the fleet is shut down and the row's error returned.
 pub(crate) async fn start_router(
@@ -245,9 +262,9 @@ pub(crate) async fn start_router(
     ctx: &RouterContext,
     fleet: Fleet,
     engines: &[crate::fleet::EngineAddr],
-) -> Result<(Fleet, Box<crate::process::ManagedChild>, String), RunError> {
+) -> Result<RunningRouter, RunError> {
     match routers::start(spec, ctx, engines).await {
-        Ok(Started::Running { child, url }) => Ok((fleet, child, url)),
+        Ok(Started::Running { child, url, more }) => Ok((fleet, child, url, more)),
         Ok(Started::Skipped(why)) => {
             fleet.shutdown().await;
             Err(RunError::Skipped(why))

@@ -23,13 +23,23 @@ pub const KVGATE_POLICIES: &[&str] = &[
     "kv_aware",
 ];
 
+/// Row options the bench reads itself rather than pass to the router: `replicas=N`
+/// starts N kvgate processes in front of the fleet and spreads the clients' requests
+/// over them round-robin; `sync=off` leaves them unaware of each other (by default
+/// each follows the others' load with `--peer`).
+pub const BENCH_OPTIONS: &[&str] = &["replicas", "sync"];
+
+/// Most kvgate replicas a row may start.
+pub const MAX_REPLICAS: usize = 16;
+
 /// A router's policy plus the per-row options of its spec.
 ///
 /// Written `POLICY[@FLAG[=VALUE]]...`: every `@flag=value` becomes `--flag value` (and a
 /// bare `@flag` becomes `--flag`) appended to that row's command line only, after the
 /// global `--kvgate-arg`s. `kv_aware@overlap-weight=2` runs `kvgate serve --policy
 /// kv_aware ... --overlap-weight 2`; the row keeps the whole spec as its label so rows
-/// with the same policy stay apart.
+/// with the same policy stay apart. [`BENCH_OPTIONS`] are the bench's own
+/// (`kv_aware@replicas=3@sync=off`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PolicySpec {
     /// The policy name passed as `--policy`.
@@ -63,6 +73,17 @@ impl PolicySpec {
             if value.as_deref() == Some("") {
                 bail!("router spec {s:?}: option {flag:?} has an empty value");
             }
+            match (flag, value.as_deref()) {
+                ("replicas", Some(n))
+                    if n.parse::<usize>()
+                        .is_ok_and(|n| (1..=MAX_REPLICAS).contains(&n)) => {}
+                ("replicas", _) => {
+                    bail!("router spec {s:?}: replicas must be 1 to {MAX_REPLICAS}")
+                }
+                ("sync", Some("on" | "off")) => {}
+                ("sync", _) => bail!("router spec {s:?}: sync must be on or off"),
+                _ => {}
+            }
             options.push((flag.to_string(), value));
         }
         Ok(Self {
@@ -71,10 +92,34 @@ impl PolicySpec {
         })
     }
 
-    /// The options as command-line arguments: `["--overlap-weight", "2", ...]`.
+    fn bench_option(&self, name: &str) -> Option<&str> {
+        self.options
+            .iter()
+            .rev()
+            .find(|(f, _)| f == name)
+            .and_then(|(_, v)| v.as_deref())
+    }
+
+    /// Router processes the row starts (`@replicas=N`, default 1).
+    pub fn replicas(&self) -> usize {
+        self.bench_option("replicas")
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(1)
+    }
+
+    /// Whether several replicas follow each other's load (`@sync=off` says no).
+    pub fn synced(&self) -> bool {
+        self.bench_option("sync") != Some("off")
+    }
+
+    /// The options as command-line arguments: `["--overlap-weight", "2", ...]` (the
+    /// bench's own [`BENCH_OPTIONS`] left out).
     pub fn extra_args(&self) -> Vec<String> {
         let mut args = Vec::with_capacity(self.options.len() * 2);
         for (flag, value) in &self.options {
+            if BENCH_OPTIONS.contains(&flag.as_str()) {
+                continue;
+            }
             args.push(format!("--{flag}"));
             if let Some(v) = value {
                 args.push(v.clone());
@@ -226,10 +271,12 @@ pub struct RouterContext {
 pub enum Started {
     /// Running at `url`.
     Running {
-        /// The router process.
+        /// The router process (the first replica when the row starts several).
         child: Box<ManagedChild>,
         /// Base URL, e.g. `http://127.0.0.1:8000`.
         url: String,
+        /// The row's other replicas and their URLs (`@replicas=N`), empty otherwise.
+        more: Vec<(ManagedChild, String)>,
     },
     /// Not run (e.g. not installed).
     Skipped(String),
@@ -338,41 +385,81 @@ pub async fn start(
     ctx: &RouterContext,
     engines: &[EngineAddr],
 ) -> anyhow::Result<Started> {
-    let ports = free_ports(2)?;
-    let (port, metrics_port) = (ports[0], ports[1]);
-    let Some((bin, args)) = command_line(spec, ctx, engines, port, metrics_port) else {
-        return Ok(Started::Skipped(format!(
-            "{} not installed (pip install {})",
-            spec.label(),
-            match spec {
-                RouterSpec::VllmRouter(_) => "vllm-router",
-                RouterSpec::SglangRouter(_) => "sglang-router",
-                RouterSpec::Kvgate(_) => "kvgate",
+    let replicas = spec.policy_spec().replicas();
+    if replicas > 1 && !matches!(spec, RouterSpec::Kvgate(_)) {
+        bail!("{}: only kvgate rows start several replicas", spec.label());
+    }
+    let ports = free_ports(replicas + 1)?;
+    let metrics_port = ports[replicas];
+    let urls: Vec<String> = ports[..replicas]
+        .iter()
+        .map(|p| format!("http://127.0.0.1:{p}"))
+        .collect();
+    let mut started: Vec<(ManagedChild, String)> = Vec::with_capacity(replicas);
+    for (r, url) in urls.iter().enumerate() {
+        let Some((bin, mut args)) = command_line(spec, ctx, engines, ports[r], metrics_port) else {
+            return Ok(Started::Skipped(format!(
+                "{} not installed (pip install {})",
+                spec.label(),
+                match spec {
+                    RouterSpec::VllmRouter(_) => "vllm-router",
+                    RouterSpec::SglangRouter(_) => "sglang-router",
+                    RouterSpec::Kvgate(_) => "kvgate",
+                }
+            )));
+        };
+        let mut name = format!("router-{}", spec.file_stem());
+        if replicas > 1 {
+            name.push_str(&format!("-r{r}"));
+            args.extend(["--replica-id".into(), format!("r{r}")]);
+            if spec.policy_spec().synced() {
+                for (j, peer) in urls.iter().enumerate() {
+                    if j != r {
+                        args.extend(["--peer".into(), peer.clone()]);
+                    }
+                }
             }
-        )));
+        }
+        let mut child = ManagedChild::spawn(&name, &bin, &args, &ctx.log_dir)?;
+        child
+            .wait_for_http(
+                &[format!("{url}/health"), format!("{url}/v1/models")],
+                ctx.startup_timeout,
+            )
+            .await?;
+        started.push((child, url.clone()));
+    }
+    let mut started = started.into_iter();
+    let Some((child, url)) = started.next() else {
+        bail!("no router started");
     };
-    let mut child = ManagedChild::spawn(
-        &format!("router-{}", spec.file_stem()),
-        &bin,
-        &args,
-        &ctx.log_dir,
-    )?;
-    let url = format!("http://127.0.0.1:{port}");
-    child
-        .wait_for_http(
-            &[format!("{url}/health"), format!("{url}/v1/models")],
-            ctx.startup_timeout,
-        )
-        .await?;
     Ok(Started::Running {
         child: Box::new(child),
         url,
+        more: started.collect(),
     })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn replicas_and_sync_are_the_benchs_own_options() {
+        let p = PolicySpec::parse("kv_aware@replicas=3@sync=off@overlap-weight=2").unwrap();
+        assert_eq!((p.replicas(), p.synced()), (3, false));
+        assert_eq!(p.extra_args(), vec!["--overlap-weight", "2"]);
+        let p = PolicySpec::parse("kv_aware@replicas=3").unwrap();
+        assert_eq!((p.replicas(), p.synced()), (3, true));
+        assert_eq!(PolicySpec::parse("kv_aware").unwrap().replicas(), 1);
+        for bad in [
+            "kv_aware@replicas=0",
+            "kv_aware@replicas=x",
+            "kv_aware@sync=maybe",
+        ] {
+            assert!(PolicySpec::parse(bad).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn peer_routers_get_address_metrics_policy_and_workers() {

@@ -411,8 +411,13 @@ async fn run_row(
         startup_timeout: cfg.router_startup_timeout,
         kvgate_extra_args: kvgate_args,
     };
-    let (mut fleet, router, url) =
+    let (mut fleet, router, url, more) =
         start_router(spec, &ctx, fleet, &addrs[..shape.routed_at_start]).await?;
+    if !more.is_empty() {
+        return Err(RunError::Failed(anyhow::anyhow!(
+            "scenarios run one router replica per row"
+        )));
+    }
     let workload = Arc::new(TenantWorkload::new(shape, cfg.engine.seed));
     let client = BenchClient::new(&url, &cfg.model, cfg.request_timeout)?
         .with_prompt_format(spec.prompt_format());

@@ -61,6 +61,13 @@ fn parse_row(
             other.label()
         ),
     };
+    if policy
+        .options
+        .iter()
+        .any(|(flag, _)| kvgate_bench::routers::BENCH_OPTIONS.contains(&flag.as_str()))
+    {
+        bail!("row {spec:?}: router replicas (@replicas, @sync) are not simulated; compare them in real time with `kvgate bench compare`");
+    }
     let line = serve_line(&policy, global_args, block_size);
     let parsed = ServeLine::try_parse_from(&line)
         .map_err(|e| anyhow::anyhow!("row {spec:?}: {}", e.render().to_string().trim()))?;
@@ -134,6 +141,10 @@ mod tests {
 
     #[test]
     fn peers_unknown_flags_and_limits_are_refused() {
+        for replicas in ["kv_aware@replicas=3", "kv_aware@replicas=3@sync=off"] {
+            let err = parse_rows(replicas, &[], 16, 0).unwrap_err();
+            assert!(err.to_string().contains("not simulated"), "{err}");
+        }
         let err = parse_rows("sglang-router:cache_aware", &[], 16, 0).unwrap_err();
         assert!(err.to_string().contains("kvgate bench compare"), "{err}");
         assert!(parse_rows("kv_aware@no-such-flag=1", &[], 16, 0).is_err());
