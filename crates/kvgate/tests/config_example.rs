@@ -20,3 +20,31 @@ fn readme_yaml_example_parses_and_validates() {
     assert_eq!(config.models[1].workers[1].url, "http://10.0.0.22:8000");
     assert!(config.peers.enabled());
 }
+
+/// The Kubernetes manifest's kvgate config (its ConfigMap) parses and validates, and
+/// the Deployment runs several replicas that find each other through the headless
+/// Service its config names.
+#[test]
+fn kubernetes_manifest_config_validates() {
+    use serde::Deserialize;
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../deploy/kubernetes/kvgate.yaml"
+    );
+    let text = std::fs::read_to_string(path).unwrap();
+    let docs: Vec<serde_json::Value> = serde_norway::Deserializer::from_str(&text)
+        .map(|d| serde_json::Value::deserialize(d).unwrap())
+        .collect();
+    let kind = |k: &'static str| docs.iter().filter(move |d| d["kind"] == k);
+    let config_map = kind("ConfigMap").next().expect("a ConfigMap");
+    let config = Config::from_yaml_str(config_map["data"]["kvgate.yaml"].as_str().unwrap())
+        .expect("the ConfigMap's kvgate.yaml validates");
+    let dns = config.peers.dns.clone().expect("peers found through DNS");
+    let deployment = kind("Deployment").next().expect("a Deployment");
+    assert!(deployment["spec"]["replicas"].as_u64().unwrap() >= 2);
+    let headless = kind("Service")
+        .find(|s| s["spec"]["clusterIP"] == "None")
+        .expect("a headless Service for the peers");
+    let name = headless["metadata"]["name"].as_str().unwrap();
+    assert!(dns.starts_with(&format!("{name}.")), "{dns} names {name}");
+}
