@@ -21,8 +21,8 @@ pub mod policy;
 pub use hashing::{BlockHasher, BlockKey};
 pub use ids::{Tier, WorkerId, WorkerRef};
 pub use index::{
-    IndexConfig, IndexStats, Overlap, OverlapScores, PrefixIndex, RemoveOutcome, StoreError,
-    StoreOutcome, StoredBlocks,
+    HeldBlock, IndexConfig, IndexStats, Overlap, OverlapScores, PrefixIndex, RemoveOutcome,
+    StoreError, StoreOutcome, StoredBlocks,
 };
 
 pub use ledger::{

@@ -127,6 +127,13 @@ pub struct WorkerCounters {
     pub unknown_removals: AtomicU64,
     pub token_count_mismatches: AtomicU64,
     pub stale_messages: AtomicU64,
+    /// Times this router joined the engine's stream without learning everything the
+    /// engine cached before (no replay endpoint, a failed replay, or a replay buffer
+    /// that no longer reaches back to the stream's start): its index may be incomplete
+    /// until the cache turns over.
+    pub incomplete_starts: AtomicU64,
+    /// Snapshots of this worker's index entries loaded from a peer router.
+    pub snapshot_loads: AtomicU64,
     /// 1 while the subscriber holds a live connection to the engine.
     pub connected: AtomicU64,
     last_mismatch_log: Mutex<Option<Instant>>,
@@ -245,6 +252,8 @@ impl WorkerCounters {
             unknown_removals: g(&self.unknown_removals),
             token_count_mismatches: g(&self.token_count_mismatches),
             stale_messages: g(&self.stale_messages),
+            incomplete_starts: g(&self.incomplete_starts),
+            snapshot_loads: g(&self.snapshot_loads),
         }
     }
 }
@@ -276,6 +285,10 @@ pub struct WorkerEventStats {
     pub token_count_mismatches: u64,
     /// Live messages dropped as already applied (replay overlap, duplicates).
     pub stale_messages: u64,
+    /// Joins of the stream that could not learn everything cached before them.
+    pub incomplete_starts: u64,
+    /// Snapshots of this worker loaded from a peer router.
+    pub snapshot_loads: u64,
 }
 
 impl WorkerEventStats {

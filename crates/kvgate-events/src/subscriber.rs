@@ -17,6 +17,7 @@ use tokio::task::JoinHandle;
 use zeromq::{Socket, SocketRecv, SubSocket};
 
 use crate::apply::apply_batch;
+use crate::bootstrap::Bootstrap;
 use crate::link::LinkWatch;
 use crate::metrics::DropReason;
 use crate::metrics::{EventMetrics, WorkerCounters};
@@ -31,6 +32,8 @@ pub type SharedIndex = Arc<RwLock<PrefixIndex>>;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EventSource {
     pub worker: WorkerId,
+    /// The worker's name (its URL): what a bootstrap asks peer routers about.
+    pub name: String,
     /// The engine's PUB endpoint, `tcp://host:port` (vLLM: rank r publishes on port+r).
     pub endpoint: String,
     /// The engine's replay ROUTER endpoint, if it has one.
@@ -45,6 +48,7 @@ impl EventSource {
     pub fn new(worker: WorkerId, endpoint: impl Into<String>) -> Self {
         Self {
             worker,
+            name: worker.to_string(),
             endpoint: endpoint.into(),
             replay_endpoint: None,
             topic: String::new(),
@@ -124,19 +128,30 @@ pub fn spawn_subscriber(
     source: EventSource,
     index: SharedIndex,
     metrics: Arc<EventMetrics>,
+    bootstrap: Option<Bootstrap>,
 ) -> SubscriberHandle {
-    spawn_subscriber_with(source, SubscriberConfig::default(), index, metrics)
+    spawn_subscriber_with(
+        source,
+        SubscriberConfig::default(),
+        index,
+        metrics,
+        bootstrap,
+    )
 }
 
 /// Spawns a subscriber with explicit timing. Must be called inside a tokio runtime.
+/// With a `bootstrap`, its first connection loads a peer router's snapshot of the
+/// worker rank before replaying the engine's buffer from where the snapshot ends.
 pub fn spawn_subscriber_with(
     source: EventSource,
     config: SubscriberConfig,
     index: SharedIndex,
     metrics: Arc<EventMetrics>,
+    bootstrap: Option<Bootstrap>,
 ) -> SubscriberHandle {
     let (stop, stop_rx) = watch::channel(false);
-    let ingest = Ingest::new(source, index, metrics);
+    let mut ingest = Ingest::new(source, index, metrics);
+    ingest.bootstrap = bootstrap;
     let task = tokio::spawn(run(ingest, config, stop_rx));
     SubscriberHandle {
         stop,
@@ -153,6 +168,8 @@ struct Ingest {
     cursor: Cursor,
     /// Ranks this stream has written to the index (purged together).
     ranks_seen: Vec<u32>,
+    /// Asks a peer router for its snapshot of this worker rank (first connection).
+    bootstrap: Option<Bootstrap>,
 }
 
 impl Ingest {
@@ -165,6 +182,7 @@ impl Ingest {
             counters,
             cursor: Cursor::default(),
             ranks_seen: Vec::new(),
+            bootstrap: None,
         }
     }
 
@@ -195,9 +213,12 @@ impl Ingest {
             self.ranks_seen.push(rank);
         }
         let at = WorkerRef::new(self.source.worker, rank);
+        let stream = WorkerRef::new(self.source.worker, self.source.dp_rank);
         let (outcome, block_size, entries) = {
             let mut index = self.index.write();
             let outcome = apply_batch(&mut index, at, &batch);
+            // Under the same lock, so a snapshot's blocks and sequence agree.
+            index.set_applied_seq(stream, seq);
             (outcome, index.block_size(), index.len())
         };
         self.metrics.set_index_entries(entries);
@@ -271,6 +292,87 @@ impl Ingest {
         }
     }
 
+    /// On connecting: learns what the engine cached before from its replay buffer (from
+    /// sequence 0), so a router that starts after the engines routes to their cached
+    /// prefixes from its first request, before any new event arrives.
+    async fn warm_start(&mut self, config: &SubscriberConfig) {
+        if !config.warm_start || self.cursor.last().is_some() {
+            return;
+        }
+        // A peer's snapshot first: it reaches back further than the engine's buffer.
+        let from = match self.load_snapshot().await {
+            Some(last_seq) => last_seq.wrapping_add(1),
+            None => 0,
+        };
+        if self.source.replay_endpoint.is_none() {
+            // Nothing to ask; the first live message says whether anything came before.
+            return;
+        }
+        match self.replay(from, config).await {
+            Some(batches) => self.warm_from(from, &batches),
+            None => self.incomplete("the replay at connect failed"),
+        }
+    }
+
+    /// Loads a peer router's snapshot of this worker rank, if a bootstrap is set and a
+    /// peer has one; returns the last sequence number it reflects.
+    async fn load_snapshot(&mut self) -> Option<u64> {
+        // Only the first connection: after a reconnect (an engine restart, a lost
+        // link) the engine's own buffer is the truth, and a peer may not know yet.
+        let bootstrap = self.bootstrap.take()?;
+        let rank = self.source.dp_rank;
+        let snapshot = bootstrap(self.source.name.clone(), rank).await?;
+        let at = WorkerRef::new(self.source.worker, rank);
+        let (held, entries) = {
+            let mut index = self.index.write();
+            let held = index.import_worker(at, &snapshot.blocks);
+            index.set_applied_seq(at, snapshot.last_seq);
+            (held, index.len())
+        };
+        self.metrics.set_index_entries(entries);
+        if !self.ranks_seen.contains(&rank) {
+            self.ranks_seen.push(rank);
+        }
+        self.cursor.replayed(snapshot.last_seq);
+        WorkerCounters::inc(&self.counters.snapshot_loads);
+        tracing::info!(
+            worker = %self.source.worker,
+            name = %self.source.name,
+            rank,
+            blocks = held,
+            last_seq = snapshot.last_seq,
+            "loaded a peer router's index snapshot of this worker; replaying the engine's events after it"
+        );
+        Some(snapshot.last_seq)
+    }
+
+    /// Applies a replay asked from sequence `from`; a buffer that no longer reaches
+    /// back to `from` means batches before it are lost to this router.
+    fn warm_from(&mut self, from: u64, batches: &[ReplayedBatch]) {
+        let Some(first) = batches.first() else {
+            return;
+        };
+        let first = first.seq;
+        self.apply_replayed(batches);
+        if first > from {
+            self.incomplete(&format!(
+                "the engine's replay buffer starts at seq {first}, not {from}"
+            ));
+        }
+    }
+
+    /// Says (a counter and a warning) that the index may not show everything this
+    /// worker cached before this router joined.
+    fn incomplete(&self, why: &str) {
+        WorkerCounters::inc(&self.counters.incomplete_starts);
+        tracing::warn!(
+            worker = %self.source.worker,
+            endpoint = %self.source.endpoint,
+            why,
+            "prefix index may be incomplete for this worker: blocks it cached before this router joined are unknown until they are used again or evicted"
+        );
+    }
+
     /// Handles one live message.
     async fn on_live(&mut self, seq: u64, payload: Bytes, config: &SubscriberConfig) {
         match self.cursor.classify(seq) {
@@ -281,10 +383,19 @@ impl Ingest {
             }
             Verdict::Restart => self.restarted(seq),
             Verdict::Join => {
-                if config.warm_start {
-                    if let Some(batches) = self.replay(0, config).await {
-                        self.apply_replayed(&batches);
-                    }
+                // The connect-time warm start found nothing to replay (or could not):
+                // what was published since may be in the buffer now.
+                let replayed = if config.warm_start {
+                    self.replay(0, config).await
+                } else {
+                    None
+                };
+                match replayed {
+                    Some(batches) => self.warm_from(0, &batches),
+                    None if seq > 0 => self.incomplete(&format!(
+                        "joined the event stream at seq {seq} without a replay of what came before"
+                    )),
+                    None => {}
                 }
             }
             Verdict::Gap { from } => {
@@ -438,6 +549,7 @@ async fn run(mut ingest: Ingest, config: SubscriberConfig, mut stop: watch::Rece
         connected_before = true;
         ingest.counters.connected.store(1, relaxed());
         tracing::info!(%worker, endpoint = %ingest.source.endpoint, "subscribed to KV events");
+        ingest.warm_start(&config).await;
         let stopping = loop {
             tokio::select! {
                 _ = stop.changed() => break true,

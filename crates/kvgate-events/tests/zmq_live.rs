@@ -176,12 +176,13 @@ fn start(
 ) -> SubscriberHandle {
     let source = EventSource {
         worker: WORKER,
+        name: "engine".into(),
         endpoint: engine.endpoint.clone(),
         replay_endpoint: engine.replay_endpoint.clone(),
         topic: "kv".into(),
         dp_rank: 0,
     };
-    spawn_subscriber_with(source, config(), index.clone(), metrics.clone())
+    spawn_subscriber_with(source, config(), index.clone(), metrics.clone(), None)
 }
 
 /// Batch `i` (seq i, from 1): two chained blocks continuing the previous batch (a new
@@ -223,7 +224,9 @@ async fn gap_recovered_by_replay_equals_a_gap_free_run() {
     let expected = blocks(&index_a);
     assert!(expected.len() > 20);
     let s = stats(&metrics_a);
-    assert_eq!((s.gaps, s.replays, s.purges), (0, 0, 0));
+    // One replay: the warm start at connect (the buffer was empty then).
+    assert_eq!((s.gaps, s.replays, s.purges), (0, 1, 0));
+    assert_eq!(s.incomplete_starts, 0);
     sub.shutdown_and_wait().await;
     drop(engine);
 
@@ -243,7 +246,7 @@ async fn gap_recovered_by_replay_equals_a_gap_free_run() {
     wait_until("replayed run converges", || blocks(&index_b) == expected).await;
     let s = stats(&metrics_b);
     assert_eq!(s.gaps, 1);
-    assert_eq!(s.replays, 1);
+    assert_eq!(s.replays, 2, "the warm start at connect, then the gap's");
     assert_eq!((s.replay_failures, s.purges, s.decode_errors), (0, 0, 0));
     sub.shutdown_and_wait().await;
 }
@@ -274,7 +277,9 @@ async fn unrecoverable_gap_purges_then_rebuilds_from_live_events() {
     })
     .await;
     let s = stats(&metrics);
-    assert_eq!((s.gaps, s.replays, s.replay_failures), (1, 1, 1));
+    // The warm start at connect failed too, and said the index may be incomplete.
+    assert_eq!((s.gaps, s.replays, s.replay_failures), (1, 2, 2));
+    assert_eq!(s.incomplete_starts, 1);
     let key = |seed| index.read().hasher().block_keys(&block_tokens(seed, BS))[0];
     let held: Vec<BlockKey> = blocks(&index).into_iter().map(|(k, _)| k).collect();
     assert_eq!(held, vec![key(4)], "entries from before the gap are gone");

@@ -45,7 +45,7 @@ pub struct Gateway {
     pub(crate) grace_over: CancellationToken,
     forward_auth: ForwardAuth,
     /// This replica's identity and load reports for its peers.
-    pub(crate) peers: crate::peers::PeerHub,
+    pub(crate) peers: Arc<crate::peers::PeerHub>,
 }
 
 impl std::fmt::Debug for Gateway {
@@ -72,8 +72,21 @@ impl Gateway {
         // One worker-id counter for every model's service: ids are unique gateway-wide.
         let worker_ids = Arc::new(AtomicU32::new(0));
         let ledger_ttl = Duration::from_secs(config.ledger_ttl_secs.max(1));
+        let peers = Arc::new(crate::peers::PeerHub::default());
+        let client = build_client(&config.timeouts);
         for mc in &config.models {
             let model = Arc::new(build_model(mc, &events, &worker_ids, ledger_ttl)?);
+            if config.peers.enabled() {
+                // Before any worker is added: their subscribers ask the peers for a
+                // snapshot of the worker before replaying its engine's buffer.
+                model.selection.set_bootstrap(crate::peers::bootstrap(
+                    client.clone(),
+                    peers.clone(),
+                    config.peers.clone(),
+                    config.admin_token.clone(),
+                    mc.name.clone(),
+                ));
+            }
             models.insert(mc.name.clone(), model.clone());
             names.push((mc.name.clone(), model.clone(), None));
             for a in &mc.lora_adapters {
@@ -89,7 +102,7 @@ impl Gateway {
             None => None,
         };
         let gw = Arc::new(Gateway {
-            client: build_client(&config.timeouts),
+            client,
             limiter: GlobalLimiter::new(&config.limits),
             metrics: Metrics::new().context("cannot register metrics")?,
             events,
@@ -102,7 +115,7 @@ impl Gateway {
             models,
             names,
             config,
-            peers: crate::peers::PeerHub::default(),
+            peers,
         });
         for (model, workers) in pending {
             gw.metrics.init_model(&model.name, model.kind().as_str());

@@ -305,7 +305,7 @@ fn render_events(
     worker_url: impl Fn(kvgate_core::WorkerId) -> Option<String>,
 ) {
     type Field = fn(&kvgate_events::WorkerEventStats) -> u64;
-    let counters: [(&str, &str, Field); 11] = [
+    let counters: [(&str, &str, Field); 13] = [
         ("batches", "Event batches received", |s| s.batches),
         ("events_applied", "Events applied to the index", |s| {
             s.events_applied
@@ -326,6 +326,16 @@ fn render_events(
             "restarts",
             "Engine restarts seen (event sequence went backwards)",
             |s| s.restarts,
+        ),
+        (
+            "incomplete_starts",
+            "Joins of the engine's event stream that could not learn everything it cached before (no replay endpoint, a failed replay, or a replay buffer that no longer reaches back): the index may miss blocks until the cache turns over",
+            |s| s.incomplete_starts,
+        ),
+        (
+            "snapshot_loads",
+            "Snapshots of this worker's index entries loaded from a peer replica at start",
+            |s| s.snapshot_loads,
         ),
     ];
     let labels: Vec<String> = snap

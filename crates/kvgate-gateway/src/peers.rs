@@ -6,7 +6,10 @@
 //! serves at `GET /peer/v1/loads`, following each peer's stream (static URLs, or the
 //! addresses of a DNS name re-resolved periodically) and handing what arrives to the
 //! model's ledger, which holds it beside this replica's own bookings
-//! (`kvgate_core::peer_loads`). It must not choose workers or change this replica's
+//! (`kvgate_core::peer_loads`). Also the index bootstrap over the same links: serving
+//! a snapshot of one worker rank's index entries with the event sequence number they
+//! reflect (`POST /peer/v1/index`), and the callback a new replica's KV-event
+//! subscribers use to ask its peers for one before replaying the engine's buffer. It must not choose workers or change this replica's
 //! own bookings, and it never forwards a peer's load to another peer (each replica
 //! reports only what it booked, so nothing is counted twice).
 //!
@@ -30,20 +33,30 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use axum::body::Body;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
+use axum::Json;
 use bytes::{Bytes, BytesMut};
 use http::{header, HeaderMap, HeaderName, HeaderValue, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
-use kvgate_core::{PeerApplied, PeerReport, WorkerLoad};
+use kvgate_core::{BlockKey, HeldBlock, PeerApplied, PeerReport, Tier, WorkerLoad};
+use kvgate_events::{Bootstrap, RankSnapshot};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::auth::check_bearer;
+use crate::config::PeersConfig;
 use crate::errors::ApiError;
 use crate::gateway::Gateway;
+use crate::proxy::HttpClient;
 
 /// Path of the report stream.
 pub const LOADS_PATH: &str = "/peer/v1/loads";
+/// Path of the index snapshot of one worker rank (`POST` with [`SnapshotRequest`]).
+pub const INDEX_PATH: &str = "/peer/v1/index";
+/// Largest snapshot accepted from a peer.
+const MAX_SNAPSHOT_BYTES: usize = 1 << 30;
+/// How long one peer may take to answer a snapshot request.
+const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(30);
 /// Header with which a follower names itself, so a replica can refuse to follow
 /// itself (a DNS name lists every replica, this one included).
 pub const REPLICA_HEADER: HeaderName = HeaderName::from_static("x-kvgate-replica");
@@ -86,6 +99,7 @@ pub struct WireLoad {
 }
 
 /// This replica's side of the exchange: its identity and its latest report line.
+/// Shared (`Arc`) with the index bootstrap callbacks.
 pub struct PeerHub {
     identity: OnceLock<Identity>,
     latest: watch::Sender<Bytes>,
@@ -521,4 +535,183 @@ fn apply(gw: &Gateway, report: WireReport) {
             PeerApplied::Updated | PeerApplied::Stale => {}
         }
     }
+}
+
+/// What a replica asks a peer for: its index entries of one worker rank.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotRequest {
+    pub model: String,
+    /// The worker's URL, as configured.
+    pub worker: String,
+    #[serde(default)]
+    pub rank: u32,
+}
+
+/// A worker rank's index entries as they travel: `[key, parent or null, engine hash,
+/// tier (0 device, 1 host, 2 disk)]` per block held, and the last event sequence
+/// number they reflect.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireSnapshot {
+    pub last_seq: u64,
+    pub blocks: Vec<(u64, Option<u64>, u64, u8)>,
+}
+
+impl WireSnapshot {
+    fn from_rank(s: &RankSnapshot) -> Self {
+        Self {
+            last_seq: s.last_seq,
+            blocks: s
+                .blocks
+                .iter()
+                .map(|b| {
+                    (
+                        b.key.0,
+                        b.parent.map(|p| p.0),
+                        b.engine_hash,
+                        b.tier.index() as u8,
+                    )
+                })
+                .collect(),
+        }
+    }
+
+    /// The snapshot, or `None` when a block names a tier that does not exist.
+    fn into_rank(self) -> Option<RankSnapshot> {
+        let blocks = self
+            .blocks
+            .into_iter()
+            .map(|(key, parent, engine_hash, tier)| {
+                Some(HeldBlock {
+                    key: BlockKey(key),
+                    parent: parent.map(BlockKey),
+                    engine_hash,
+                    tier: *Tier::ALL.get(usize::from(tier))?,
+                })
+            })
+            .collect::<Option<Vec<_>>>()?;
+        Some(RankSnapshot {
+            blocks,
+            last_seq: self.last_seq,
+        })
+    }
+}
+
+/// `POST /peer/v1/index`: this replica's index entries of one worker rank, for a peer
+/// that is starting. 404 when the model or worker is unknown here or this replica has
+/// applied none of that rank's events (a snapshot must say where events continue).
+pub async fn serve_snapshot(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Err(e) = check_bearer(&headers, gw.config.admin_token.as_deref(), "admin token") {
+        return e.into_response();
+    }
+    let req: SnapshotRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return ApiError::malformed_json(e).into_response(),
+    };
+    let Some(model) = gw.model(&req.model) else {
+        return ApiError::not_found(format!("unknown model {:?}", req.model)).into_response();
+    };
+    let Some(worker) = model.worker_by_url(&req.worker) else {
+        return ApiError::not_found(format!("unknown worker {:?}", req.worker)).into_response();
+    };
+    let model = model.clone();
+    let id = worker.id;
+    // Exporting a large index takes a while: off the async workers.
+    let snapshot =
+        tokio::task::spawn_blocking(move || model.selection.snapshot_rank(id, req.rank)).await;
+    match snapshot {
+        Ok(Some(s)) => Json(WireSnapshot::from_rank(&s)).into_response(),
+        Ok(None) => ApiError::not_found(format!(
+            "no KV events of {} rank {} applied here yet",
+            worker.url, req.rank
+        ))
+        .into_response(),
+        Err(e) => ApiError::internal(format!("snapshot failed: {e}")).into_response(),
+    }
+}
+
+/// The index bootstrap a model's KV-event subscribers use: asks each peer (the
+/// configured URLs, then the DNS name's addresses) in turn for its snapshot of the
+/// worker rank, and returns the first one given.
+pub fn bootstrap(
+    client: HttpClient,
+    hub: Arc<PeerHub>,
+    cfg: PeersConfig,
+    admin_token: Option<String>,
+    model: String,
+) -> Bootstrap {
+    Arc::new(move |worker: String, rank: u32| {
+        let (client, hub, cfg, token, model) = (
+            client.clone(),
+            hub.clone(),
+            cfg.clone(),
+            admin_token.clone(),
+            model.clone(),
+        );
+        Box::pin(async move {
+            let mut candidates = cfg.urls.clone();
+            if let Some(name) = &cfg.dns {
+                if let Ok(addrs) = tokio::net::lookup_host(name.as_str()).await {
+                    candidates.extend(addrs.map(|a| format!("http://{a}")));
+                }
+            }
+            let request = SnapshotRequest {
+                model,
+                worker,
+                rank,
+            };
+            for peer in candidates {
+                match fetch_snapshot(&client, &hub, token.as_deref(), &peer, &request).await {
+                    Ok(s) => return Some(s),
+                    Err(why) => {
+                        tracing::debug!(%peer, worker = %request.worker, rank, %why, "no index snapshot from this peer")
+                    }
+                }
+            }
+            None
+        })
+    })
+}
+
+async fn fetch_snapshot(
+    client: &HttpClient,
+    hub: &PeerHub,
+    token: Option<&str>,
+    peer: &str,
+    request: &SnapshotRequest,
+) -> Result<RankSnapshot, String> {
+    let body = serde_json::to_vec(request).map_err(|e| e.to_string())?;
+    let mut req = Request::post(format!("{peer}{INDEX_PATH}"))
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(body)))
+        .map_err(|e| e.to_string())?;
+    if let Some(v) = hub
+        .identity()
+        .and_then(|i| HeaderValue::from_str(&i.replica).ok())
+    {
+        req.headers_mut().insert(REPLICA_HEADER, v);
+    }
+    if let Some(v) = token.and_then(|t| HeaderValue::from_str(&format!("Bearer {t}")).ok()) {
+        req.headers_mut().insert(header::AUTHORIZATION, v);
+    }
+    let answer = async {
+        let resp = client.request(req).await.map_err(|e| e.to_string())?;
+        if resp.status() != StatusCode::OK {
+            return Err(format!("answered {}", resp.status()));
+        }
+        let body = http_body_util::Limited::new(resp.into_body(), MAX_SNAPSHOT_BYTES)
+            .collect()
+            .await
+            .map_err(|e| e.to_string())?
+            .to_bytes();
+        let wire: WireSnapshot = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
+        wire.into_rank()
+            .ok_or_else(|| "a block names an unknown tier".to_owned())
+    };
+    tokio::time::timeout(SNAPSHOT_TIMEOUT, answer)
+        .await
+        .map_err(|_| "timed out".to_owned())?
 }

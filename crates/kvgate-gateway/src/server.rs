@@ -55,6 +55,7 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         )
         .route("/admin/workers/{id}", delete(crate::admin::remove_id))
         .route(crate::peers::LOADS_PATH, get(crate::peers::serve_loads))
+        .route(crate::peers::INDEX_PATH, post(crate::peers::serve_snapshot))
         .fallback(not_found)
         .method_not_allowed_fallback(crate::front_door::method_not_allowed)
         .with_state(gw)

@@ -31,7 +31,8 @@ use kvgate_core::{
     SelectError, WorkerId,
 };
 use kvgate_events::{
-    spawn_subscriber, EventFeed, EventMetrics, EventSource, SharedIndex, SubscriberHandle,
+    spawn_subscriber, Bootstrap, EventFeed, EventMetrics, EventSource, RankSnapshot, SharedIndex,
+    SubscriberHandle,
 };
 use parking_lot::{Mutex, RwLock};
 use rustc_hash::FxHashMap;
@@ -176,6 +177,9 @@ pub struct SelectionService {
     ids: Arc<AtomicU32>,
     events: Arc<EventMetrics>,
     requests: Mutex<FxHashMap<String, HeldBooking>>,
+    /// Given to each new worker's subscribers: asks peer routers for a snapshot of
+    /// the worker before replaying its engine's buffer ([`Self::set_bootstrap`]).
+    bootstrap: RwLock<Option<Bootstrap>>,
 }
 
 impl std::fmt::Debug for SelectionService {
@@ -240,6 +244,7 @@ impl SelectionService {
             ids,
             events,
             requests: Mutex::new(FxHashMap::default()),
+            bootstrap: RwLock::new(None),
             config,
         })
     }
@@ -387,7 +392,7 @@ impl SelectionService {
         name: &str,
         events: Option<WorkerEvents>,
     ) -> anyhow::Result<()> {
-        let subscribers = self.spawn_subscribers(id, events.as_ref())?;
+        let subscribers = self.spawn_subscribers(id, name, events.as_ref())?;
         workers.insert(
             id,
             WorkerEntry {
@@ -400,6 +405,26 @@ impl SelectionService {
         self.count_events(workers);
         self.notify_policy(workers);
         Ok(())
+    }
+
+    /// Sets how workers added from now on bootstrap their index entries: their
+    /// subscribers first ask `bootstrap` (the gateway asks its peer replicas) for a
+    /// snapshot of the worker, then replay the engine's events after it.
+    pub fn set_bootstrap(&self, bootstrap: Bootstrap) {
+        *self.bootstrap.write() = Some(bootstrap);
+    }
+
+    /// A snapshot of what the index holds for one worker rank, and the last event
+    /// sequence number it reflects (for a peer router's bootstrap); `None` when this
+    /// router has applied no event of that rank.
+    pub fn snapshot_rank(&self, id: WorkerId, rank: u32) -> Option<RankSnapshot> {
+        let index = self.index.as_ref()?.read();
+        let at = kvgate_core::WorkerRef::new(id, rank);
+        let last_seq = index.applied_seq(at)?;
+        Some(RankSnapshot {
+            blocks: index.export_worker(at),
+            last_seq,
+        })
     }
 
     /// Adds a worker by name, or updates its event endpoints when it is known. A
@@ -422,7 +447,7 @@ impl SelectionService {
                 for s in entry.subscribers.drain(..) {
                     s.shutdown();
                 }
-                entry.subscribers = self.spawn_subscribers(id, events.as_ref())?;
+                entry.subscribers = self.spawn_subscribers(id, name, events.as_ref())?;
                 entry.events = events;
                 self.count_events(&workers);
                 let purged = self.purge_index(id);
@@ -509,15 +534,18 @@ impl SelectionService {
     fn spawn_subscribers(
         &self,
         id: WorkerId,
+        name: &str,
         events: Option<&WorkerEvents>,
     ) -> anyhow::Result<Vec<SubscriberHandle>> {
         let (Some(index), Some(ev)) = (&self.index, events) else {
             return Ok(Vec::new());
         };
+        let bootstrap = self.bootstrap.read().clone();
         (0..ev.dp_size)
             .map(|rank| {
                 let source = EventSource {
                     worker: id,
+                    name: name.to_string(),
                     endpoint: rank_endpoint(&ev.endpoint, rank)?,
                     replay_endpoint: ev
                         .replay_endpoint
@@ -527,7 +555,12 @@ impl SelectionService {
                     topic: self.config.kv_topic.clone(),
                     dp_rank: rank,
                 };
-                Ok(spawn_subscriber(source, index.clone(), self.events.clone()))
+                Ok(spawn_subscriber(
+                    source,
+                    index.clone(),
+                    self.events.clone(),
+                    bootstrap.clone(),
+                ))
             })
             .collect()
     }

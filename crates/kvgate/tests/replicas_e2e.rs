@@ -20,6 +20,10 @@ fn bin() -> PathBuf {
 }
 
 async fn engines(n: usize, logs: &std::path::Path) -> Fleet {
+    engines_with(n, &[], logs).await
+}
+
+async fn engines_with(n: usize, extra: &[&str], logs: &std::path::Path) -> Fleet {
     Fleet::start(
         &EngineConfig {
             kvgate_bin: bin(),
@@ -29,7 +33,7 @@ async fn engines(n: usize, logs: &std::path::Path) -> Fleet {
             // Real-time token pace, so a long answer stays in flight for seconds.
             speedup: 1.0,
             seed: 0,
-            extra_args: vec![],
+            extra_args: extra.iter().map(|s| s.to_string()).collect(),
             startup_timeout: Duration::from_secs(30),
         },
         logs,
@@ -47,6 +51,19 @@ async fn replica(
     extra: &[String],
     logs: &std::path::Path,
 ) -> ManagedChild {
+    serve(name, "least_loaded", host, port, fleet, extra, logs).await
+}
+
+/// Starts `kvgate serve --policy POLICY` over the fleet and waits until it answers.
+async fn serve(
+    name: &str,
+    policy: &str,
+    host: &str,
+    port: u16,
+    fleet: &Fleet,
+    extra: &[String],
+    logs: &std::path::Path,
+) -> ManagedChild {
     let mut args: Vec<String> = [
         "serve",
         "--host",
@@ -56,7 +73,7 @@ async fn replica(
         "--model",
         MODEL,
         "--policy",
-        "least_loaded",
+        policy,
         "--peer-expiry-ms",
         &EXPIRY_MS.to_string(),
         "--log",
@@ -381,5 +398,169 @@ async fn two_replicas_found_through_dns_skip_themselves_and_drop_a_killed_one_at
         killed.elapsed() < Duration::from_millis(EXPIRY_MS),
         "a closed stream drops the bookings at once, not after the expiry: {:?}",
         killed.elapsed()
+    );
+}
+
+/// `kvgate serve` with kv_aware over the fleet's engines, their KV events and replay
+/// endpoints (`extra` appended), waiting until it answers.
+async fn kv_replica(
+    name: &str,
+    port: u16,
+    fleet: &Fleet,
+    extra: &[String],
+    logs: &std::path::Path,
+) -> ManagedChild {
+    let mut args = vec!["--remote-tokenize".to_owned()];
+    for a in fleet.addrs() {
+        args.extend(["--kv-events".into(), format!("{}={}", a.url, a.kv_events)]);
+        args.extend([
+            "--kv-events-replay".into(),
+            format!("{}={}", a.url, a.replay),
+        ]);
+    }
+    args.extend(extra.iter().cloned());
+    serve(name, "kv_aware", "127.0.0.1", port, fleet, &args, logs).await
+}
+
+/// Tenant `t`'s prompt: 40 blocks of its own text.
+fn tenant_prompt(t: usize) -> String {
+    (0..640)
+        .map(|i| format!("t{t}w{i}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Sends every tenant's prompt once through `url` (one output token); which worker
+/// served each.
+async fn serve_tenants(url: &str, tenants: usize) -> Vec<String> {
+    let mut served = Vec::new();
+    for t in 0..tenants {
+        let resp = http()
+            .post(format!("{url}/v1/completions"))
+            .json(&json!({"model": MODEL, "prompt": tenant_prompt(t), "max_tokens": 1}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        served.push(
+            resp.headers()["x-kvgate-worker"]
+                .to_str()
+                .unwrap()
+                .to_owned(),
+        );
+        resp.bytes().await.unwrap();
+    }
+    served
+}
+
+/// Where `url` would route tenant `t`'s prompt, and how many cached blocks it sees
+/// there.
+async fn route_of(url: &str, t: usize) -> (String, u64) {
+    let e: Value = http()
+        .post(format!("{url}/v1/route/explain"))
+        .json(&json!({"model": MODEL, "prompt": tenant_prompt(t)}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let worker = e["worker"].as_str().unwrap().to_owned();
+    let blocks = e["scores"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["worker"] == worker)
+        .map_or(0, |s| s["overlap_blocks"]["device"].as_u64().unwrap());
+    (worker, blocks)
+}
+
+/// Waits until `url`'s index shows every tenant's prompt cached on the worker that
+/// served it (events arrive shortly after each request).
+async fn until_indexed(url: &str, served: &[String]) {
+    let start = Instant::now();
+    for (t, worker) in served.iter().enumerate() {
+        loop {
+            let (w, blocks) = route_of(url, t).await;
+            if w == *worker && blocks >= 32 {
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "{url} never indexed tenant {t} on {worker} (routes to {w}, {blocks} blocks)"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// A replica started after the engines cached the tenants' prompts routes each to its
+/// holder on its first request, from the engines' replay buffers alone (no peer), and
+/// reports nothing missing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_replica_routes_to_cached_prefixes_from_the_engines_replay_buffers() {
+    let logs = tempfile::tempdir().unwrap();
+    let fleet = engines(2, logs.path()).await;
+    let ports = free_ports(2).unwrap();
+    let first = format!("http://127.0.0.1:{}", ports[0]);
+    let late = format!("http://127.0.0.1:{}", ports[1]);
+    let _r1 = kv_replica("r1", ports[0], &fleet, &[], logs.path()).await;
+    let served = serve_tenants(&first, 6).await;
+    until_indexed(&first, &served).await;
+    // The engines are idle from here on: no event arrives after the late replica starts.
+    let _r2 = kv_replica("r2", ports[1], &fleet, &[], logs.path()).await;
+    until_metric(&late, "kvgate_kv_events_connected", 2.0).await;
+    for (t, worker) in served.iter().enumerate() {
+        let (w, blocks) = route_of(&late, t).await;
+        assert_eq!(&w, worker, "tenant {t}");
+        assert!(blocks >= 32, "tenant {t}: {blocks} cached blocks seen");
+    }
+    assert_eq!(
+        metric(&late, "kvgate_kv_events_incomplete_starts_total").await,
+        0.0
+    );
+    assert_eq!(
+        metric(&late, "kvgate_kv_events_snapshot_loads_total").await,
+        0.0
+    );
+}
+
+/// Engines whose replay buffers hold only their last two event batches: a replica
+/// started late without peers says its index may be incomplete and misses the early
+/// tenants; one started with a peer loads the peer's snapshot of each engine, replays
+/// what came after it, and routes every tenant to its holder on its first request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_replica_loads_a_peers_index_snapshot_where_replay_buffers_fall_short() {
+    let logs = tempfile::tempdir().unwrap();
+    let fleet = engines_with(2, &["--replay-buffer", "2"], logs.path()).await;
+    let ports = free_ports(3).unwrap();
+    let url = |i: usize| format!("http://127.0.0.1:{}", ports[i]);
+    let _r1 = kv_replica("r1", ports[0], &fleet, &[], logs.path()).await;
+    let served = serve_tenants(&url(0), 6).await;
+    until_indexed(&url(0), &served).await;
+
+    let _alone = kv_replica("alone", ports[1], &fleet, &[], logs.path()).await;
+    until_metric(&url(1), "kvgate_kv_events_connected", 2.0).await;
+    assert!(
+        metric(&url(1), "kvgate_kv_events_incomplete_starts_total").await >= 1.0,
+        "a replay buffer that no longer reaches back is reported"
+    );
+    let (_, blocks) = route_of(&url(1), 0).await;
+    assert_eq!(
+        blocks, 0,
+        "without a peer the first tenant's blocks are unknown"
+    );
+
+    let peer = vec!["--peer".to_owned(), url(0)];
+    let _r2 = kv_replica("r2", ports[2], &fleet, &peer, logs.path()).await;
+    until_metric(&url(2), "kvgate_kv_events_snapshot_loads_total", 2.0).await;
+    for (t, worker) in served.iter().enumerate() {
+        let (w, blocks) = route_of(&url(2), t).await;
+        assert_eq!(&w, worker, "tenant {t}");
+        assert!(blocks >= 32, "tenant {t}: {blocks} cached blocks seen");
+    }
+    assert_eq!(
+        metric(&url(2), "kvgate_kv_events_incomplete_starts_total").await,
+        0.0
     );
 }

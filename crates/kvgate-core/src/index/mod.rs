@@ -87,6 +87,16 @@ impl Default for IndexConfig {
     }
 }
 
+/// One block a worker rank holds, as an index snapshot carries it: its key and parent
+/// (to rebuild the entry) and the engine's hash (to apply the engine's later events).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeldBlock {
+    pub key: BlockKey,
+    pub parent: Option<BlockKey>,
+    pub engine_hash: u64,
+    pub tier: Tier,
+}
+
 /// A run of blocks an engine reports as stored, as `BlockStored` delivers them.
 #[derive(Clone, Copy, Debug)]
 pub struct StoredBlocks<'a> {
@@ -188,6 +198,9 @@ struct SlotState {
     orphans: FxHashMap<BlockKey, u32>,
     /// Blocks this slot holds at some tier but not on the device tier.
     lower_only: usize,
+    /// The last engine event sequence number the slot's entries reflect (set by the
+    /// caller that applies the events), so a snapshot says where to continue from.
+    applied_seq: Option<u64>,
 }
 
 impl SlotState {
@@ -198,6 +211,7 @@ impl SlotState {
             entries: 0,
             orphans: FxHashMap::default(),
             lower_only: 0,
+            applied_seq: None,
         }
     }
 
@@ -355,6 +369,75 @@ impl PrefixIndex {
         out.sort();
         out.dedup();
         out
+    }
+
+    /// Every block one worker rank holds, for an index snapshot another router loads
+    /// ([`Self::import_worker`]): key, parent and engine hash per tier held, sorted by
+    /// key.
+    pub fn export_worker(&self, at: WorkerRef) -> Vec<HeldBlock> {
+        let Some(&slot) = self.slot_of.get(&at) else {
+            return Vec::new();
+        };
+        let Some(state) = self.slot(slot) else {
+            return Vec::new();
+        };
+        let mut keys: Vec<BlockKey> = state.engine_to_key.values().copied().collect();
+        keys.sort();
+        keys.dedup();
+        let mut out = Vec::with_capacity(keys.len());
+        for key in keys {
+            if let Some(entry) = self.blocks.get(&key) {
+                out.extend(
+                    entry
+                        .holders()
+                        .filter(|h| h.slot == slot)
+                        .map(|h| HeldBlock {
+                            key,
+                            parent: entry.parent(),
+                            engine_hash: h.engine_hash,
+                            tier: h.tier,
+                        }),
+                );
+            }
+        }
+        out
+    }
+
+    /// Replaces what one worker rank holds with a snapshot of it (from
+    /// [`Self::export_worker`], usually another router's): the rank's entries are
+    /// cleared, then each block is held as if its `BlockStored` had been applied, so
+    /// the engine's later events (removals by engine hash, stores naming a parent)
+    /// apply as they would have. Returns the blocks now held; the cap is enforced.
+    pub fn import_worker(&mut self, at: WorkerRef, blocks: &[HeldBlock]) -> usize {
+        self.clear(at);
+        let Some(slot) = self.slot_for(at) else {
+            return 0;
+        };
+        let mut held = 0;
+        for b in blocks {
+            if self.insert_holder(slot, b.key, b.parent, b.engine_hash, b.tier) {
+                held += 1;
+            }
+        }
+        self.stats.stored_blocks += held as u64;
+        self.enforce_cap();
+        held
+    }
+
+    /// Records that a worker rank's entries reflect its engine's events through
+    /// sequence number `seq` (the event ingest calls this with each batch it applies).
+    pub fn set_applied_seq(&mut self, at: WorkerRef, seq: u64) {
+        if let Some(slot) = self.slot_for(at) {
+            if let Some(state) = self.slot_mut(slot) {
+                state.applied_seq = Some(seq);
+            }
+        }
+    }
+
+    /// The last event sequence number a worker rank's entries reflect (`None` before
+    /// any, and after a clear).
+    pub fn applied_seq(&self, at: WorkerRef) -> Option<u64> {
+        self.slot_state(at).and_then(|s| s.applied_seq)
     }
 
     /// Our key for an engine block hash held by a worker rank.
@@ -766,6 +849,7 @@ impl PrefixIndex {
                 state.orphans = FxHashMap::default();
                 state.lower_only = 0;
                 state.entries = 0;
+                state.applied_seq = None;
                 state.engine_to_key.drain().map(|(_, k)| k).collect()
             }
             None => return 0,

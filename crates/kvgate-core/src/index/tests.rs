@@ -836,6 +836,48 @@ proptest! {
         }
     }
 
+    /// A router that loads another's snapshot of every worker rank, then applies the
+    /// same later events, ends up with the same index: the snapshot carries what the
+    /// events need (engine hashes, parents), and rebuilding keeps the bookkeeping
+    /// (child counts, orphans) consistent.
+    #[test]
+    fn a_loaded_snapshot_continues_like_the_original(
+        before in prop::collection::vec(op_strategy(), 1..40),
+        after in prop::collection::vec(op_strategy(), 0..40),
+    ) {
+        let mut original = index(1_000_000);
+        let mut model = Model::default();
+        for op in before {
+            apply_op(&mut original, &mut model, op);
+        }
+        let mut loaded = index(1_000_000);
+        for w in 0..3 {
+            for r in 0..2 {
+                let blocks = original.export_worker(at(w, r));
+                loaded.import_worker(at(w, r), &blocks);
+            }
+        }
+        assert_bookkeeping(&loaded);
+        let mut model_copy = Model { holders: model.holders.clone() };
+        for op in after {
+            apply_op(&mut original, &mut model, op.clone());
+            apply_op(&mut loaded, &mut model_copy, op);
+            assert_bookkeeping(&loaded);
+        }
+        prop_assert_eq!(loaded.len(), original.len());
+        for w in 0..3 {
+            for r in 0..2 {
+                let a = at(w, r);
+                prop_assert_eq!(loaded.worker_blocks(a), original.worker_blocks(a));
+                for seq in 0..4 {
+                    let keys = hasher().block_keys(&sequence(seq));
+                    let of = |idx: &PrefixIndex| idx.overlaps(&keys).per_ref.iter().find(|o| o.at == a).map_or([0; 3], |o| o.blocks);
+                    prop_assert_eq!(of(&loaded), of(&original), "worker {:?} seq {}", a, seq);
+                }
+            }
+        }
+    }
+
     /// Without engine removals, no hole can appear: eviction only takes leaves.
     #[test]
     fn eviction_never_creates_holes(ops in prop::collection::vec(op_strategy(), 1..60), cap in 1..12usize) {
