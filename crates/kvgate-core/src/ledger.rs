@@ -386,7 +386,7 @@ impl Ledger {
                 }
             })
             .collect();
-        if inner.prefilling.is_empty() || max_age.is_zero() {
+        if (inner.prefilling.is_empty() && !inner.peers.has_prefilling()) || max_age.is_zero() {
             return out;
         }
         let stride = PREFILL_CHECKPOINT_STRIDE;
@@ -410,8 +410,32 @@ impl Ledger {
                     }
                 }
             }
+            // Prompts peer replicas are prefilling (they leave the peer's next report
+            // at their first token, so they are fresh).
+            for worker in inner.peers.prefilling_on(&keys[p - 1]) {
+                if let Some(i) = candidates.iter().position(|w| w == worker) {
+                    if out[i].blocks == 0 {
+                        out[i].blocks = p as u32;
+                        missing -= 1;
+                    }
+                }
+            }
             p -= stride;
         }
+        out
+    }
+
+    /// This router's prompts in prefill: per booking whose first token has not
+    /// arrived, its worker and its prompt's checkpoint keys (for peer replicas' credit).
+    pub fn prefilling_checkpoints(&self) -> Vec<(WorkerId, Vec<BlockKey>)> {
+        let inner = self.inner.lock();
+        let mut out: Vec<(WorkerId, Vec<BlockKey>)> = inner
+            .bookings
+            .values()
+            .filter(|b| b.prefill_pending && !b.prefilling.is_empty())
+            .map(|b| (b.worker, b.prefilling.to_vec()))
+            .collect();
+        out.sort();
         out
     }
 
@@ -751,6 +775,43 @@ mod tests {
         assert_eq!(prefilling_blocks(&ledger, &prompt, &ws), [0, 0]);
         drop(g);
         assert!(ledger.inner.lock().prefilling.is_empty());
+    }
+
+    /// A prompt another replica reported in prefill on a worker is credited there as
+    /// this router's own would be, and no longer once the peer's report drops it.
+    #[test]
+    fn a_peer_replicas_prompt_in_prefill_is_credited_too() {
+        let ledger = Ledger::new(16);
+        let ws = [WorkerId(0), WorkerId(1)];
+        let prompt = keys(0, 16 * 40);
+        let theirs = Ledger::new(16);
+        let g = theirs.book(WorkerId(1), spec(16 * 40, 0, None), &prompt, Instant::now());
+        let report = |seq, prefilling| crate::peer_loads::PeerReport {
+            replica: "b".into(),
+            incarnation: 1,
+            seq,
+            loads: Vec::new(),
+            prefilling,
+        };
+        ledger.apply_peer_report(report(1, theirs.prefilling_checkpoints()), Instant::now());
+        assert_eq!(prefilling_blocks(&ledger, &prompt, &ws), [0, 32]);
+        g.prefill_done();
+        assert!(theirs.prefilling_checkpoints().is_empty());
+        ledger.apply_peer_report(report(2, theirs.prefilling_checkpoints()), Instant::now());
+        assert_eq!(prefilling_blocks(&ledger, &prompt, &ws), [0, 0]);
+        // Credit off: nothing, peers' or own.
+        ledger.apply_peer_report(
+            report(
+                3,
+                vec![(
+                    WorkerId(1),
+                    prompt.iter().skip(15).step_by(16).copied().collect(),
+                )],
+            ),
+            Instant::now(),
+        );
+        let off = ledger.prefill_credits(&prompt, &ws, Instant::now(), Duration::ZERO);
+        assert_eq!(off.iter().map(|c| c.blocks).collect::<Vec<_>>(), [0, 0]);
     }
 
     /// Reading a credit or booking the same prefix again never extends an old credit:

@@ -10,6 +10,10 @@
 //! or know how reports travel (the gateway's peers module does), and it never holds
 //! this router's own bookings (the ledger does).
 //!
+//! Reports also carry the replica's prompts in prefill (their checkpoint keys, per
+//! worker), so kv_aware's prefill credit sees a prompt another replica is prefilling as
+//! it sees its own ([`PeerLoads::prefilling_on`]).
+//!
 //! Reports name workers by [`WorkerId`]: the caller resolves the peer's worker URLs
 //! to this process's ids before applying, and drops workers it does not serve.
 
@@ -17,7 +21,9 @@ use std::time::{Duration, Instant};
 
 use rustc_hash::FxHashMap;
 use serde::Serialize;
+use smallvec::SmallVec;
 
+use crate::hashing::BlockKey;
 use crate::ids::WorkerId;
 use crate::ledger::WorkerLoad;
 
@@ -32,6 +38,9 @@ pub struct PeerReport {
     /// Increases with every report of one incarnation.
     pub seq: u64,
     pub loads: Vec<(WorkerId, WorkerLoad)>,
+    /// The prompts the replica booked that are still in prefill: per booking, its
+    /// worker and its prompt's checkpoint keys (see the ledger's prefill credit).
+    pub prefilling: Vec<(WorkerId, Vec<BlockKey>)>,
 }
 
 /// What applying a report did.
@@ -62,6 +71,7 @@ struct Held {
     seq: u64,
     heard_at: Instant,
     loads: Vec<(WorkerId, WorkerLoad)>,
+    prefilling: Vec<(WorkerId, Vec<BlockKey>)>,
 }
 
 /// The peer replicas' reports and their sum per worker.
@@ -69,6 +79,9 @@ struct Held {
 pub struct PeerLoads {
     replicas: FxHashMap<String, Held>,
     totals: FxHashMap<WorkerId, WorkerLoad>,
+    /// Checkpoint key → workers on which a peer's booking is prefilling a prompt with
+    /// that key.
+    prefilling: FxHashMap<BlockKey, SmallVec<[WorkerId; 2]>>,
 }
 
 impl PeerLoads {
@@ -100,6 +113,7 @@ impl PeerLoads {
                 seq: report.seq,
                 heard_at: now,
                 loads: report.loads,
+                prefilling: report.prefilling,
             },
         );
         self.recompute();
@@ -143,8 +157,20 @@ impl PeerLoads {
     pub fn forget_worker(&mut self, worker: WorkerId) {
         for held in self.replicas.values_mut() {
             held.loads.retain(|(w, _)| *w != worker);
+            held.prefilling.retain(|(w, _)| *w != worker);
         }
-        self.totals.remove(&worker);
+        self.recompute();
+    }
+
+    /// The workers on which a peer's booking is prefilling a prompt that has this
+    /// checkpoint key.
+    pub fn prefilling_on(&self, key: &BlockKey) -> &[WorkerId] {
+        self.prefilling.get(key).map_or(&[], |w| w.as_slice())
+    }
+
+    /// Whether any peer reported a prompt in prefill.
+    pub fn has_prefilling(&self) -> bool {
+        !self.prefilling.is_empty()
     }
 
     /// The peers' summed load on one worker (zero when none is held).
@@ -170,7 +196,16 @@ impl PeerLoads {
     /// subtraction can survive a change (replicas × workers is small).
     fn recompute(&mut self) {
         self.totals.clear();
+        self.prefilling.clear();
         for held in self.replicas.values() {
+            for (worker, keys) in &held.prefilling {
+                for key in keys {
+                    let on = self.prefilling.entry(*key).or_default();
+                    if !on.contains(worker) {
+                        on.push(*worker);
+                    }
+                }
+            }
             for (worker, l) in &held.loads {
                 let t = self.totals.entry(*worker).or_default();
                 t.in_flight += l.in_flight;
@@ -211,6 +246,7 @@ mod tests {
                 .iter()
                 .map(|(w, n)| (WorkerId(*w), load(*n)))
                 .collect(),
+            prefilling: Vec::new(),
         }
     }
 
@@ -293,6 +329,29 @@ mod tests {
         assert!(!p.remove("b", 1));
         assert_eq!(p.load(WorkerId(0)), WorkerLoad::default());
         assert_eq!(p.stats(), PeerStats::default());
+    }
+
+    #[test]
+    fn prompts_in_prefill_are_held_per_replica_and_replaced_with_its_reports() {
+        let mut p = PeerLoads::default();
+        let t = Instant::now();
+        let mut r = report("a", 1, 1, &[(0, 1)]);
+        r.prefilling = vec![(WorkerId(0), vec![BlockKey(7), BlockKey(9)])];
+        p.apply(r, t);
+        let mut r = report("b", 1, 1, &[(1, 1)]);
+        r.prefilling = vec![(WorkerId(1), vec![BlockKey(7)])];
+        p.apply(r, t);
+        assert_eq!(
+            p.prefilling_on(&BlockKey(7)),
+            &[WorkerId(0), WorkerId(1)][..]
+        );
+        assert_eq!(p.prefilling_on(&BlockKey(9)), &[WorkerId(0)][..]);
+        // a's prefill ended (first token): its next report has none.
+        p.apply(report("a", 1, 2, &[(0, 1)]), t);
+        assert_eq!(p.prefilling_on(&BlockKey(7)), &[WorkerId(1)][..]);
+        assert!(p.prefilling_on(&BlockKey(9)).is_empty());
+        p.forget_worker(WorkerId(1));
+        assert!(!p.has_prefilling());
     }
 
     #[test]

@@ -96,6 +96,10 @@ pub struct WireLoad {
     pub in_flight: u32,
     pub prefill_tokens: u64,
     pub decode_blocks: f64,
+    /// Prompts in prefill on this worker: per booking, its prompt's checkpoint keys
+    /// (for kv_aware's prefill credit at the peers).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub prefilling: Vec<Vec<u64>>,
 }
 
 /// This replica's side of the exchange: its identity and its latest report line.
@@ -153,6 +157,7 @@ fn local_loads(gw: &Gateway) -> Vec<WireModel> {
             let workers = m.workers();
             let ids: Vec<_> = workers.iter().map(|w| w.id).collect();
             let loads = m.ledger().loads_of(&ids);
+            let mut prefilling = m.ledger().prefilling_checkpoints();
             WireModel {
                 model: m.name.to_string(),
                 workers: workers
@@ -164,6 +169,11 @@ fn local_loads(gw: &Gateway) -> Vec<WireModel> {
                         in_flight: l.in_flight,
                         prefill_tokens: l.prefill_tokens,
                         decode_blocks: l.decode_blocks,
+                        prefilling: prefilling
+                            .iter_mut()
+                            .filter(|(on, _)| *on == w.id)
+                            .map(|(_, keys)| keys.drain(..).map(|k| k.0).collect())
+                            .collect(),
                     })
                     .collect(),
             }
@@ -196,6 +206,15 @@ pub async fn run_publisher(gw: Arc<Gateway>) {
             for gone in m.ledger().expire_peers(now, expiry) {
                 tracing::warn!(model = %m.name, replica = %gone, ?expiry, "peer replica went silent; dropping its bookings");
             }
+        }
+        if gw.peers.latest.receiver_count() == 0 {
+            // Nobody follows this replica: build nothing, and let the next follower
+            // wait for a fresh report rather than read a stale one.
+            if !gw.peers.latest.borrow().is_empty() {
+                gw.peers.latest.send_replace(Bytes::new());
+            }
+            last = None;
+            continue;
         }
         let models = local_loads(&gw);
         let due = match &last {
@@ -493,6 +512,23 @@ fn apply(gw: &Gateway, report: WireReport) {
     for m in gw.models() {
         let wire = report.models.iter().find(|w| *w.model == *m.name);
         let workers = m.workers();
+        let resolve = |url: &str| {
+            let url = crate::config::normalize_url(url);
+            workers.iter().find(|w| *w.url == *url).map(|w| w.id)
+        };
+        let prefilling = wire
+            .map(|w| {
+                w.workers
+                    .iter()
+                    .filter_map(|l| Some((resolve(&l.url)?, &l.prefilling)))
+                    .flat_map(|(id, bookings)| {
+                        bookings
+                            .iter()
+                            .map(move |keys| (id, keys.iter().map(|k| BlockKey(*k)).collect()))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
         let loads = wire
             .map(|w| {
                 w.workers
@@ -522,6 +558,7 @@ fn apply(gw: &Gateway, report: WireReport) {
                 incarnation: report.incarnation,
                 seq: report.seq,
                 loads,
+                prefilling,
             },
             now,
         );

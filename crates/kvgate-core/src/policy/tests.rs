@@ -218,6 +218,7 @@ fn policies_score_the_load_peer_replicas_reported_as_well_as_their_own() {
                 decode_blocks: 200.0,
             },
         )],
+        prefilling: Vec::new(),
     };
     ledger.apply_peer_report(peer, now);
     let ws = workers(2);
