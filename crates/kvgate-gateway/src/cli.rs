@@ -9,7 +9,7 @@ use kvgate_core::{KvAwareConfig, PolicyKind};
 
 use crate::config::{
     normalize_url, parse_assignment, Config, FailoverConfig, HealthConfig, LimitsConfig,
-    ModelConfig, PeersConfig, TimeoutsConfig, WorkerConfig,
+    ModelConfig, PeersConfig, TimeoutsConfig, WorkerConfig, WorkersDnsConfig,
 };
 
 /// Help headings of `kvgate serve --help`.
@@ -56,6 +56,17 @@ pub struct ServeArgs {
     /// context_length_exceeded before they are fully tokenized.
     #[arg(long, value_name = "TOKENS", help_heading = MODEL)]
     pub max_model_len: Option<u32>,
+    /// Workers from a DNS name, NAME:PORT (a Kubernetes headless Service of engine
+    /// pods): every address is a worker at http://ADDRESS:PORT, re-resolved every 5 s
+    /// (new addresses join, vanished ones leave).
+    #[arg(long, value_name = "NAME:PORT", help_heading = MODEL)]
+    pub workers_dns: Option<String>,
+    /// With --workers-dns: the engines' KV-event port (events at tcp://ADDRESS:PORT).
+    #[arg(long, value_name = "PORT", help_heading = MODEL, requires = "workers_dns")]
+    pub workers_dns_kv_events_port: Option<u16>,
+    /// With --workers-dns: the engines' KV-event replay port.
+    #[arg(long, value_name = "PORT", help_heading = MODEL, requires = "workers_dns_kv_events_port")]
+    pub workers_dns_replay_port: Option<u16>,
     /// KV events of a worker: WORKER_URL=tcp://HOST:PORT (repeat per worker).
     #[arg(long = "kv-events", value_name = "URL=ENDPOINT", help_heading = MODEL)]
     pub kv_events: Vec<String>,
@@ -165,11 +176,14 @@ pub struct ServeArgs {
     pub replica_id: Option<String>,
     #[arg(long, value_name = "MS", help_heading = PEERS, help = with_default("A peer not heard from for this long loses its bookings here, ms", PeersConfig::default().expiry_ms))]
     pub peer_expiry_ms: Option<u64>,
+    #[arg(long, value_name = "MS", help_heading = PEERS, help = with_default("How often this replica looks for a change in its bookings to report to its peers, ms", PeersConfig::default().publish_ms))]
+    pub peer_publish_ms: Option<u64>,
 }
 
 fn has_model_flags(a: &ServeArgs) -> bool {
     a.model.is_some()
         || !a.workers.is_empty()
+        || a.workers_dns.is_some()
         || a.policy.is_some()
         || a.tokenizer.is_some()
         || a.remote_tokenize
@@ -241,6 +255,13 @@ impl ServeArgs {
             session_header: self.session_header.clone(),
             lora_adapters: self.lora_adapters.clone(),
             kv_topic: self.kv_topic.clone(),
+            workers_dns: self.workers_dns.as_ref().map(|name| WorkersDnsConfig {
+                name: name.clone(),
+                kv_events_port: self.workers_dns_kv_events_port,
+                kv_events_replay_port: self.workers_dns_replay_port,
+                dp_size: self.dp_size,
+                ..WorkersDnsConfig::default()
+            }),
             ..ModelConfig::default()
         };
         if let Some(w) = self.overlap_weight {
@@ -326,6 +347,7 @@ impl ServeArgs {
             c.peers.replica_id = self.replica_id.clone();
         }
         set(&mut c.peers.expiry_ms, &self.peer_expiry_ms);
+        set(&mut c.peers.publish_ms, &self.peer_publish_ms);
     }
 }
 

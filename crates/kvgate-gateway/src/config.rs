@@ -176,6 +176,74 @@ pub struct ModelConfig {
     pub kv_topic: String,
     /// Cap on prefix-index entries for this model.
     pub index_max_blocks: usize,
+    /// Workers found through a DNS name, in addition to `workers`.
+    pub workers_dns: Option<WorkersDnsConfig>,
+}
+
+/// Engines found through one DNS name (a Kubernetes headless Service of vLLM pods):
+/// every address it resolves to is a worker at `http://ADDRESS:PORT`, with its KV
+/// events and replay on the same address at the ports given. Re-resolved every
+/// `refresh_ms`: a new address joins as through the admin API, a vanished one leaves
+/// (its index entries are purged; its requests in flight finish).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WorkersDnsConfig {
+    /// `NAME:PORT`, the port being the engines' HTTP port.
+    pub name: String,
+    /// The engines' KV-event PUB port, if they publish events.
+    pub kv_events_port: Option<u16>,
+    /// The engines' replay ROUTER port.
+    pub kv_events_replay_port: Option<u16>,
+    /// Data-parallel ranks per engine.
+    pub dp_size: u32,
+    pub refresh_ms: u64,
+}
+
+impl Default for WorkersDnsConfig {
+    fn default() -> Self {
+        Self {
+            name: String::new(),
+            kv_events_port: None,
+            kv_events_replay_port: None,
+            dp_size: 1,
+            refresh_ms: 5_000,
+        }
+    }
+}
+
+impl WorkersDnsConfig {
+    fn validate(&self) -> anyhow::Result<()> {
+        match self.name.rsplit_once(':') {
+            Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {}
+            _ => bail!("workers_dns.name {:?} must be NAME:PORT", self.name),
+        }
+        if self.refresh_ms == 0 {
+            bail!("workers_dns.refresh_ms must be positive");
+        }
+        if self.dp_size == 0 || self.dp_size > MAX_DP_SIZE {
+            bail!("workers_dns.dp_size must be 1 to {MAX_DP_SIZE}");
+        }
+        if self.kv_events_replay_port.is_some() && self.kv_events_port.is_none() {
+            bail!("workers_dns.kv_events_replay_port needs kv_events_port");
+        }
+        Ok(())
+    }
+
+    /// The worker at one resolved address.
+    pub fn worker_at(&self, addr: std::net::SocketAddr) -> WorkerConfig {
+        let ip = match addr.ip() {
+            std::net::IpAddr::V6(v6) => format!("[{v6}]"),
+            v4 => v4.to_string(),
+        };
+        WorkerConfig {
+            url: format!("http://{ip}:{}", addr.port()),
+            kv_events: self.kv_events_port.map(|p| format!("tcp://{ip}:{p}")),
+            kv_events_replay: self
+                .kv_events_replay_port
+                .map(|p| format!("tcp://{ip}:{p}")),
+            dp_size: self.dp_size,
+        }
+    }
 }
 
 impl ModelConfig {
@@ -221,6 +289,7 @@ impl Default for ModelConfig {
             kv_fallback: None,
             kv_topic: String::new(),
             index_max_blocks: kvgate_core::IndexConfig::default().max_blocks,
+            workers_dns: None,
         }
     }
 }
@@ -231,9 +300,13 @@ impl ModelConfig {
         self.policy.uses_tokens()
     }
 
-    /// Whether any worker publishes KV events.
+    /// Whether any worker publishes KV events (or will, found through DNS).
     pub fn has_event_source(&self) -> bool {
         self.workers.iter().any(|w| w.kv_events.is_some())
+            || self
+                .workers_dns
+                .as_ref()
+                .is_some_and(|d| d.kv_events_port.is_some())
     }
 }
 
@@ -524,6 +597,9 @@ impl ModelConfig {
         }
         if self.block_size == 0 {
             bail!("model {name:?}: block_size must be at least 1");
+        }
+        if let Some(dns) = &self.workers_dns {
+            dns.validate().with_context(|| format!("model {name:?}"))?;
         }
         let mut urls = HashSet::new();
         for w in &self.workers {

@@ -7,8 +7,9 @@
 //! (an attempt's `lease`: admission plus booking; forward, retry before the first
 //! byte) → `proxy` (upstream HTTP) → `observe` (pass bytes through, drive the
 //! booking, end the lease).
-//! Background: `health` (checks, ledger sweep), `peers` (load reports exchanged with
-//! other kvgate replicas). State: `gateway`, `registry`,
+//! Background: `health` (checks, ledger sweep), `peers` (load reports and index
+//! snapshots exchanged with other kvgate replicas), `discovery` (engines found through
+//! DNS). State: `gateway`, `registry`,
 //! `breaker`, `limits`. Must not contain policy scoring (kvgate-core) or event
 //! decoding (kvgate-events).
 
@@ -17,6 +18,7 @@ pub mod auth;
 pub mod breaker;
 pub mod cli;
 pub mod config;
+pub mod discovery;
 pub mod errors;
 pub mod failover;
 pub mod front_door;
@@ -34,7 +36,7 @@ pub mod server;
 
 pub use config::{
     Config, FailoverConfig, HealthConfig, LimitsConfig, ModelConfig, PeersConfig, TimeoutsConfig,
-    WorkerConfig,
+    WorkerConfig, WorkersDnsConfig,
 };
 pub use errors::ApiError;
 pub use gateway::Gateway;

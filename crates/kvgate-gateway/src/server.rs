@@ -372,6 +372,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
         tokio::spawn(crate::health::run_ledger_sweep(gw.clone())),
         tokio::spawn(crate::peers::run_publisher(gw.clone())),
         tokio::spawn(crate::peers::run_followers(gw.clone())),
+        tokio::spawn(crate::discovery::run_worker_discovery(gw.clone())),
     ];
     let app = router(gw.clone());
     let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {

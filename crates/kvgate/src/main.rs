@@ -34,7 +34,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the OpenAI-compatible routing gateway in front of engine replicas.
-    Serve(kvgate_gateway::cli::ServeArgs),
+    Serve(Box<kvgate_gateway::cli::ServeArgs>),
     /// Run one simulated vLLM-compatible engine (paged prefix cache, batching, KV events).
     MockEngine(kvgate_mock_engine::cli::MockEngineArgs),
     /// Replay a trace against an endpoint, or compare routers side by side.
@@ -81,7 +81,7 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async move {
         match cli.command {
-            Command::Serve(args) => kvgate_gateway::cli::run(args).await,
+            Command::Serve(args) => kvgate_gateway::cli::run(*args).await,
             Command::MockEngine(args) => kvgate_mock_engine::cli::run(args).await,
             Command::Bench(args) => kvgate_bench::cli::run_bench(args).await,
             Command::Demo(args) => kvgate_bench::cli::run_demo(args).await,

@@ -188,6 +188,9 @@ const SERVE_FLAGS_WITHOUT_DEFAULT: &[&str] = &[
     "--metrics-token",
     "--peer",
     "--peers-dns",
+    "--workers-dns",
+    "--workers-dns-kv-events-port",
+    "--workers-dns-replay-port",
 ];
 
 #[test]

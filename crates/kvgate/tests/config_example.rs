@@ -40,6 +40,11 @@ fn kubernetes_manifest_config_validates() {
     let config = Config::from_yaml_str(config_map["data"]["kvgate.yaml"].as_str().unwrap())
         .expect("the ConfigMap's kvgate.yaml validates");
     let dns = config.peers.dns.clone().expect("peers found through DNS");
+    let engines = config.models[0]
+        .workers_dns
+        .as_ref()
+        .expect("engines found through DNS");
+    assert!(engines.kv_events_port.is_some() && engines.kv_events_replay_port.is_some());
     let deployment = kind("Deployment").next().expect("a Deployment");
     assert!(deployment["spec"]["replicas"].as_u64().unwrap() >= 2);
     let headless = kind("Service")

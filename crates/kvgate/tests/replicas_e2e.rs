@@ -564,3 +564,68 @@ async fn a_late_replica_loads_a_peers_index_snapshot_where_replay_buffers_fall_s
         0.0
     );
 }
+
+/// A model whose workers come from a DNS name: the engine behind `localhost:PORT`
+/// joins (with its KV events, from the ports given) without being named anywhere, and
+/// serves requests routed by kv_aware on its events.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_found_through_dns_join_with_their_kv_events() {
+    let logs = tempfile::tempdir().unwrap();
+    let fleet = engines(1, logs.path()).await;
+    let engine = fleet.addrs()[0].clone();
+    let port_of = |u: &str| u.rsplit(':').next().unwrap().to_owned();
+    let port = free_ports(1).unwrap()[0];
+    let url = format!("http://127.0.0.1:{port}");
+    let args: Vec<String> = [
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        &port.to_string(),
+        "--model",
+        MODEL,
+        "--policy",
+        "kv_aware",
+        "--remote-tokenize",
+        "--admin-token",
+        "t",
+        "--workers-dns",
+        &format!("localhost:{}", port_of(&engine.url)),
+        "--workers-dns-kv-events-port",
+        &port_of(&engine.kv_events),
+        "--workers-dns-replay-port",
+        &port_of(&engine.replay),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let mut child = ManagedChild::spawn("dns", &bin(), &args, logs.path()).unwrap();
+    child
+        .wait_for_http(&[format!("{url}/health")], Duration::from_secs(30))
+        .await
+        .unwrap();
+    let start = Instant::now();
+    loop {
+        let list: Value = http()
+            .get(format!("{url}/admin/workers"))
+            .bearer_auth("t")
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if list.to_string().contains(&engine.url) {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "the engine never joined: {list}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    until_metric(&url, "kvgate_kv_events_connected", 1.0).await;
+    let served = serve_tenants(&url, 2).await;
+    assert!(served.iter().all(|w| *w == engine.url), "{served:?}");
+    until_indexed(&url, &served).await;
+}

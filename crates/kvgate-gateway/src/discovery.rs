@@ -1,0 +1,212 @@
+//! Engines found through DNS: a model's `workers_dns` name (a Kubernetes headless
+//! Service of engine pods) re-resolved periodically, each address a worker.
+//!
+//! Owns the resolve-and-reconcile loop and the pure reconcile step ([`reconcile`]):
+//! which discovered workers to add and which to remove. Adding and removing go through
+//! the gateway's own operations (as the admin API does), so subscribers, index purges
+//! and metrics follow the same path. It must not touch workers it did not add (those
+//! from flags, YAML or the admin API), and a failed or empty resolution removes
+//! nothing: a resolver hiccup must not empty the fleet.
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::config::{WorkerConfig, WorkersDnsConfig};
+use crate::gateway::Gateway;
+
+/// What one resolution changes.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Reconcile {
+    /// Workers to add (addresses new to the name).
+    pub add: Vec<WorkerConfig>,
+    /// URLs of discovered workers whose address left the name.
+    pub remove: Vec<String>,
+}
+
+/// Compares the addresses a name resolved to with the workers discovered through it
+/// before (`known`, by URL). URLs configured otherwise (`configured`) are never added
+/// twice nor removed. An empty resolution changes nothing.
+pub fn reconcile(
+    cfg: &WorkersDnsConfig,
+    resolved: &[SocketAddr],
+    known: &BTreeSet<String>,
+    configured: &BTreeSet<String>,
+) -> Reconcile {
+    if resolved.is_empty() {
+        return Reconcile::default();
+    }
+    let mut wanted: Vec<WorkerConfig> = resolved.iter().map(|a| cfg.worker_at(*a)).collect();
+    wanted.sort_by(|a, b| a.url.cmp(&b.url));
+    wanted.dedup_by(|a, b| a.url == b.url);
+    let wanted_urls: BTreeSet<&str> = wanted.iter().map(|w| w.url.as_str()).collect();
+    Reconcile {
+        remove: known
+            .iter()
+            .filter(|u| !wanted_urls.contains(u.as_str()))
+            .cloned()
+            .collect(),
+        add: wanted
+            .into_iter()
+            .filter(|w| !known.contains(&w.url) && !configured.contains(&w.url))
+            .collect(),
+    }
+}
+
+/// Keeps every model's DNS-discovered workers in step with their name, until shutdown.
+pub async fn run_worker_discovery(gw: Arc<Gateway>) {
+    let models: Vec<(String, WorkersDnsConfig)> = gw
+        .config
+        .models
+        .iter()
+        .filter_map(|m| m.workers_dns.clone().map(|d| (m.name.clone(), d)))
+        .collect();
+    let tasks: Vec<_> = models
+        .into_iter()
+        .map(|(model, cfg)| tokio::spawn(discover(gw.clone(), model, cfg)))
+        .collect();
+    for t in tasks {
+        let _ = t.await;
+    }
+}
+
+async fn discover(gw: Arc<Gateway>, model: String, cfg: WorkersDnsConfig) {
+    let mut known: BTreeSet<String> = BTreeSet::new();
+    let mut tick = tokio::time::interval(Duration::from_millis(cfg.refresh_ms));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_error = String::new();
+    loop {
+        tokio::select! {
+            _ = gw.shutdown.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let resolved: Vec<SocketAddr> = match tokio::net::lookup_host(cfg.name.as_str()).await {
+            Ok(addrs) => {
+                last_error.clear();
+                addrs.collect()
+            }
+            Err(err) => {
+                let err = err.to_string();
+                if err != last_error {
+                    tracing::warn!(%model, dns = %cfg.name, %err, "cannot resolve the workers' DNS name; keeping the workers found before");
+                    last_error = err;
+                }
+                continue;
+            }
+        };
+        let Some(m) = gw.model(&model) else {
+            return;
+        };
+        let configured: BTreeSet<String> = m
+            .workers()
+            .iter()
+            .map(|w| w.url.to_string())
+            .filter(|u| !known.contains(u))
+            .collect();
+        let plan = reconcile(&cfg, &resolved, &known, &configured);
+        for url in plan.remove {
+            known.remove(&url);
+            if let Some(w) = m.worker_by_url(&url) {
+                gw.remove_worker(&model, w.id);
+                tracing::info!(%model, worker = %url, dns = %cfg.name, "worker's address left the DNS name: removed");
+            }
+        }
+        for worker in plan.add {
+            let url = worker.url.clone();
+            match gw.add_worker(&model, worker) {
+                Ok(_) => {
+                    tracing::info!(%model, worker = %url, dns = %cfg.name, "worker found through DNS: added");
+                    known.insert(url);
+                }
+                Err(err) => {
+                    tracing::warn!(%model, worker = %url, %err, "cannot add a worker found through DNS")
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> WorkersDnsConfig {
+        WorkersDnsConfig {
+            name: "vllm.llm.svc:8000".into(),
+            kv_events_port: Some(5557),
+            kv_events_replay_port: Some(5558),
+            ..WorkersDnsConfig::default()
+        }
+    }
+
+    fn addr(s: &str) -> SocketAddr {
+        s.parse().unwrap()
+    }
+
+    fn set(urls: &[&str]) -> BTreeSet<String> {
+        urls.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn new_addresses_join_with_their_event_endpoints_and_vanished_ones_leave() {
+        let first = reconcile(
+            &cfg(),
+            &[
+                addr("10.0.0.2:8000"),
+                addr("10.0.0.1:8000"),
+                addr("10.0.0.1:8000"),
+            ],
+            &set(&[]),
+            &set(&[]),
+        );
+        let urls: Vec<&str> = first.add.iter().map(|w| w.url.as_str()).collect();
+        assert_eq!(urls, ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]);
+        assert_eq!(
+            first.add[0].kv_events.as_deref(),
+            Some("tcp://10.0.0.1:5557")
+        );
+        assert_eq!(
+            first.add[0].kv_events_replay.as_deref(),
+            Some("tcp://10.0.0.1:5558")
+        );
+        assert!(first.remove.is_empty());
+        // 10.0.0.1 replaced by 10.0.0.3 (a pod rescheduled).
+        let known = set(&["http://10.0.0.1:8000", "http://10.0.0.2:8000"]);
+        let next = reconcile(
+            &cfg(),
+            &[addr("10.0.0.2:8000"), addr("10.0.0.3:8000")],
+            &known,
+            &set(&[]),
+        );
+        assert_eq!(next.remove, vec!["http://10.0.0.1:8000".to_owned()]);
+        assert_eq!(next.add.len(), 1);
+        assert_eq!(next.add[0].url, "http://10.0.0.3:8000");
+    }
+
+    #[test]
+    fn an_empty_answer_removes_nothing_and_configured_workers_are_left_alone() {
+        let known = set(&["http://10.0.0.1:8000"]);
+        assert_eq!(
+            reconcile(&cfg(), &[], &known, &set(&[])),
+            Reconcile::default()
+        );
+        let plan = reconcile(
+            &cfg(),
+            &[addr("10.0.0.9:8000")],
+            &set(&[]),
+            &set(&["http://10.0.0.9:8000"]),
+        );
+        assert!(plan.add.is_empty(), "already configured by flag or YAML");
+    }
+
+    #[test]
+    fn ipv6_addresses_are_bracketed() {
+        let plan = reconcile(&cfg(), &[addr("[fd00::1]:8000")], &set(&[]), &set(&[]));
+        assert_eq!(plan.add[0].url, "http://[fd00::1]:8000");
+        assert_eq!(
+            plan.add[0].kv_events.as_deref(),
+            Some("tcp://[fd00::1]:5557")
+        );
+    }
+}
