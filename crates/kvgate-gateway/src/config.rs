@@ -67,7 +67,7 @@ impl Default for Config {
 }
 
 /// Router replicas in front of the same workers: each reports the load it booked to
-/// the others over HTTP, and scores the whole fleet's (docs/DESIGN.md, "Replicas").
+/// the others over HTTP, and scores the whole fleet's (docs/DESIGN.md, section 3).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PeersConfig {

@@ -276,7 +276,7 @@ pub async fn serve_loads(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> 
     let sent = gw.metrics.peer_reports.with_label_values(&["out"]);
     subscribers.inc();
     // Decrements the subscriber gauge when the stream is dropped, however it ends.
-    let guard = scopeguard(move || subscribers.dec());
+    let guard = OnDrop(move || subscribers.dec());
     let stream = futures::stream::unfold((rx, stop, guard), move |(mut rx, stop, guard)| {
         let sent = sent.clone();
         async move {
@@ -310,10 +310,6 @@ impl<F: FnMut()> Drop for OnDrop<F> {
     fn drop(&mut self) {
         (self.0)()
     }
-}
-
-fn scopeguard<F: FnMut()>(f: F) -> OnDrop<F> {
-    OnDrop(f)
 }
 
 /// Follows every configured peer until shutdown: the static URLs, and the addresses
@@ -643,6 +639,16 @@ pub async fn serve_snapshot(
 ) -> Response {
     if let Err(e) = check_bearer(&headers, gw.config.admin_token.as_deref(), "admin token") {
         return e.into_response();
+    }
+    let asker = headers.get(&REPLICA_HEADER).and_then(|v| v.to_str().ok());
+    if asker.is_some() && asker == gw.peers.identity().map(|i| i.replica.as_str()) {
+        return ApiError::new(
+            StatusCode::CONFLICT,
+            "invalid_request_error",
+            "peer_is_self",
+            "this is the replica asking: a replica does not bootstrap from itself",
+        )
+        .into_response();
     }
     let req: SnapshotRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,

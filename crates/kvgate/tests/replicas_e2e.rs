@@ -202,44 +202,11 @@ async fn three_replicas_share_their_bookings_and_drop_a_dead_or_silent_ones() {
     let url = |i: usize| format!("http://127.0.0.1:{}", ports[i]);
     // a, b, c follow each other; a2 (port 3) is where "a" comes back after a restart,
     // so b and c follow that address too (a Kubernetes pod comes back on a new IP).
-    let peers_of = |i: usize| -> Vec<String> {
-        (0..4)
-            .filter(|&j| j != i)
-            .flat_map(|j| ["--peer".to_owned(), url(j)])
-            .collect()
-    };
-    let with_id = |id: &str, i: usize| {
-        let mut v = vec!["--replica-id".to_owned(), id.to_owned()];
-        v.extend(peers_of(i));
-        v
-    };
-    let mut a = replica(
-        "a",
-        "127.0.0.1",
-        ports[0],
-        &fleet,
-        &with_id("a", 0),
-        logs.path(),
-    )
-    .await;
-    let _b = replica(
-        "b",
-        "127.0.0.1",
-        ports[1],
-        &fleet,
-        &with_id("b", 1),
-        logs.path(),
-    )
-    .await;
-    let _c = replica(
-        "c",
-        "127.0.0.1",
-        ports[2],
-        &fleet,
-        &with_id("c", 2),
-        logs.path(),
-    )
-    .await;
+    // a, b, c follow each other; port 3 is where "a" comes back after a restart (a2),
+    // so each follows that address too (a Kubernetes pod comes back on a new IP).
+    let mut a = mesh_replica("a", "a", 0, &ports, &fleet, logs.path()).await;
+    let _b = mesh_replica("b", "b", 1, &ports, &fleet, logs.path()).await;
+    let _c = mesh_replica("c", "c", 2, &ports, &fleet, logs.path()).await;
     for i in 0..3 {
         until_metric(&url(i), "kvgate_peers_connected", 2.0).await;
     }
@@ -309,15 +276,7 @@ async fn three_replicas_share_their_bookings_and_drop_a_dead_or_silent_ones() {
     // with n requests booked (a pod replaced before the old one is gone): the later run
     // replaces the earlier one's bookings at b and c; they hold its one booking, not
     // n + 1.
-    let _a2 = replica(
-        "a2",
-        "127.0.0.1",
-        ports[3],
-        &fleet,
-        &with_id("a", 3),
-        logs.path(),
-    )
-    .await;
+    let _a2 = mesh_replica("a2", "a", 3, &ports, &fleet, logs.path()).await;
     let (_a2_resp, _) = hold_request(&url(3)).await;
     let peer_total = |e: &Value| -> u64 {
         e["scores"]
@@ -399,6 +358,24 @@ async fn two_replicas_found_through_dns_skip_themselves_and_drop_a_killed_one_at
         "a closed stream drops the bookings at once, not after the expiry: {:?}",
         killed.elapsed()
     );
+}
+
+/// Replica `id` (process `name`) on `ports[i]`, following every other port as a peer.
+async fn mesh_replica(
+    name: &str,
+    id: &str,
+    i: usize,
+    ports: &[u16],
+    fleet: &Fleet,
+    logs: &std::path::Path,
+) -> ManagedChild {
+    let mut args = vec!["--replica-id".to_owned(), id.to_owned()];
+    for (j, port) in ports.iter().enumerate() {
+        if j != i {
+            args.extend(["--peer".to_owned(), format!("http://127.0.0.1:{port}")]);
+        }
+    }
+    replica(name, "127.0.0.1", ports[i], fleet, &args, logs).await
 }
 
 /// `kvgate serve` with kv_aware over the fleet's engines, their KV events and replay
