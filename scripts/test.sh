@@ -13,6 +13,9 @@ VENV="$(realpath -m "${KVGATE_PY_VENV:-$TARGET/py-venv}")"
 echo "== cargo test --workspace"
 cargo test --workspace
 
+echo "== cargo test: engines found through the Kubernetes API (--features kubernetes)"
+cargo test -p kvgate-gateway --features kubernetes --test kubernetes
+
 echo "== python: kvgate package and kvgate.ray under Ray Serve"
 if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import ray, pytest, aiohttp, maturin" 2>/dev/null; then
     python3 -m venv "$VENV"

@@ -178,6 +178,79 @@ pub struct ModelConfig {
     pub index_max_blocks: usize,
     /// Workers found through a DNS name, in addition to `workers`.
     pub workers_dns: Option<WorkersDnsConfig>,
+    /// Workers found through the Kubernetes API (pods by label selector), in addition
+    /// to `workers`; needs a build with `--features kubernetes`.
+    pub workers_kubernetes: Option<WorkersKubernetesConfig>,
+}
+
+/// Engines found through the Kubernetes API: the running, ready pods matching a label
+/// selector, each a worker at `http://POD_IP:PORT` with its KV events and replay on the
+/// same IP. Listed every `refresh_ms`; pods that become ready join, pods that stop
+/// being ready or go away leave.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WorkersKubernetesConfig {
+    /// Namespace of the pods (default: the client's, i.e. this pod's namespace in a
+    /// cluster).
+    pub namespace: Option<String>,
+    /// Label selector, e.g. `app=vllm,model=qwen3-8b`.
+    pub label_selector: String,
+    /// The engines' HTTP port.
+    pub port: u16,
+    pub kv_events_port: Option<u16>,
+    pub kv_events_replay_port: Option<u16>,
+    pub dp_size: u32,
+    pub refresh_ms: u64,
+    /// The API server's URL instead of the in-cluster or kubeconfig one (e.g.
+    /// `http://127.0.0.1:8001` behind `kubectl proxy`).
+    pub api_url: Option<String>,
+}
+
+impl Default for WorkersKubernetesConfig {
+    fn default() -> Self {
+        Self {
+            namespace: None,
+            label_selector: String::new(),
+            port: 8000,
+            kv_events_port: None,
+            kv_events_replay_port: None,
+            dp_size: 1,
+            refresh_ms: 5_000,
+            api_url: None,
+        }
+    }
+}
+
+impl WorkersKubernetesConfig {
+    fn validate(&self) -> anyhow::Result<()> {
+        if !cfg!(feature = "kubernetes") {
+            bail!("workers_kubernetes needs kvgate built with `--features kubernetes`");
+        }
+        if self.label_selector.trim().is_empty() {
+            bail!("workers_kubernetes.label_selector must name the engines' pods");
+        }
+        if self.refresh_ms == 0 || self.port == 0 {
+            bail!("workers_kubernetes.refresh_ms and port must be positive");
+        }
+        if self.dp_size == 0 || self.dp_size > MAX_DP_SIZE {
+            bail!("workers_kubernetes.dp_size must be 1 to {MAX_DP_SIZE}");
+        }
+        if self.kv_events_replay_port.is_some() && self.kv_events_port.is_none() {
+            bail!("workers_kubernetes.kv_events_replay_port needs kv_events_port");
+        }
+        Ok(())
+    }
+
+    /// The same ports, as the worker template a resolved address fills in.
+    pub fn template(&self) -> WorkersDnsConfig {
+        WorkersDnsConfig {
+            name: format!("pods:{}", self.port),
+            kv_events_port: self.kv_events_port,
+            kv_events_replay_port: self.kv_events_replay_port,
+            dp_size: self.dp_size,
+            refresh_ms: self.refresh_ms,
+        }
+    }
 }
 
 /// Engines found through one DNS name (a Kubernetes headless Service of vLLM pods):
@@ -290,6 +363,7 @@ impl Default for ModelConfig {
             kv_topic: String::new(),
             index_max_blocks: kvgate_core::IndexConfig::default().max_blocks,
             workers_dns: None,
+            workers_kubernetes: None,
         }
     }
 }
@@ -307,6 +381,10 @@ impl ModelConfig {
                 .workers_dns
                 .as_ref()
                 .is_some_and(|d| d.kv_events_port.is_some())
+            || self
+                .workers_kubernetes
+                .as_ref()
+                .is_some_and(|k| k.kv_events_port.is_some())
     }
 }
 
@@ -600,6 +678,9 @@ impl ModelConfig {
         }
         if let Some(dns) = &self.workers_dns {
             dns.validate().with_context(|| format!("model {name:?}"))?;
+        }
+        if let Some(k8s) = &self.workers_kubernetes {
+            k8s.validate().with_context(|| format!("model {name:?}"))?;
         }
         let mut urls = HashSet::new();
         for w in &self.workers {

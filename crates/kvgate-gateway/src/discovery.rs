@@ -1,5 +1,7 @@
-//! Engines found through DNS: a model's `workers_dns` name (a Kubernetes headless
-//! Service of engine pods) re-resolved periodically, each address a worker.
+//! Engines found without naming them: a model's `workers_dns` name (a Kubernetes
+//! headless Service of engine pods) re-resolved periodically, or its
+//! `workers_kubernetes` pods listed through the Kubernetes API by label selector
+//! (`--features kubernetes`); each address a worker.
 //!
 //! Owns the resolve-and-reconcile loop and the pure reconcile step ([`reconcile`]):
 //! which discovered workers to add and which to remove. Adding and removing go through
@@ -25,7 +27,7 @@ pub struct Reconcile {
     pub remove: Vec<String>,
 }
 
-/// Compares the addresses a name resolved to with the workers discovered through it
+/// Compares the addresses a source resolved to with the workers discovered through it
 /// before (`known`, by URL). URLs configured otherwise (`configured`) are never added
 /// twice nor removed. An empty resolution changes nothing.
 pub fn reconcile(
@@ -54,42 +56,98 @@ pub fn reconcile(
     }
 }
 
-/// Keeps every model's DNS-discovered workers in step with their name, until shutdown.
+/// Where a model's discovered workers come from.
+enum Source {
+    Dns(WorkersDnsConfig),
+    #[cfg(feature = "kubernetes")]
+    Kubernetes(crate::config::WorkersKubernetesConfig, Option<kube::Client>),
+}
+
+impl Source {
+    fn describe(&self) -> String {
+        match self {
+            Source::Dns(d) => format!("dns {}", d.name),
+            #[cfg(feature = "kubernetes")]
+            Source::Kubernetes(k, _) => format!("pods {}", k.label_selector),
+        }
+    }
+
+    /// The ports and ranks a resolved address is given.
+    fn template(&self) -> WorkersDnsConfig {
+        match self {
+            Source::Dns(d) => d.clone(),
+            #[cfg(feature = "kubernetes")]
+            Source::Kubernetes(k, _) => k.template(),
+        }
+    }
+
+    fn refresh(&self) -> Duration {
+        Duration::from_millis(self.template().refresh_ms)
+    }
+
+    /// The addresses of the workers now.
+    async fn resolve(&mut self) -> anyhow::Result<Vec<SocketAddr>> {
+        match self {
+            Source::Dns(d) => Ok(tokio::net::lookup_host(d.name.as_str()).await?.collect()),
+            #[cfg(feature = "kubernetes")]
+            Source::Kubernetes(cfg, client) => {
+                let c = match client {
+                    Some(c) => c.clone(),
+                    None => {
+                        let c = kubernetes::client(cfg).await?;
+                        *client = Some(c.clone());
+                        c
+                    }
+                };
+                kubernetes::ready_pod_addrs(&c, cfg).await
+            }
+        }
+    }
+}
+
+/// Keeps every model's discovered workers (DNS names, Kubernetes pods) in step with
+/// their source, until shutdown.
 pub async fn run_worker_discovery(gw: Arc<Gateway>) {
-    let models: Vec<(String, WorkersDnsConfig)> = gw
-        .config
-        .models
-        .iter()
-        .filter_map(|m| m.workers_dns.clone().map(|d| (m.name.clone(), d)))
-        .collect();
-    let tasks: Vec<_> = models
+    let mut sources: Vec<(String, Source)> = Vec::new();
+    for m in &gw.config.models {
+        if let Some(d) = &m.workers_dns {
+            sources.push((m.name.clone(), Source::Dns(d.clone())));
+        }
+        #[cfg(feature = "kubernetes")]
+        if let Some(k) = &m.workers_kubernetes {
+            sources.push((m.name.clone(), Source::Kubernetes(k.clone(), None)));
+        }
+    }
+    let tasks: Vec<_> = sources
         .into_iter()
-        .map(|(model, cfg)| tokio::spawn(discover(gw.clone(), model, cfg)))
+        .map(|(model, source)| tokio::spawn(discover(gw.clone(), model, source)))
         .collect();
     for t in tasks {
         let _ = t.await;
     }
 }
 
-async fn discover(gw: Arc<Gateway>, model: String, cfg: WorkersDnsConfig) {
+async fn discover(gw: Arc<Gateway>, model: String, mut source: Source) {
     let mut known: BTreeSet<String> = BTreeSet::new();
-    let mut tick = tokio::time::interval(Duration::from_millis(cfg.refresh_ms));
+    let mut tick = tokio::time::interval(source.refresh());
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let template = source.template();
+    let what = source.describe();
     let mut last_error = String::new();
     loop {
         tokio::select! {
             _ = gw.shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let resolved: Vec<SocketAddr> = match tokio::net::lookup_host(cfg.name.as_str()).await {
+        let resolved = match source.resolve().await {
             Ok(addrs) => {
                 last_error.clear();
-                addrs.collect()
+                addrs
             }
             Err(err) => {
-                let err = err.to_string();
+                let err = format!("{err:#}");
                 if err != last_error {
-                    tracing::warn!(%model, dns = %cfg.name, %err, "cannot resolve the workers' DNS name; keeping the workers found before");
+                    tracing::warn!(%model, source = %what, %err, "cannot list the workers; keeping the workers found before");
                     last_error = err;
                 }
                 continue;
@@ -104,26 +162,86 @@ async fn discover(gw: Arc<Gateway>, model: String, cfg: WorkersDnsConfig) {
             .map(|w| w.url.to_string())
             .filter(|u| !known.contains(u))
             .collect();
-        let plan = reconcile(&cfg, &resolved, &known, &configured);
+        let plan = reconcile(&template, &resolved, &known, &configured);
         for url in plan.remove {
             known.remove(&url);
             if let Some(w) = m.worker_by_url(&url) {
                 gw.remove_worker(&model, w.id);
-                tracing::info!(%model, worker = %url, dns = %cfg.name, "worker's address left the DNS name: removed");
+                tracing::info!(%model, worker = %url, source = %what, "worker left its discovery source: removed");
             }
         }
         for worker in plan.add {
             let url = worker.url.clone();
             match gw.add_worker(&model, worker) {
                 Ok(_) => {
-                    tracing::info!(%model, worker = %url, dns = %cfg.name, "worker found through DNS: added");
+                    tracing::info!(%model, worker = %url, source = %what, "worker discovered: added");
                     known.insert(url);
                 }
                 Err(err) => {
-                    tracing::warn!(%model, worker = %url, %err, "cannot add a worker found through DNS")
+                    tracing::warn!(%model, worker = %url, %err, "cannot add a discovered worker")
                 }
             }
         }
+    }
+}
+
+/// Engine pods through the Kubernetes API (`--features kubernetes`).
+#[cfg(feature = "kubernetes")]
+pub mod kubernetes {
+    use std::net::{IpAddr, SocketAddr};
+
+    use k8s_openapi::api::core::v1::Pod;
+    use kube::api::{Api, ListParams};
+
+    use crate::config::WorkersKubernetesConfig;
+
+    /// A client for the configured API URL, else the in-cluster service account or
+    /// the kubeconfig.
+    pub async fn client(cfg: &WorkersKubernetesConfig) -> anyhow::Result<kube::Client> {
+        Ok(match &cfg.api_url {
+            Some(url) => kube::Client::try_from(kube::Config::new(url.parse()?))?,
+            None => kube::Client::try_default().await?,
+        })
+    }
+
+    /// The addresses of the running, ready pods the selector matches.
+    pub async fn ready_pod_addrs(
+        client: &kube::Client,
+        cfg: &WorkersKubernetesConfig,
+    ) -> anyhow::Result<Vec<SocketAddr>> {
+        let api: Api<Pod> = match &cfg.namespace {
+            Some(ns) => Api::namespaced(client.clone(), ns),
+            None => Api::default_namespaced(client.clone()),
+        };
+        let pods = api
+            .list(&ListParams::default().labels(&cfg.label_selector))
+            .await?;
+        Ok(pods
+            .items
+            .iter()
+            .filter_map(ready_ip)
+            .map(|ip| SocketAddr::new(ip, cfg.port))
+            .collect())
+    }
+
+    /// A pod's IP when it can take requests: running, ready, not being deleted.
+    pub fn ready_ip(pod: &Pod) -> Option<IpAddr> {
+        if pod.metadata.deletion_timestamp.is_some() {
+            return None;
+        }
+        let status = pod.status.as_ref()?;
+        if status.phase.as_deref() != Some("Running") {
+            return None;
+        }
+        let ready = status
+            .conditions
+            .as_ref()?
+            .iter()
+            .any(|c| c.type_ == "Ready" && c.status == "True");
+        if !ready {
+            return None;
+        }
+        status.pod_ip.as_deref()?.parse().ok()
     }
 }
 

@@ -36,7 +36,7 @@ pub mod server;
 
 pub use config::{
     Config, FailoverConfig, HealthConfig, LimitsConfig, ModelConfig, PeersConfig, TimeoutsConfig,
-    WorkerConfig, WorkersDnsConfig,
+    WorkerConfig, WorkersDnsConfig, WorkersKubernetesConfig,
 };
 pub use errors::ApiError;
 pub use gateway::Gateway;
