@@ -180,10 +180,11 @@ async fn run_one(
     let (mut fleet, router, url, more) = start_router(spec, &ctx, fleet, &engines).await?;
     let mut urls = vec![url.clone()];
     urls.extend(more.iter().map(|(_, u)| u.clone()));
-    // Clients spread round-robin over the row's replicas (one URL without @replicas).
+    // Clients spread round-robin over the row's replicas (one URL without @replicas),
+    // or the first @clients=K of them.
     let client = BenchClient::new(&url, &cfg.model, cfg.request_timeout)?
         .with_prompt_format(spec.prompt_format())
-        .spread_over(&urls);
+        .spread_over(&urls[..spec.policy_spec().client_replicas().min(urls.len())]);
     let run_cfg = RunConfig {
         label: spec.label(),
         ..cfg.run.clone()

@@ -26,8 +26,10 @@ pub const KVGATE_POLICIES: &[&str] = &[
 /// Row options the bench reads itself rather than pass to the router: `replicas=N`
 /// starts N kvgate processes in front of the fleet and spreads the clients' requests
 /// over them round-robin; `sync=off` leaves them unaware of each other (by default
-/// each follows the others' load with `--peer`).
-pub const BENCH_OPTIONS: &[&str] = &["replicas", "sync"];
+/// each follows the others' load with `--peer`); `clients=K` sends requests to the
+/// first K replicas only (the others run idle: a control for what the extra processes
+/// cost the machine).
+pub const BENCH_OPTIONS: &[&str] = &["replicas", "sync", "clients"];
 
 /// Most kvgate replicas a row may start.
 pub const MAX_REPLICAS: usize = 16;
@@ -82,6 +84,10 @@ impl PolicySpec {
                 }
                 ("sync", Some("on" | "off")) => {}
                 ("sync", _) => bail!("router spec {s:?}: sync must be on or off"),
+                ("clients", Some(n)) if n.parse::<usize>().is_ok_and(|n| n >= 1) => {}
+                ("clients", _) => {
+                    bail!("router spec {s:?}: clients must be a number of replicas (1 or more)")
+                }
                 _ => {}
             }
             options.push((flag.to_string(), value));
@@ -105,6 +111,14 @@ impl PolicySpec {
         self.bench_option("replicas")
             .and_then(|n| n.parse().ok())
             .unwrap_or(1)
+    }
+
+    /// How many of the row's replicas the clients send to (`@clients=K`, default all).
+    pub fn client_replicas(&self) -> usize {
+        self.bench_option("clients")
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(usize::MAX)
+            .clamp(1, self.replicas())
     }
 
     /// Whether several replicas follow each other's load (`@sync=off` says no).
@@ -451,6 +465,9 @@ mod tests {
         assert_eq!(p.extra_args(), vec!["--overlap-weight", "2"]);
         let p = PolicySpec::parse("kv_aware@replicas=3").unwrap();
         assert_eq!((p.replicas(), p.synced()), (3, true));
+        assert_eq!(p.client_replicas(), 3);
+        let p = PolicySpec::parse("kv_aware@replicas=3@clients=1").unwrap();
+        assert_eq!((p.client_replicas(), p.extra_args().len()), (1, 0));
         assert_eq!(PolicySpec::parse("kv_aware").unwrap().replicas(), 1);
         for bad in [
             "kv_aware@replicas=0",
