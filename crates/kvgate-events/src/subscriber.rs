@@ -1,8 +1,11 @@
 //! One subscriber task per engine event endpoint: ZeroMQ SUB → decode → index.
 //!
 //! Owns the connection lifecycle (connect, subscribe, watch the link, reconnect with
-//! backoff), sequence tracking with replay on gaps, and purging a worker rank whose
-//! stream cannot be trusted (unrecoverable gap, engine restart, lost connection). It
+//! backoff), the warm start on connecting (a peer router's snapshot of the worker rank
+//! on the first connection, then the engine's replay buffer from where it ends, and
+//! saying so when what came before cannot all be learned), sequence tracking with
+//! replay on gaps, and purging a worker rank whose stream cannot be trusted
+//! (unrecoverable gap, engine restart, lost connection). It
 //! must not decide routing, and never holds the index lock across an `.await`: the
 //! write lock is taken once per batch.
 
