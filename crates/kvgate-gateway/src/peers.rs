@@ -55,8 +55,10 @@ pub const LOADS_PATH: &str = "/peer/v1/loads";
 pub const INDEX_PATH: &str = "/peer/v1/index";
 /// Largest snapshot accepted from a peer.
 const MAX_SNAPSHOT_BYTES: usize = 1 << 30;
-/// How long one peer may take to answer a snapshot request.
-const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long one peer may take to answer a snapshot request. The subscriber waits for
+/// it before replaying and applying live events (which queue meanwhile), so a hung peer
+/// must not hold it long; a snapshot of a million blocks is a few seconds' transfer.
+const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Header with which a follower names itself, so a replica can refuse to follow
 /// itself (a DNS name lists every replica, this one included).
 pub const REPLICA_HEADER: HeaderName = HeaderName::from_static("x-kvgate-replica");
