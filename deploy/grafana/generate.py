@@ -117,11 +117,21 @@ def dashboard():
     d.series("Gaps, replays, restarts, purges (5 min)",
              [(f"sum(increase(kvgate_kv_events_{name}_total[5m]))", legend) for name, legend in [
                  ("gaps", "gaps"), ("replays", "replays"), ("replay_failures", "replay failures"),
-                 ("restarts", "engine restarts"), ("purges", "purges"), ("reconnects", "reconnects")]],
+                 ("restarts", "engine restarts"), ("purges", "purges"), ("reconnects", "reconnects"),
+                 ("incomplete_starts", "incomplete starts"), ("snapshot_loads", "snapshot loads")]],
              width=12)
     d.series("Blocks stored and removed per second",
              [(f"sum(rate(kvgate_kv_events_{name}_total[1m]))", name.replace("_", " "))
               for name in ("blocks_stored", "blocks_removed", "clears", "batches")], width=12)
+    d.row("Replicas")
+    d.series("Peers", [("kvgate_peers_connected", "followed"),
+                       ("kvgate_peer_subscribers", "following this replica")],
+             "short", "Each replica should follow every other one.")
+    d.series("Load reports per second",
+             [("sum by (direction) (rate(kvgate_peer_reports_total[1m]))", "{{direction}}")])
+    d.series("Peers' requests in flight",
+             [(f"kvgate_peer_in_flight{MODEL}", "in flight"),
+              (f"kvgate_peer_replicas{MODEL}", "replicas reporting")])
     return {
         "title": "kvgate", "uid": "kvgate", "editable": True, "schemaVersion": 39, "version": 1,
         "description": "kvgate, the KV-cache-aware router: traffic, routing quality, worker load, "
