@@ -393,26 +393,19 @@ impl Ledger {
         let mut missing = candidates.len();
         let mut p = (keys.len() / stride) * stride;
         while p >= stride && missing > 0 {
-            if let Some(holders) = inner.prefilling.get(&keys[p - 1]) {
-                for (worker, id) in holders {
-                    let fresh = inner
+            let key = &keys[p - 1];
+            let own = inner.prefilling.get(key).into_iter().flatten();
+            let fresh_own = own
+                .filter(|(_, id)| {
+                    inner
                         .bookings
                         .get(id)
-                        .is_some_and(|b| now.saturating_duration_since(b.booked_at) <= max_age);
-                    if !fresh {
-                        continue;
-                    }
-                    if let Some(i) = candidates.iter().position(|w| w == worker) {
-                        if out[i].blocks == 0 {
-                            out[i].blocks = p as u32;
-                            missing -= 1;
-                        }
-                    }
-                }
-            }
-            // Prompts peer replicas are prefilling (they leave the peer's next report
-            // at their first token, so they are fresh).
-            for worker in inner.peers.prefilling_on(&keys[p - 1]) {
+                        .is_some_and(|b| now.saturating_duration_since(b.booked_at) <= max_age)
+                })
+                .map(|(worker, _)| worker);
+            // Prompts peer replicas are prefilling leave the peer's next report at their
+            // first token, so they are fresh.
+            for worker in fresh_own.chain(inner.peers.prefilling_on(key)) {
                 if let Some(i) = candidates.iter().position(|w| w == worker) {
                     if out[i].blocks == 0 {
                         out[i].blocks = p as u32;

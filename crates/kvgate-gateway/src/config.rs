@@ -114,10 +114,7 @@ impl PeersConfig {
             validate_worker_url(url).with_context(|| format!("peers.urls: {url}"))?;
         }
         if let Some(dns) = &self.dns {
-            match dns.rsplit_once(':') {
-                Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {}
-                _ => bail!("peers.dns {dns:?} must be NAME:PORT"),
-            }
+            validate_name_port("peers.dns", dns)?;
         }
         if self
             .replica_id
@@ -232,23 +229,15 @@ impl WorkersKubernetesConfig {
         if self.refresh_ms == 0 || self.port == 0 {
             bail!("workers_kubernetes.refresh_ms and port must be positive");
         }
-        if self.dp_size == 0 || self.dp_size > MAX_DP_SIZE {
-            bail!("workers_kubernetes.dp_size must be 1 to {MAX_DP_SIZE}");
-        }
-        if self.kv_events_replay_port.is_some() && self.kv_events_port.is_none() {
-            bail!("workers_kubernetes.kv_events_replay_port needs kv_events_port");
-        }
-        Ok(())
+        self.ports().validate("workers_kubernetes")
     }
 
-    /// The same ports, as the worker template a resolved address fills in.
-    pub fn template(&self) -> WorkersDnsConfig {
-        WorkersDnsConfig {
-            name: format!("pods:{}", self.port),
+    /// What each pod found is given.
+    pub fn ports(&self) -> DiscoveredPorts {
+        DiscoveredPorts {
             kv_events_port: self.kv_events_port,
             kv_events_replay_port: self.kv_events_replay_port,
             dp_size: self.dp_size,
-            refresh_ms: self.refresh_ms,
         }
     }
 }
@@ -286,23 +275,44 @@ impl Default for WorkersDnsConfig {
 
 impl WorkersDnsConfig {
     fn validate(&self) -> anyhow::Result<()> {
-        match self.name.rsplit_once(':') {
-            Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {}
-            _ => bail!("workers_dns.name {:?} must be NAME:PORT", self.name),
-        }
+        validate_name_port("workers_dns.name", &self.name)?;
         if self.refresh_ms == 0 {
             bail!("workers_dns.refresh_ms must be positive");
         }
+        self.ports().validate("workers_dns")
+    }
+
+    /// What each address found is given.
+    pub fn ports(&self) -> DiscoveredPorts {
+        DiscoveredPorts {
+            kv_events_port: self.kv_events_port,
+            kv_events_replay_port: self.kv_events_replay_port,
+            dp_size: self.dp_size,
+        }
+    }
+}
+
+/// What a discovered worker is given besides its address (from `workers_dns` or
+/// `workers_kubernetes`): the engines' KV-event and replay ports and their ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DiscoveredPorts {
+    pub kv_events_port: Option<u16>,
+    pub kv_events_replay_port: Option<u16>,
+    pub dp_size: u32,
+}
+
+impl DiscoveredPorts {
+    fn validate(&self, section: &str) -> anyhow::Result<()> {
         if self.dp_size == 0 || self.dp_size > MAX_DP_SIZE {
-            bail!("workers_dns.dp_size must be 1 to {MAX_DP_SIZE}");
+            bail!("{section}.dp_size must be 1 to {MAX_DP_SIZE}");
         }
         if self.kv_events_replay_port.is_some() && self.kv_events_port.is_none() {
-            bail!("workers_dns.kv_events_replay_port needs kv_events_port");
+            bail!("{section}.kv_events_replay_port needs kv_events_port");
         }
         Ok(())
     }
 
-    /// The worker at one resolved address.
+    /// The worker at one address found (its port is the engines' HTTP port).
     pub fn worker_at(&self, addr: std::net::SocketAddr) -> WorkerConfig {
         let ip = match addr.ip() {
             std::net::IpAddr::V6(v6) => format!("[{v6}]"),
@@ -316,6 +326,14 @@ impl WorkersDnsConfig {
                 .map(|p| format!("tcp://{ip}:{p}")),
             dp_size: self.dp_size,
         }
+    }
+}
+
+/// A `NAME:PORT` setting (a DNS name and a port).
+fn validate_name_port(what: &str, value: &str) -> anyhow::Result<()> {
+    match value.rsplit_once(':') {
+        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => Ok(()),
+        _ => bail!("{what} {value:?} must be NAME:PORT"),
     }
 }
 

@@ -15,7 +15,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::config::{WorkerConfig, WorkersDnsConfig};
+use crate::config::{DiscoveredPorts, WorkerConfig, WorkersDnsConfig};
 use crate::gateway::Gateway;
 
 /// What one resolution changes.
@@ -31,7 +31,7 @@ pub struct Reconcile {
 /// before (`known`, by URL). URLs configured otherwise (`configured`) are never added
 /// twice nor removed. An empty resolution changes nothing.
 pub fn reconcile(
-    cfg: &WorkersDnsConfig,
+    ports: &DiscoveredPorts,
     resolved: &[SocketAddr],
     known: &BTreeSet<String>,
     configured: &BTreeSet<String>,
@@ -39,7 +39,7 @@ pub fn reconcile(
     if resolved.is_empty() {
         return Reconcile::default();
     }
-    let mut wanted: Vec<WorkerConfig> = resolved.iter().map(|a| cfg.worker_at(*a)).collect();
+    let mut wanted: Vec<WorkerConfig> = resolved.iter().map(|a| ports.worker_at(*a)).collect();
     wanted.sort_by(|a, b| a.url.cmp(&b.url));
     wanted.dedup_by(|a, b| a.url == b.url);
     let wanted_urls: BTreeSet<&str> = wanted.iter().map(|w| w.url.as_str()).collect();
@@ -73,16 +73,20 @@ impl Source {
     }
 
     /// The ports and ranks a resolved address is given.
-    fn template(&self) -> WorkersDnsConfig {
+    fn ports(&self) -> DiscoveredPorts {
         match self {
-            Source::Dns(d) => d.clone(),
+            Source::Dns(d) => d.ports(),
             #[cfg(feature = "kubernetes")]
-            Source::Kubernetes(k, _) => k.template(),
+            Source::Kubernetes(k, _) => k.ports(),
         }
     }
 
     fn refresh(&self) -> Duration {
-        Duration::from_millis(self.template().refresh_ms)
+        Duration::from_millis(match self {
+            Source::Dns(d) => d.refresh_ms,
+            #[cfg(feature = "kubernetes")]
+            Source::Kubernetes(k, _) => k.refresh_ms,
+        })
     }
 
     /// The addresses of the workers now.
@@ -131,7 +135,7 @@ async fn discover(gw: Arc<Gateway>, model: String, mut source: Source) {
     let mut known: BTreeSet<String> = BTreeSet::new();
     let mut tick = tokio::time::interval(source.refresh());
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let template = source.template();
+    let ports = source.ports();
     let what = source.describe();
     let mut last_error = String::new();
     loop {
@@ -162,7 +166,7 @@ async fn discover(gw: Arc<Gateway>, model: String, mut source: Source) {
             .map(|w| w.url.to_string())
             .filter(|u| !known.contains(u))
             .collect();
-        let plan = reconcile(&template, &resolved, &known, &configured);
+        let plan = reconcile(&ports, &resolved, &known, &configured);
         for url in plan.remove {
             known.remove(&url);
             if let Some(w) = m.worker_by_url(&url) {
@@ -249,13 +253,14 @@ pub mod kubernetes {
 mod tests {
     use super::*;
 
-    fn cfg() -> WorkersDnsConfig {
+    fn cfg() -> DiscoveredPorts {
         WorkersDnsConfig {
             name: "vllm.llm.svc:8000".into(),
             kv_events_port: Some(5557),
             kv_events_replay_port: Some(5558),
             ..WorkersDnsConfig::default()
         }
+        .ports()
     }
 
     fn addr(s: &str) -> SocketAddr {

@@ -35,8 +35,8 @@ pub mod routing;
 pub mod server;
 
 pub use config::{
-    Config, FailoverConfig, HealthConfig, LimitsConfig, ModelConfig, PeersConfig, TimeoutsConfig,
-    WorkerConfig, WorkersDnsConfig, WorkersKubernetesConfig,
+    Config, DiscoveredPorts, FailoverConfig, HealthConfig, LimitsConfig, ModelConfig, PeersConfig,
+    TimeoutsConfig, WorkerConfig, WorkersDnsConfig, WorkersKubernetesConfig,
 };
 pub use errors::ApiError;
 pub use gateway::Gateway;

@@ -204,7 +204,9 @@ pub async fn run_publisher(gw: Arc<Gateway>) {
             _ = tick.tick() => {}
         }
         let now = Instant::now();
-        for m in gw.models() {
+        // Only a replica that follows peers holds their reports (and a follower also
+        // drops a peer whose stream goes silent; this is the backstop).
+        for m in gw.models().filter(|_| cfg.enabled()) {
             for gone in m.ledger().expire_peers(now, expiry) {
                 tracing::warn!(model = %m.name, replica = %gone, ?expiry, "peer replica went silent; dropping its bookings");
             }
@@ -248,28 +250,8 @@ pub async fn run_publisher(gw: Arc<Gateway>) {
 /// latest at once and then each new one, until shutdown. Guarded by the admin token
 /// when one is set.
 pub async fn serve_loads(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Response {
-    if let Err(e) = check_bearer(&headers, gw.config.admin_token.as_deref(), "admin token") {
+    if let Err(e) = admit_peer(&gw, &headers) {
         return e.into_response();
-    }
-    let Some(identity) = gw.peers.identity() else {
-        return ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "service_unavailable",
-            "starting",
-            "this replica is starting",
-        )
-        .with_retry_after(1)
-        .into_response();
-    };
-    let follower = headers.get(&REPLICA_HEADER).and_then(|v| v.to_str().ok());
-    if follower == Some(identity.replica.as_str()) {
-        return ApiError::new(
-            StatusCode::CONFLICT,
-            "invalid_request_error",
-            "peer_is_self",
-            "this is the replica asking: a replica does not follow itself",
-        )
-        .into_response();
     }
     let mut rx = gw.peers.latest.subscribe();
     rx.mark_changed();
@@ -305,6 +287,71 @@ pub async fn serve_loads(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> 
         .into_response()
 }
 
+/// What both peer endpoints check first: the admin token (when one is set), that this
+/// replica knows its name, and that the asker is not this replica itself (a DNS name
+/// lists every replica; 409 `peer_is_self` tells the asker to skip the address).
+fn admit_peer(gw: &Gateway, headers: &HeaderMap) -> Result<(), ApiError> {
+    check_bearer(headers, gw.config.admin_token.as_deref(), "admin token")?;
+    let Some(identity) = gw.peers.identity() else {
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            "starting",
+            "this replica is starting",
+        )
+        .with_retry_after(1));
+    };
+    let asker = headers.get(&REPLICA_HEADER).and_then(|v| v.to_str().ok());
+    if asker == Some(identity.replica.as_str()) {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "invalid_request_error",
+            "peer_is_self",
+            "this is the replica asking: a replica does not follow or bootstrap from itself",
+        ));
+    }
+    Ok(())
+}
+
+/// What a request to a peer carries: this replica's name (so a peer that is this
+/// replica refuses it) and the admin token, when one is set.
+fn peer_request(
+    method: http::Method,
+    url: String,
+    body: Bytes,
+    hub: &PeerHub,
+    admin_token: Option<&str>,
+) -> Result<Request<Full<Bytes>>, String> {
+    let mut req = Request::builder()
+        .method(method)
+        .uri(url)
+        .body(Full::new(body))
+        .map_err(|e| format!("bad peer URL: {e}"))?;
+    if let Some(v) = hub
+        .identity()
+        .and_then(|i| HeaderValue::from_str(&i.replica).ok())
+    {
+        req.headers_mut().insert(REPLICA_HEADER, v);
+    }
+    if let Some(v) = admin_token.and_then(|t| HeaderValue::from_str(&format!("Bearer {t}")).ok()) {
+        req.headers_mut().insert(header::AUTHORIZATION, v);
+    }
+    Ok(req)
+}
+
+/// The peers' base URLs now: the configured ones, then the DNS name's addresses.
+async fn peer_urls(cfg: &PeersConfig) -> std::io::Result<Vec<String>> {
+    let mut urls = cfg.urls.clone();
+    if let Some(name) = &cfg.dns {
+        urls.extend(
+            tokio::net::lookup_host(name.as_str())
+                .await?
+                .map(|a| format!("http://{a}")),
+        );
+    }
+    Ok(urls)
+}
+
 /// Runs a closure when dropped.
 struct OnDrop<F: FnMut()>(F);
 
@@ -330,18 +377,17 @@ pub async fn run_followers(gw: Arc<Gateway>) {
             _ = gw.shutdown.cancelled() => break,
             _ = refresh.tick() => {}
         }
-        let mut wanted: Vec<String> = cfg.urls.clone();
-        if let Some(name) = &cfg.dns {
-            match tokio::net::lookup_host(name.as_str()).await {
-                Ok(addrs) => wanted.extend(addrs.map(|a| format!("http://{a}"))),
-                Err(err) => {
-                    // Keep following the last known addresses rather than drop them all
-                    // on a resolver hiccup.
-                    tracing::warn!(dns = %name, %err, "cannot resolve the peers' DNS name; keeping the last addresses");
-                    wanted.extend(following.keys().cloned());
-                }
+        let mut wanted = match peer_urls(&cfg).await {
+            Ok(urls) => urls,
+            Err(err) => {
+                // Keep following the last known addresses rather than drop them all on
+                // a resolver hiccup.
+                tracing::warn!(dns = ?cfg.dns, %err, "cannot resolve the peers' DNS name; keeping the last addresses");
+                let mut urls = cfg.urls.clone();
+                urls.extend(following.keys().cloned());
+                urls
             }
-        }
+        };
         wanted.sort();
         wanted.dedup();
         following.retain(|url, stop| {
@@ -410,22 +456,20 @@ async fn follow(gw: Arc<Gateway>, url: String, stop: CancellationToken) {
 
 /// One stream from a peer; whatever the peer reported is dropped when it ends.
 async fn follow_once(gw: &Gateway, url: &str, stop: &CancellationToken) -> StreamEnd {
-    let Some(identity) = gw.peers.identity() else {
+    if gw.peers.identity().is_none() {
         return StreamEnd::Stopped;
-    };
+    }
     let expiry = Duration::from_millis(gw.config.peers.expiry_ms);
-    let mut req = match Request::get(format!("{url}{LOADS_PATH}")).body(Full::new(Bytes::new())) {
+    let req = match peer_request(
+        http::Method::GET,
+        format!("{url}{LOADS_PATH}"),
+        Bytes::new(),
+        &gw.peers,
+        gw.config.admin_token.as_deref(),
+    ) {
         Ok(r) => r,
-        Err(e) => return StreamEnd::Retry(format!("bad peer URL: {e}")),
+        Err(e) => return StreamEnd::Retry(e),
     };
-    if let Ok(v) = HeaderValue::from_str(&identity.replica) {
-        req.headers_mut().insert(REPLICA_HEADER, v);
-    }
-    if let Some(token) = &gw.config.admin_token {
-        if let Ok(v) = HeaderValue::from_str(&format!("Bearer {token}")) {
-            req.headers_mut().insert(header::AUTHORIZATION, v);
-        }
-    }
     let resp = tokio::select! {
         _ = stop.cancelled() => return StreamEnd::Stopped,
         r = tokio::time::timeout(expiry, gw.client.request(req)) => match r {
@@ -532,10 +576,8 @@ fn apply(gw: &Gateway, report: WireReport) {
                 w.workers
                     .iter()
                     .filter_map(|l| {
-                        let url = crate::config::normalize_url(&l.url);
-                        let worker = workers.iter().find(|w| *w.url == *url)?;
                         Some((
-                            worker.id,
+                            resolve(&l.url)?,
                             WorkerLoad {
                                 in_flight: l.in_flight,
                                 prefill_tokens: l.prefill_tokens,
@@ -639,18 +681,8 @@ pub async fn serve_snapshot(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    if let Err(e) = check_bearer(&headers, gw.config.admin_token.as_deref(), "admin token") {
+    if let Err(e) = admit_peer(&gw, &headers) {
         return e.into_response();
-    }
-    let asker = headers.get(&REPLICA_HEADER).and_then(|v| v.to_str().ok());
-    if asker.is_some() && asker == gw.peers.identity().map(|i| i.replica.as_str()) {
-        return ApiError::new(
-            StatusCode::CONFLICT,
-            "invalid_request_error",
-            "peer_is_self",
-            "this is the replica asking: a replica does not bootstrap from itself",
-        )
-        .into_response();
     }
     let req: SnapshotRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
@@ -697,12 +729,8 @@ pub fn bootstrap(
             model.clone(),
         );
         Box::pin(async move {
-            let mut candidates = cfg.urls.clone();
-            if let Some(name) = &cfg.dns {
-                if let Ok(addrs) = tokio::net::lookup_host(name.as_str()).await {
-                    candidates.extend(addrs.map(|a| format!("http://{a}")));
-                }
-            }
+            // A failed lookup leaves the configured URLs.
+            let candidates = peer_urls(&cfg).await.unwrap_or_else(|_| cfg.urls.clone());
             let request = SnapshotRequest {
                 model,
                 worker,
@@ -729,19 +757,17 @@ async fn fetch_snapshot(
     request: &SnapshotRequest,
 ) -> Result<RankSnapshot, String> {
     let body = serde_json::to_vec(request).map_err(|e| e.to_string())?;
-    let mut req = Request::post(format!("{peer}{INDEX_PATH}"))
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(Full::new(Bytes::from(body)))
-        .map_err(|e| e.to_string())?;
-    if let Some(v) = hub
-        .identity()
-        .and_then(|i| HeaderValue::from_str(&i.replica).ok())
-    {
-        req.headers_mut().insert(REPLICA_HEADER, v);
-    }
-    if let Some(v) = token.and_then(|t| HeaderValue::from_str(&format!("Bearer {t}")).ok()) {
-        req.headers_mut().insert(header::AUTHORIZATION, v);
-    }
+    let mut req = peer_request(
+        http::Method::POST,
+        format!("{peer}{INDEX_PATH}"),
+        Bytes::from(body),
+        hub,
+        token,
+    )?;
+    req.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     let answer = async {
         let resp = client.request(req).await.map_err(|e| e.to_string())?;
         if resp.status() != StatusCode::OK {
