@@ -5,8 +5,11 @@
 //! bookings at the others within the expiry; a replica restarted under the same name
 //! replaces its old bookings rather than adding to them.
 
-use std::path::PathBuf;
+mod common;
+
 use std::time::{Duration, Instant};
+
+use common::bin;
 
 use kvgate_bench::fleet::{EngineConfig, Fleet};
 use kvgate_bench::process::{free_ports, ManagedChild};
@@ -14,10 +17,6 @@ use serde_json::{json, Value};
 
 const MODEL: &str = "mock-model";
 const EXPIRY_MS: u64 = 1000;
-
-fn bin() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_kvgate"))
-}
 
 async fn engines(n: usize, logs: &std::path::Path) -> Fleet {
     engines_with(n, &[], logs).await
@@ -135,17 +134,33 @@ async fn loads_on(url: &str, worker: &str) -> (u64, u64) {
 
 /// Polls until `url` sees `want` peer requests in flight on `worker`; how long it took.
 async fn until_peer_load(url: &str, worker: &str, want: u64, within: Duration) -> Duration {
+    poll(within, Duration::from_millis(2), async || {
+        let (peer, local) = loads_on(url, worker).await;
+        if peer == want {
+            return Ok(());
+        }
+        Err(format!(
+            "{url} did not see {want} peer requests on {worker} within {within:?} (saw {peer}, {local} of its own)"
+        ))
+    })
+    .await
+}
+
+/// Calls `check` every `every` until it says `Ok`, failing with what it last said once
+/// `within` has passed; returns how long it took.
+async fn poll(
+    within: Duration,
+    every: Duration,
+    mut check: impl AsyncFnMut() -> Result<(), String>,
+) -> Duration {
     let start = Instant::now();
     loop {
-        if loads_on(url, worker).await.0 == want {
-            return start.elapsed();
-        }
-        assert!(
-            start.elapsed() < within,
-            "{url} did not see {want} peer requests on {worker} within {within:?}: {}",
-            explain(url).await
-        );
-        tokio::time::sleep(Duration::from_millis(2)).await;
+        let why = match check().await {
+            Ok(()) => return start.elapsed(),
+            Err(why) => why,
+        };
+        assert!(start.elapsed() < within, "{why}");
+        tokio::time::sleep(every).await;
     }
 }
 
@@ -184,14 +199,17 @@ async fn metric(url: &str, name: &str) -> f64 {
 }
 
 async fn until_metric(url: &str, name: &str, want: f64) {
-    let start = Instant::now();
-    while metric(url, name).await != want {
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "{url}: {name} never reached {want}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    poll(
+        Duration::from_secs(20),
+        Duration::from_millis(20),
+        async || {
+            if metric(url, name).await == want {
+                return Ok(());
+            }
+            Err(format!("{url}: {name} never reached {want}"))
+        },
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -289,19 +307,21 @@ async fn three_replicas_share_their_bookings_and_drop_a_dead_or_silent_ones() {
     // b's own request is a peer booking at c, local at b.
     let want = |i: usize| if i == 2 { 2 } else { 1 };
     for i in [1, 2] {
-        let start = Instant::now();
-        loop {
-            let e = explain(&url(i)).await;
-            if peer_total(&e) == want(i) {
-                break;
-            }
-            assert!(
-                start.elapsed() < Duration::from_secs(10),
-                "replica {i} holds {} peer bookings: {e}",
-                peer_total(&e)
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        poll(
+            Duration::from_secs(10),
+            Duration::from_millis(10),
+            async || {
+                let e = explain(&url(i)).await;
+                if peer_total(&e) == want(i) {
+                    return Ok(());
+                }
+                Err(format!(
+                    "replica {i} holds {} peer bookings: {e}",
+                    peer_total(&e)
+                ))
+            },
+        )
+        .await;
     }
 
     // The old process dies: its stream closing does not take the new run's booking
@@ -457,17 +477,17 @@ async fn route_of(url: &str, t: usize) -> (String, u64) {
 async fn until_indexed(url: &str, served: &[String]) {
     let start = Instant::now();
     for (t, worker) in served.iter().enumerate() {
-        loop {
+        let left = Duration::from_secs(20).saturating_sub(start.elapsed());
+        poll(left, Duration::from_millis(20), async || {
             let (w, blocks) = route_of(url, t).await;
             if w == *worker && blocks >= 32 {
-                break;
+                return Ok(());
             }
-            assert!(
-                start.elapsed() < Duration::from_secs(20),
+            Err(format!(
                 "{url} never indexed tenant {t} on {worker} (routes to {w}, {blocks} blocks)"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+            ))
+        })
+        .await;
     }
 }
 
@@ -581,26 +601,26 @@ async fn workers_found_through_dns_join_with_their_kv_events() {
         .wait_for_http(&[format!("{url}/health")], Duration::from_secs(30))
         .await
         .unwrap();
-    let start = Instant::now();
-    loop {
-        let list: Value = http()
-            .get(format!("{url}/admin/workers"))
-            .bearer_auth("t")
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        if list.to_string().contains(&engine.url) {
-            break;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "the engine never joined: {list}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    poll(
+        Duration::from_secs(20),
+        Duration::from_millis(50),
+        async || {
+            let list: Value = http()
+                .get(format!("{url}/admin/workers"))
+                .bearer_auth("t")
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            if list.to_string().contains(&engine.url) {
+                return Ok(());
+            }
+            Err(format!("the engine never joined: {list}"))
+        },
+    )
+    .await;
     until_metric(&url, "kvgate_kv_events_connected", 1.0).await;
     let served = serve_tenants(&url, 2).await;
     assert!(served.iter().all(|w| *w == engine.url), "{served:?}");

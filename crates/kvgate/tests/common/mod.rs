@@ -1,5 +1,6 @@
-//! Helpers of the `kvgate simulate` tests: running the binary, reading a comparison's
-//! JSON, and the workload and fleet both the simulated and the real-time runs use.
+//! Helpers of the binary's end-to-end tests: the binary's path and running it, reading
+//! a comparison's JSON, and the workload and fleet both the simulated and the
+//! real-time `kvgate simulate` runs use.
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
