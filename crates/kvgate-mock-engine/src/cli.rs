@@ -90,6 +90,24 @@ pub struct MockEngineArgs {
     pub decode_f: f64,
     #[arg(long, default_value_t = 1.0)]
     pub decode_floor_ms: f64,
+    /// Disaggregated serving: KV transfer time per prompt token, ms.
+    #[arg(long, default_value_t = LatencyModel::default().kv_transfer_ms_per_token)]
+    pub kv_transfer_ms_per_token: f64,
+    /// Prefill/decode disaggregation: this engine's role (prefill or decode); absent =
+    /// an ordinary engine that does both.
+    #[arg(long, requires = "pd_mode")]
+    pub role: Option<crate::disaggregation::PdRole>,
+    /// With --role: the transfer protocol, vllm (kv_transfer_params, as with NIXL) or
+    /// sglang (bootstrap server and rooms).
+    #[arg(long, requires = "role")]
+    pub pd_mode: Option<crate::disaggregation::PdMode>,
+    /// With --role prefill --pd-mode sglang: the bootstrap server's port (0 = ephemeral).
+    #[arg(long, default_value_t = 0)]
+    pub bootstrap_port: u16,
+    /// Disaggregated serving: how long a prefill engine holds KV for its decode engine,
+    /// and how long a decode engine waits for it, ms.
+    #[arg(long, default_value_t = 30_000)]
+    pub kv_transfer_timeout_ms: u64,
 }
 
 impl MockEngineArgs {
@@ -109,6 +127,7 @@ impl MockEngineArgs {
             decode_e: self.decode_e,
             decode_f: self.decode_f,
             decode_floor_ms: self.decode_floor_ms,
+            kv_transfer_ms_per_token: self.kv_transfer_ms_per_token,
         };
         let sim = SimConfig {
             block_size: self.block_size,
@@ -143,6 +162,15 @@ impl MockEngineArgs {
             tokenizer: self.tokenizer.clone(),
             default_max_tokens: self.default_max_tokens,
             max_body_bytes: self.max_body_bytes,
+            pd: match (self.role, self.pd_mode) {
+                (Some(role), Some(mode)) => Some(crate::disaggregation::PdConfig {
+                    role,
+                    mode,
+                    bootstrap_port: self.bootstrap_port,
+                    transfer_timeout: std::time::Duration::from_millis(self.kv_transfer_timeout_ms),
+                }),
+                _ => None,
+            },
         })
     }
 }
@@ -152,10 +180,13 @@ pub async fn run(args: MockEngineArgs) -> anyhow::Result<()> {
     let config = args.to_config()?;
     let engine = spawn(config).await?;
     println!(
-        "mock-engine ready port={} kv_events={} replay={}",
+        "mock-engine ready port={} kv_events={} replay={} bootstrap={}",
         engine.http_addr.port(),
         engine.kv_events_endpoint.as_deref().unwrap_or("off"),
         engine.replay_endpoint.as_deref().unwrap_or("off"),
+        engine
+            .bootstrap_addr
+            .map_or_else(|| "off".to_string(), |a| a.port().to_string()),
     );
     tracing::info!(addr = %engine.http_addr, "mock engine listening");
     wait_for_signal().await;

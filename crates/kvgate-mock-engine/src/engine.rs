@@ -12,6 +12,7 @@ use anyhow::Context;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use crate::disaggregation::{bootstrap_router, Disaggregation, PdMode, PdRole};
 use crate::kv_publisher::{KvPublisher, PublisherConfig};
 use crate::scheduler::{SimConfig, Simulator};
 use crate::server::{router, unix_now, AppState};
@@ -39,6 +40,9 @@ pub struct EngineConfig {
     /// Request bodies above this size are refused with 413 (text/plain, as a web
     /// server in front of an engine may); vLLM itself sets no limit.
     pub max_body_bytes: usize,
+    /// Prefill/decode disaggregation: this engine's role and protocol (None = an
+    /// ordinary engine).
+    pub pd: Option<crate::disaggregation::PdConfig>,
 }
 
 impl Default for EngineConfig {
@@ -53,6 +57,7 @@ impl Default for EngineConfig {
             tokenizer: None,
             default_max_tokens: 16,
             max_body_bytes: 256 << 20,
+            pd: None,
         }
     }
 }
@@ -64,6 +69,8 @@ pub struct RunningEngine {
     pub kv_events_endpoint: Option<String>,
     /// `tcp://host:port` of the replay ROUTER socket.
     pub replay_endpoint: Option<String>,
+    /// An SGLang prefill engine's bootstrap server.
+    pub bootstrap_addr: Option<SocketAddr>,
     cancel: CancellationToken,
     server: JoinHandle<()>,
 }
@@ -108,7 +115,40 @@ pub async fn spawn(config: EngineConfig) -> anyhow::Result<RunningEngine> {
     let replay_endpoint = publisher.as_ref().and_then(|p| p.replay_endpoint.clone());
 
     let faults = publisher.clone();
+    let latency = config.sim.latency;
+    let block_size = config.sim.block_size;
     let engine = crate::driver::start(sim, config.speedup, publisher, cancel.clone());
+    let listener = tokio::net::TcpListener::bind((config.host.as_str(), config.port))
+        .await
+        .with_context(|| format!("binding HTTP on {}:{}", config.host, config.port))?;
+    let http_addr = listener.local_addr()?;
+    let pd = config.pd.clone().map(|pd| {
+        Arc::new(Disaggregation::new(
+            pd,
+            http_addr,
+            block_size,
+            latency,
+            config.speedup,
+        ))
+    });
+    let mut bootstrap_addr = None;
+    if let Some(pd) = pd
+        .as_ref()
+        .filter(|pd| pd.config.role == PdRole::Prefill && pd.config.mode == PdMode::Sglang)
+    {
+        let port = pd.config.bootstrap_port;
+        let bootstrap = tokio::net::TcpListener::bind((config.host.as_str(), port))
+            .await
+            .with_context(|| format!("binding the bootstrap server on {}:{port}", config.host))?;
+        bootstrap_addr = Some(bootstrap.local_addr()?);
+        let app = bootstrap_router(pd.clone());
+        let stop = cancel.clone();
+        tokio::spawn(async move {
+            let _ = axum::serve(bootstrap, app)
+                .with_graceful_shutdown(async move { stop.cancelled().await })
+                .await;
+        });
+    }
     let state = AppState {
         engine,
         tokenizer,
@@ -119,11 +159,8 @@ pub async fn spawn(config: EngineConfig) -> anyhow::Result<RunningEngine> {
         next_response: Arc::new(AtomicU64::new(0)),
         max_body_bytes: config.max_body_bytes,
         publisher: faults,
+        pd,
     };
-    let listener = tokio::net::TcpListener::bind((config.host.as_str(), config.port))
-        .await
-        .with_context(|| format!("binding HTTP on {}:{}", config.host, config.port))?;
-    let http_addr = listener.local_addr()?;
     let app = router(state);
     let stop = cancel.clone();
     let server = tokio::spawn(async move {
@@ -138,6 +175,7 @@ pub async fn spawn(config: EngineConfig) -> anyhow::Result<RunningEngine> {
         http_addr,
         kv_events_endpoint,
         replay_endpoint,
+        bootstrap_addr,
         cancel,
         server,
     })

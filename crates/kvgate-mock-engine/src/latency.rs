@@ -26,6 +26,15 @@ pub struct LatencyModel {
     pub decode_e: f64,
     pub decode_f: f64,
     pub decode_floor_ms: f64,
+    /// Disaggregated serving: time to move one prompt token's KV from a prefill to a
+    /// decode engine (ms per token; ~2.5 µs is an 8B model's 128 KiB per token over
+    /// ~50 GB/s). The decode engine waits it before the request joins its queue.
+    #[serde(default = "default_kv_transfer_ms_per_token")]
+    pub kv_transfer_ms_per_token: f64,
+}
+
+fn default_kv_transfer_ms_per_token() -> f64 {
+    0.0025
 }
 
 impl Default for LatencyModel {
@@ -38,6 +47,7 @@ impl Default for LatencyModel {
             decode_e: 54.01,
             decode_f: 5.74,
             decode_floor_ms: 1.0,
+            kv_transfer_ms_per_token: default_kv_transfer_ms_per_token(),
         }
     }
 }
@@ -56,6 +66,11 @@ impl LatencyModel {
     pub fn decode_ms(&self, usage: f64) -> f64 {
         let u = usage.clamp(0.0, 1.0);
         (self.decode_d * u * u + self.decode_e * u + self.decode_f).max(self.decode_floor_ms)
+    }
+
+    /// Time to receive `tokens` prompt tokens' KV from a prefill engine.
+    pub fn kv_transfer_ms(&self, tokens: u64) -> f64 {
+        (tokens as f64 * self.kv_transfer_ms_per_token).max(0.0)
     }
 
     /// Duration of a step with `prefill_tokens` uncached tokens and, if `decoding`,

@@ -3,11 +3,12 @@
 //! The crate is split into a pure, deterministic simulation core (`cache`,
 //! `scheduler`, `latency`, `events`, `virtual_time`), the wire format of KV events
 //! (`wire`), tokenization (`tokenizer`), and the I/O shell (`driver`, `server`,
-//! `kv_publisher`, `engine`, `cli`). The core never does I/O; the shell never makes
+//! `kv_publisher`, `engine`, `cli`; `disaggregation` for prefill/decode roles). The core never does I/O; the shell never makes
 //! scheduling decisions.
 
 pub mod cache;
 pub mod cli;
+pub mod disaggregation;
 pub mod driver;
 pub mod engine;
 pub mod events;

@@ -69,6 +69,16 @@ pub fn render(model: &str, s: &SimSnapshot) -> String {
         "Number of generation tokens processed.",
         c.generation_tokens,
     );
+    counter(
+        "kvgate_mock:prompt_tokens_computed",
+        "Prompt tokens computed by prefill (the simulator's own; neither cached nor transferred).",
+        c.prefill_computed_tokens,
+    );
+    counter(
+        "kvgate_mock:prompt_tokens_transferred",
+        "Prompt tokens whose KV arrived from a prefill engine (the simulator's own).",
+        c.transferred_tokens,
+    );
     // vLLM labels this counter by finished_reason; the simulator does not track why a
     // request finished, so every finished request is reported once under "length".
     let success_labels = format!(

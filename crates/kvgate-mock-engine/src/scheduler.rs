@@ -97,6 +97,11 @@ pub struct SimRequest {
     pub prompt: Vec<u32>,
     pub max_tokens: u32,
     pub ignore_eos: bool,
+    /// Leading prompt tokens whose KV arrives from a prefill engine (disaggregated
+    /// serving): at admission they count as computed without prefill work, and their
+    /// full blocks are stored (and published) as the engine's own.
+    #[serde(default)]
+    pub transferred_tokens: u32,
 }
 
 /// Why a request was refused at submission.
@@ -172,6 +177,12 @@ pub struct SimCounters {
     pub steps: u64,
     pub prompt_tokens: u64,
     pub generation_tokens: u64,
+    /// Prompt tokens computed by prefill (neither cached nor transferred).
+    #[serde(default)]
+    pub prefill_computed_tokens: u64,
+    /// Prompt tokens whose KV arrived from a prefill engine.
+    #[serde(default)]
+    pub transferred_tokens: u64,
 }
 
 /// A point-in-time view for metrics and load probes.
@@ -199,6 +210,8 @@ struct Req {
     num_committed: usize,
     cached_tokens: Option<u32>,
     outputs: u32,
+    /// Leading prompt tokens loaded from a prefill engine (see [`SimRequest`]).
+    transferred_tokens: usize,
 }
 
 /// The simulated engine: a [`KvCache`] plus a vLLM-like scheduler and a virtual clock.
@@ -289,6 +302,8 @@ impl Simulator {
         self.next_id += 1;
         let (stop_at, stop_reason) = self.stop_position(id, &req);
         let prompt_len = req.prompt.len();
+        // At least one prompt token is computed here (the first output needs it).
+        let transferred_tokens = (req.transferred_tokens as usize).min(prompt_len - 1);
         let mut tokens = req.prompt;
         tokens.reserve(req.max_tokens as usize);
         self.requests.insert(
@@ -304,6 +319,7 @@ impl Simulator {
                 num_committed: 0,
                 cached_tokens: None,
                 outputs: 0,
+                transferred_tokens,
             },
         );
         self.waiting.push_back(id);
@@ -383,6 +399,7 @@ impl Simulator {
                 prefill_tokens += num_new as u64;
             }
         }
+        self.counters.prefill_computed_tokens += prefill_tokens;
         let duration_ms =
             self.cfg
                 .latency
@@ -527,8 +544,10 @@ impl Simulator {
             }
         }
         let hit_tokens = hit * bs;
-        let num_new = (req.tokens.len() - hit_tokens).min(*budget);
-        let need = blocks_needed(hit_tokens + num_new, bs, hit);
+        // Tokens whose KV was transferred in are computed already, at no cost.
+        let start = hit_tokens.max(req.transferred_tokens);
+        let num_new = (req.tokens.len() - start).min(*budget);
+        let need = blocks_needed(start + num_new, bs, hit);
         if need + evictable > self.cache.num_free() {
             return false;
         }
@@ -539,11 +558,12 @@ impl Simulator {
                 req.blocks.push(b);
             }
         }
-        req.num_computed = hit_tokens;
+        req.num_computed = start;
         req.num_committed = hit;
         if req.cached_tokens.is_none() {
             req.cached_tokens = Some(hit_tokens as u32);
             self.counters.prompt_tokens += req.prompt_len as u64;
+            self.counters.transferred_tokens += (start - hit_tokens) as u64;
         }
         self.counters.prefix_queries_tokens += req.tokens.len() as u64;
         self.counters.prefix_hits_tokens += hit_tokens as u64;

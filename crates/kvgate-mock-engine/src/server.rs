@@ -18,6 +18,7 @@ use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use crate::disaggregation::Disaggregation;
 use crate::driver::EngineHandle;
 use crate::openai::{self, gen_params, ResponseMeta, SSE_DONE};
 use crate::scheduler::SimRequest;
@@ -38,6 +39,8 @@ pub struct AppState {
     pub max_body_bytes: usize,
     /// The KV event publisher, for the fault-injection endpoints.
     pub publisher: Option<crate::kv_publisher::KvPublisher>,
+    /// Prefill/decode disaggregation (None = an ordinary engine).
+    pub pd: Option<Arc<Disaggregation>>,
 }
 
 /// The router with every endpoint.
@@ -53,6 +56,7 @@ pub fn router(state: AppState) -> Router {
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/get_load", get(get_load))
         .route("/version", get(version))
+        .route("/kv_transfer/pull", post(kv_transfer_pull))
         .route("/fault/kv_events/pause", post(fault_pause_events))
         .route("/fault/kv_events/garbage", post(fault_garbage_events))
         .fallback(not_found)
@@ -107,7 +111,7 @@ async fn generate(st: AppState, kind: PromptKind, raw: Bytes) -> Response {
         Ok(b) => b,
         Err(msg) => return bad_request(&msg),
     };
-    let params = match gen_params(kind, &body, st.default_max_tokens) {
+    let mut params = match gen_params(kind, &body, st.default_max_tokens) {
         Ok(p) => p,
         Err(msg) => return bad_request(&msg),
     };
@@ -116,10 +120,35 @@ async fn generate(st: AppState, kind: PromptKind, raw: Bytes) -> Response {
         Err(e) => return bad_request(&e.to_string()),
     };
     let prompt_len = prompt.len() as u32;
+    // Disaggregated serving: what this request's prefill owes a decode engine, or
+    // the prompt KV a decode engine receives first.
+    let pd = st.pd.clone();
+    let holds_kv = pd
+        .as_ref()
+        .is_some_and(|d| d.holds_for_remote_decode(&body));
+    let room = pd.as_ref().and_then(|d| d.prefill_room(&body));
+    if room.is_some() {
+        params.max_tokens = 1; // an SGLang prefill engine computes the first token only
+    }
+    let transferred_tokens = match &pd {
+        Some(d) => match d.receive(&body, prompt.len()).await {
+            Ok(n) => n,
+            Err((status, msg)) => return error(status, &msg),
+        },
+        None => 0,
+    };
+    let on_finish = move || -> Option<Value> {
+        let d = pd.as_ref()?;
+        if let Some(room) = room {
+            d.finish_room(room, prompt_len);
+        }
+        holds_kv.then(|| d.hold(prompt_len))
+    };
     let sim_req = SimRequest {
         prompt,
         max_tokens: params.max_tokens,
         ignore_eos: params.ignore_eos,
+        transferred_tokens,
     };
     let (guard, mut rx) = match st.engine.submit(sim_req).await {
         Ok(Ok(x)) => x,
@@ -146,14 +175,21 @@ async fn generate(st: AppState, kind: PromptKind, raw: Bytes) -> Response {
             if let Some(reason) = o.finished {
                 guard.disarm();
                 let usage = openai::usage(prompt_len, o.index + 1, o.cached_tokens);
-                return Json(meta.full_response(&text, reason, usage)).into_response();
+                let mut answer = meta.full_response(&text, reason, usage);
+                if let Some(params) = on_finish() {
+                    answer["kv_transfer_params"] = params;
+                }
+                return Json(answer).into_response();
             }
         }
         return error(StatusCode::SERVICE_UNAVAILABLE, "the request was aborted");
     }
 
     let include_usage = params.include_usage;
-    let stream = async_stream(meta, guard, rx, prompt_len, include_usage);
+    let on_finish: Box<dyn FnOnce() + Send> = Box::new(move || {
+        on_finish();
+    });
+    let stream = async_stream(meta, guard, rx, prompt_len, include_usage, on_finish);
     Response::builder()
         .status(StatusCode::OK)
         .header(header::CONTENT_TYPE, "text/event-stream; charset=utf-8")
@@ -171,6 +207,7 @@ fn async_stream(
     rx: tokio::sync::mpsc::UnboundedReceiver<crate::scheduler::TokenOutput>,
     prompt_len: u32,
     include_usage: bool,
+    on_finish: Box<dyn FnOnce() + Send>,
 ) -> impl futures::Stream<Item = Result<Bytes, Infallible>> + Send {
     struct S {
         meta: ResponseMeta,
@@ -179,6 +216,7 @@ fn async_stream(
         prompt_len: u32,
         include_usage: bool,
         done: bool,
+        on_finish: Option<Box<dyn FnOnce() + Send>>,
     }
     let init = S {
         meta,
@@ -187,6 +225,7 @@ fn async_stream(
         prompt_len,
         include_usage,
         done: false,
+        on_finish: Some(on_finish),
     };
     futures::stream::unfold(init, |mut s| async move {
         if s.done {
@@ -206,6 +245,9 @@ fn async_stream(
         ));
         if o.finished.is_some() {
             s.guard.disarm();
+            if let Some(f) = s.on_finish.take() {
+                f();
+            }
             if s.include_usage {
                 let usage = openai::usage(s.prompt_len, o.index + 1, o.cached_tokens);
                 out.push_str(&openai::sse_data(&s.meta.usage_chunk(usage)));
@@ -333,6 +375,11 @@ async fn fault_garbage_events(
         }
         None => error(StatusCode::NOT_FOUND, "KV events are off"),
     }
+}
+
+/// A vLLM prefill engine's transfer side channel (stands in for NIXL's).
+async fn kv_transfer_pull(State(st): State<AppState>, raw: Bytes) -> Response {
+    crate::disaggregation::pull_handler(st.pd.clone(), raw).await
 }
 
 async fn get_load(State(st): State<AppState>) -> Response {

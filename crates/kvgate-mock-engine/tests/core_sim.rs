@@ -22,6 +22,7 @@ fn req(prompt: Vec<u32>, max_tokens: u32) -> SimRequest {
         prompt,
         max_tokens,
         ignore_eos: true,
+        transferred_tokens: 0,
     }
 }
 
@@ -281,6 +282,7 @@ fn eos_is_deterministic_and_honours_ignore_eos() {
                     prompt: (0..20).map(|t| t + i as u32 * 100).collect(),
                     max_tokens: 64,
                     ignore_eos: ignore,
+                    transferred_tokens: 0,
                 },
             })
             .collect::<Vec<_>>()
@@ -312,6 +314,7 @@ fn workload() -> Vec<TimedRequest> {
                 prompt,
                 max_tokens: 5 + i % 17,
                 ignore_eos: true,
+                transferred_tokens: 0,
             },
         });
     }
@@ -353,4 +356,35 @@ fn uncached_tokens_cost_more_than_cached_ones() {
         |r: &kvgate_mock_engine::virtual_time::RequestTiming| r.first_token_ms - r.arrival_ms;
     assert_eq!(run.requests[1].cached_tokens, 992);
     assert!(ttft(&run.requests[1]) < ttft(&run.requests[0]));
+}
+
+/// A decode engine's request whose prompt KV arrived from a prefill engine: no prefill
+/// work (the first step only decodes, and costs a decode step), its prompt's full
+/// blocks are stored and published like any, and a later request hits them.
+#[test]
+fn transferred_prompt_tokens_cost_no_prefill_and_are_cached() {
+    let mut sim = Simulator::new(cfg(64, 4)).unwrap();
+    let mut shadow = Shadow::default();
+    let prompt: Vec<u32> = (100..140).collect(); // 40 tokens, 10 blocks of 4
+    sim.submit(SimRequest {
+        transferred_tokens: 40,
+        ..req(prompt.clone(), 3)
+    })
+    .unwrap();
+    let first = sim.step().unwrap();
+    shadow.apply(&first.events);
+    // One prompt token is always computed here; the rest arrived.
+    assert_eq!(first.prefill_tokens, 1);
+    assert_eq!(first.outputs.len(), 1, "the first token in the first step");
+    let latency = sim.config().latency;
+    assert!((first.duration_ms - latency.prefill_ms(1)).abs() < 1e-9);
+    assert_eq!(shadow.stored, 10, "the prompt's full blocks are stored");
+    run_to_idle(&mut sim, &mut shadow);
+    let s = sim.snapshot().counters;
+    assert_eq!(s.transferred_tokens, 39);
+    assert_eq!(s.prefill_computed_tokens, 1);
+    // The same prompt again (an ordinary request) is served from the cache.
+    let id = sim.submit(req(prompt, 1)).unwrap();
+    let out = run_to_idle(&mut sim, &mut shadow);
+    assert_eq!(out[&id].0, 36);
 }

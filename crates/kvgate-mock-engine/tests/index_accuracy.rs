@@ -66,6 +66,7 @@ fn kvgate_ingestion_reproduces_the_engine_cache() {
                 prompt,
                 max_tokens,
                 ignore_eos: true,
+                transferred_tokens: 0,
             })
             .unwrap(),
         );
@@ -130,6 +131,7 @@ fn kvgate_ingestion_reproduces_the_engine_cache() {
         prompt: shared.clone(),
         max_tokens: 1,
         ignore_eos: true,
+        transferred_tokens: 0,
     })
     .unwrap();
     while let Some(step) = sim.step() {

@@ -474,6 +474,7 @@ impl Simulation<'_> {
             prompt: request.prompt,
             max_tokens: request.max_tokens,
             ignore_eos: true,
+            transferred_tokens: 0,
         });
         self.records[record].engine = Some(engine);
         match submitted {
