@@ -97,6 +97,7 @@ pub async fn add(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
         kv_events: add.kv_events,
         kv_events_replay: add.kv_events_replay,
         dp_size: add.dp_size.unwrap_or(1),
+        bootstrap_port: None,
     };
     if let Err(e) = config.validate() {
         return ApiError::bad_request("invalid_worker", format!("{e:#}")).into_response();

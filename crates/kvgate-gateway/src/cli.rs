@@ -19,6 +19,7 @@ const AUTH: &str = "Authentication";
 const LIMITS: &str = "Admission limits";
 const UPSTREAM: &str = "Upstream timeouts, health and failover";
 const PEERS: &str = "Replicas sharing load";
+const PD: &str = "Prefill/decode disaggregation (without --config)";
 
 /// A flag's help with the default it falls back to, read from the config's own
 /// `Default` so the two cannot drift (the flag stays optional: unset, a `--config`
@@ -41,9 +42,28 @@ pub struct ServeArgs {
     /// Served model name (what clients send as "model"); required without --config.
     #[arg(long, help_heading = MODEL, required_unless_present = "config")]
     pub model: Option<String>,
-    /// Engine replica base URL (repeat for each replica).
-    #[arg(long = "worker", value_name = "URL", help_heading = MODEL)]
+    /// Engine replica base URL (repeat for each replica). With --pd-mode, the decode
+    /// pool (--decode-worker is the same flag).
+    #[arg(long = "worker", visible_alias = "decode-worker", value_name = "URL", help_heading = MODEL)]
     pub workers: Vec<String>,
+    /// Prefill/decode disaggregation: vllm (KV connectors such as NIXL: prefill with
+    /// max_tokens 1, its kv_transfer_params to decode) or sglang (both at once, paired by
+    /// a bootstrap room). --policy then chooses the prefill worker.
+    #[arg(long, value_name = "MODE", help_heading = PD)]
+    pub pd_mode: Option<crate::config::PdMode>,
+    /// With --pd-mode: a prefill worker's base URL (repeat). Its KV events are given
+    /// with --kv-events URL=ENDPOINT like any worker's.
+    #[arg(long = "prefill-worker", value_name = "URL", help_heading = PD, requires = "pd_mode")]
+    pub prefill_workers: Vec<String>,
+    /// With --pd-mode sglang: a prefill worker's bootstrap port, URL=PORT (repeat).
+    #[arg(long = "bootstrap-port", value_name = "URL=PORT", help_heading = PD, requires = "pd_mode")]
+    pub bootstrap_ports: Vec<String>,
+    /// With --pd-mode: the decode pool's policy (default: kv_aware when decode workers
+    /// publish KV events, least_loaded otherwise).
+    #[arg(long, value_name = "POLICY", help_heading = PD, requires = "pd_mode")]
+    pub decode_policy: Option<PolicyKind>,
+    #[arg(long, value_name = "TOKENS", help_heading = PD, requires = "pd_mode", help = with_default("With --pd-mode: prompts with fewer uncached tokens than this go to a decode worker whole, without a prefill leg (0 = never)", 0))]
+    pub pd_uncached_token_threshold: Option<u32>,
     #[arg(long, help_heading = MODEL, help = with_default("Routing policy: round_robin, random, least_loaded, session, prefix_affinity, kv_aware", PolicyKind::default()))]
     pub policy: Option<PolicyKind>,
     /// Directory with tokenizer.json (+ tokenizer_config.json) for local tokenization.
@@ -183,6 +203,7 @@ pub struct ServeArgs {
 fn has_model_flags(a: &ServeArgs) -> bool {
     a.model.is_some()
         || !a.workers.is_empty()
+        || a.pd_mode.is_some()
         || a.workers_dns.is_some()
         || a.policy.is_some()
         || a.tokenizer.is_some()
@@ -218,22 +239,30 @@ impl ServeArgs {
         let Some(name) = self.model.clone() else {
             bail!("pass --model NAME (the model name clients send) and at least one --worker URL, or --config FILE");
         };
-        let mut workers: Vec<WorkerConfig> = self
-            .workers
-            .iter()
-            .map(|u| WorkerConfig {
-                dp_size: self.dp_size,
-                ..WorkerConfig::new(normalize_url(u))
-            })
-            .collect();
+        let pool = |urls: &[String]| -> Vec<WorkerConfig> {
+            urls.iter()
+                .map(|u| WorkerConfig {
+                    dp_size: self.dp_size,
+                    ..WorkerConfig::new(normalize_url(u))
+                })
+                .collect()
+        };
+        let mut workers = pool(&self.workers);
+        let mut prefill_workers = pool(&self.prefill_workers);
         for (flag, list, replay) in [
             ("--kv-events", &self.kv_events, false),
             ("--kv-events-replay", &self.kv_events_replay, true),
         ] {
             for a in list {
                 let (url, endpoint) = parse_assignment(a)?;
-                let Some(w) = workers.iter_mut().find(|w| w.url == url) else {
-                    bail!("{flag} {a}: {url} is not one of the --worker URLs");
+                let Some(w) = workers
+                    .iter_mut()
+                    .chain(prefill_workers.iter_mut())
+                    .find(|w| w.url == url)
+                else {
+                    bail!(
+                        "{flag} {a}: {url} is not one of the --worker (or --prefill-worker) URLs"
+                    );
                 };
                 if replay {
                     w.kv_events_replay = Some(endpoint);
@@ -242,6 +271,22 @@ impl ServeArgs {
                 }
             }
         }
+        for a in &self.bootstrap_ports {
+            let (url, port) = parse_assignment(a)?;
+            let Some(w) = prefill_workers.iter_mut().find(|w| w.url == url) else {
+                bail!("--bootstrap-port {a}: {url} is not one of the --prefill-worker URLs");
+            };
+            w.bootstrap_port =
+                Some(port.parse().map_err(|_| {
+                    anyhow::anyhow!("--bootstrap-port {a}: {port:?} is not a port")
+                })?);
+        }
+        let pd = self.pd_mode.map(|mode| crate::config::PdConfig {
+            mode,
+            prefill_workers,
+            decode_policy: self.decode_policy,
+            uncached_token_threshold: self.pd_uncached_token_threshold.unwrap_or(0),
+        });
         let mut m = ModelConfig {
             name,
             workers,
@@ -262,6 +307,7 @@ impl ServeArgs {
                 dp_size: self.dp_size,
                 ..WorkersDnsConfig::default()
             }),
+            pd,
             ..ModelConfig::default()
         };
         if let Some(w) = self.overlap_weight {
@@ -460,5 +506,91 @@ mod tests {
         ])
         .unwrap_err();
         assert!(e.to_string().contains("not one of the --worker"), "{e}");
+    }
+
+    #[test]
+    fn disaggregation_flags_build_both_pools() {
+        let c = parse(&[
+            "--model",
+            "m",
+            "--remote-tokenize",
+            "--policy",
+            "kv_aware",
+            "--pd-mode",
+            "sglang",
+            "--prefill-worker",
+            "http://p:1",
+            "--bootstrap-port",
+            "http://p:1=8998",
+            "--kv-events",
+            "http://p:1=tcp://p:5557",
+            "--decode-worker",
+            "http://d:1",
+            "--worker",
+            "http://d:2",
+            "--pd-uncached-token-threshold",
+            "64",
+        ])
+        .unwrap();
+        let m = &c.models[0];
+        let pd = m.pd.as_ref().unwrap();
+        assert_eq!(pd.mode, crate::config::PdMode::Sglang);
+        assert_eq!(pd.prefill_workers.len(), 1);
+        assert_eq!(pd.prefill_workers[0].bootstrap_port, Some(8998));
+        assert_eq!(
+            pd.prefill_workers[0].kv_events.as_deref(),
+            Some("tcp://p:5557")
+        );
+        assert_eq!(pd.uncached_token_threshold, 64);
+        assert_eq!(
+            m.workers.len(),
+            2,
+            "--decode-worker and --worker are one flag"
+        );
+        // Without events on the decode pool its policy is least_loaded.
+        let (decode, prefill) = m.pd_pools().unwrap();
+        assert_eq!(decode.policy, PolicyKind::LeastLoaded);
+        assert_eq!(prefill.policy, PolicyKind::KvAware);
+        assert_eq!(prefill.workers[0].url, "http://p:1");
+
+        // SGLang needs each prefill worker's bootstrap port; a URL in both pools and a
+        // model without prefill workers are refused.
+        let base = [
+            "--model",
+            "m",
+            "--pd-mode",
+            "sglang",
+            "--decode-worker",
+            "http://d:1",
+        ];
+        let e = parse(&[&base[..], &["--prefill-worker", "http://p:1"]].concat()).unwrap_err();
+        assert!(format!("{e:#}").contains("bootstrap port"), "{e:#}");
+        let e = parse(&base).unwrap_err();
+        assert!(format!("{e:#}").contains("prefill worker"), "{e:#}");
+        let e = parse(&[
+            "--model",
+            "m",
+            "--pd-mode",
+            "vllm",
+            "--decode-worker",
+            "http://d:1",
+            "--prefill-worker",
+            "http://d:1",
+        ])
+        .unwrap_err();
+        assert!(
+            format!("{e:#}").contains("both the prefill and the decode pool"),
+            "{e:#}"
+        );
+        // The pool flags need --pd-mode.
+        assert!(parse(&[
+            "--model",
+            "m",
+            "--worker",
+            "http://d:1",
+            "--prefill-worker",
+            "http://p:1"
+        ])
+        .is_err());
     }
 }

@@ -178,6 +178,76 @@ pub struct ModelConfig {
     /// Workers found through the Kubernetes API (pods by label selector), in addition
     /// to `workers`; needs a build with `--features kubernetes`.
     pub workers_kubernetes: Option<WorkersKubernetesConfig>,
+    /// Prefill/decode disaggregation: `workers` are then the decode pool, `policy`
+    /// chooses among the prefill pool's workers (see [`PdConfig`]).
+    pub pd: Option<PdConfig>,
+}
+
+/// How a disaggregated model hands a request from its prefill worker to its decode
+/// worker (the engines' KV-transfer protocol).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum PdMode {
+    /// vLLM's KV connectors (NIXL and alike): the prefill worker runs the request with
+    /// `max_tokens: 1` and `kv_transfer_params` asking for a remote decode; its answer's
+    /// `kv_transfer_params` go with the original request to the decode worker.
+    Vllm,
+    /// SGLang's bootstrap transfer: the request goes to the prefill and the decode
+    /// worker at once, both carrying the prefill worker's bootstrap address and a
+    /// random room number that pairs them.
+    Sglang,
+}
+
+impl std::fmt::Display for PdMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            PdMode::Vllm => "vllm",
+            PdMode::Sglang => "sglang",
+        })
+    }
+}
+
+/// Prefill/decode disaggregation of one model: a prefill pool beside the decode pool
+/// (the model's `workers`). Each pool has its own workers, KV events, index, ledger and
+/// policy: the model's `policy` chooses the prefill worker (where the prompt's KV cache
+/// counts), `decode_policy` the decode worker.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PdConfig {
+    pub mode: PdMode,
+    /// The prefill pool (SGLang: each with its `bootstrap_port`).
+    pub prefill_workers: Vec<WorkerConfig>,
+    /// Policy of the decode pool (default: kv_aware when a decode worker publishes KV
+    /// events, least_loaded otherwise).
+    pub decode_policy: Option<PolicyKind>,
+    /// Prompts with fewer uncached tokens than this (the prefill pool's best cached
+    /// prefix taken off) skip the split and go to a decode worker whole (0 = never).
+    pub uncached_token_threshold: u32,
+}
+
+impl Default for PdConfig {
+    fn default() -> Self {
+        Self {
+            mode: PdMode::Vllm,
+            prefill_workers: Vec::new(),
+            decode_policy: None,
+            uncached_token_threshold: 0,
+        }
+    }
+}
+
+impl PdConfig {
+    /// The decode pool's policy: as configured, else kv_aware where decode workers
+    /// publish KV events, else least_loaded.
+    pub fn decode_policy_for(&self, decode_workers: &[WorkerConfig]) -> PolicyKind {
+        self.decode_policy.unwrap_or_else(|| {
+            if decode_workers.iter().any(|w| w.kv_events.is_some()) {
+                PolicyKind::KvAware
+            } else {
+                PolicyKind::LeastLoaded
+            }
+        })
+    }
 }
 
 /// Engines found through the Kubernetes API: the running, ready pods matching a label
@@ -325,6 +395,7 @@ impl DiscoveredPorts {
                 .kv_events_replay_port
                 .map(|p| format!("tcp://{ip}:{p}")),
             dp_size: self.dp_size,
+            bootstrap_port: None,
         }
     }
 }
@@ -382,14 +453,48 @@ impl Default for ModelConfig {
             index_max_blocks: kvgate_core::IndexConfig::default().max_blocks,
             workers_dns: None,
             workers_kubernetes: None,
+            pd: None,
         }
     }
 }
 
 impl ModelConfig {
-    /// Whether requests for this model need routing tokens.
+    /// Whether requests for this model need routing tokens (for either pool of a
+    /// disaggregated model).
     pub fn needs_tokens(&self) -> bool {
-        self.policy.uses_tokens()
+        match &self.pd {
+            Some(pd) => {
+                self.policy.uses_tokens() || pd.decode_policy_for(&self.workers).uses_tokens()
+            }
+            None => self.policy.uses_tokens(),
+        }
+    }
+
+    /// A disaggregated model's two pools as models of their own: the decode pool (the
+    /// model's `workers`, routed with the decode policy) and the prefill pool (the
+    /// prefill workers, routed with the model's policy). Both keep the model's name,
+    /// block size and hash salt, so one tokenization gives both the same block keys.
+    /// `None` for a model that is not disaggregated.
+    pub fn pd_pools(&self) -> Option<(ModelConfig, ModelConfig)> {
+        let pd = self.pd.as_ref()?;
+        let decode = ModelConfig {
+            policy: pd.decode_policy_for(&self.workers),
+            kv_fallback: None,
+            pd: None,
+            ..self.clone()
+        };
+        // The prefill pool routes on the block keys of the model's own tokenization.
+        let prefill = ModelConfig {
+            workers: pd.prefill_workers.clone(),
+            tokenizer: None,
+            remote_tokenize: false,
+            workers_dns: None,
+            workers_kubernetes: None,
+            lora_adapters: Vec::new(),
+            pd: None,
+            ..self.clone()
+        };
+        Some((decode, prefill))
     }
 
     /// Whether any worker publishes KV events (or will, found through DNS).
@@ -418,6 +523,9 @@ pub struct WorkerConfig {
     pub kv_events_replay: Option<String>,
     /// Data-parallel ranks (rank r publishes on the events port + r).
     pub dp_size: u32,
+    /// SGLang disaggregation: the port of this prefill worker's bootstrap server (its
+    /// `--disaggregation-bootstrap-port`), sent to decode workers with its host.
+    pub bootstrap_port: Option<u16>,
 }
 
 /// Most data-parallel ranks one worker may declare (one event subscriber each).
@@ -430,6 +538,7 @@ impl WorkerConfig {
             kv_events: None,
             kv_events_replay: None,
             dp_size: 1,
+            bootstrap_port: None,
         }
     }
 
@@ -478,6 +587,8 @@ enum WorkerSpec {
         kv_events_replay: Option<String>,
         #[serde(default)]
         dp_size: Option<u32>,
+        #[serde(default)]
+        bootstrap_port: Option<u16>,
     },
 }
 
@@ -490,11 +601,13 @@ impl From<WorkerSpec> for WorkerConfig {
                 kv_events,
                 kv_events_replay,
                 dp_size,
+                bootstrap_port,
             } => WorkerConfig {
                 url,
                 kv_events,
                 kv_events_replay,
                 dp_size: dp_size.unwrap_or(1),
+                bootstrap_port,
             },
         }
     }
@@ -707,6 +820,10 @@ impl ModelConfig {
                 bail!("model {name:?}: worker {} is listed twice", w.url);
             }
         }
+        if let Some(pd) = &self.pd {
+            pd.validate(self)
+                .with_context(|| format!("model {name:?}"))?;
+        }
         if self.needs_tokens() && self.tokenizer.is_none() && !self.remote_tokenize {
             bail!(
                 "model {name:?}: policy {} routes on token ids: pass --tokenizer DIR (a directory with tokenizer.json) or --remote-tokenize",
@@ -728,6 +845,54 @@ impl ModelConfig {
                 "model {name:?}: session_header {:?} is not a valid HTTP header name",
                 self.session_header
             );
+        }
+        Ok(())
+    }
+}
+
+impl PdConfig {
+    fn validate(&self, model: &ModelConfig) -> anyhow::Result<()> {
+        if self.prefill_workers.is_empty() {
+            bail!("prefill/decode disaggregation needs at least one prefill worker (--prefill-worker URL)");
+        }
+        if model.workers.is_empty()
+            && model.workers_dns.is_none()
+            && model.workers_kubernetes.is_none()
+        {
+            bail!("prefill/decode disaggregation needs at least one decode worker (--decode-worker URL)");
+        }
+        let mut urls = HashSet::new();
+        for w in &self.prefill_workers {
+            w.validate()?;
+            if !urls.insert(normalize_url(&w.url)) {
+                bail!("prefill worker {} is listed twice", w.url);
+            }
+            if self.mode == PdMode::Sglang && w.bootstrap_port.is_none() {
+                bail!("prefill worker {}: SGLang disaggregation needs its bootstrap port (--bootstrap-port URL=PORT, or bootstrap_port in YAML)", w.url);
+            }
+        }
+        if let Some(w) = model
+            .workers
+            .iter()
+            .find(|w| urls.contains(&normalize_url(&w.url)))
+        {
+            bail!(
+                "worker {} is in both the prefill and the decode pool",
+                w.url
+            );
+        }
+        if let Some(fb) = model.kv_fallback {
+            if model.policy != PolicyKind::KvAware || fb == PolicyKind::KvAware {
+                bail!(
+                    "kv_fallback {fb} does not apply to prefill policy {}",
+                    model.policy
+                );
+            }
+        }
+        if self.decode_policy_for(&model.workers) == PolicyKind::KvAware
+            && !model.has_event_source()
+        {
+            bail!("decode_policy kv_aware needs decode workers with KV events (--kv-events URL=ENDPOINT)");
         }
         Ok(())
     }
@@ -799,6 +964,7 @@ mod tests {
             kv_events: Some("tcp://10.0.0.1:5557".into()),
             kv_events_replay: Some("tcp://10.0.0.1:5600".into()),
             dp_size: 4,
+            bootstrap_port: None,
         };
         assert!(ok.validate().is_ok());
         let with = |f: &dyn Fn(&mut WorkerConfig)| {
@@ -813,6 +979,38 @@ mod tests {
         assert!(with(&|w| w.kv_events = None).is_err());
         assert!(with(&|w| w.url = "https://x:1".into()).is_err());
         assert!(with(&|w| w.url = "not a url".into()).is_err());
+    }
+
+    #[test]
+    fn yaml_declares_a_disaggregated_model() {
+        let c = Config::from_yaml_str(
+            r#"
+models:
+  - name: m
+    policy: kv_aware
+    remote_tokenize: true
+    workers: [http://d:1]
+    pd:
+      mode: vllm
+      decode_policy: least_loaded
+      uncached_token_threshold: 32
+      prefill_workers:
+        - {url: "http://p:1", kv_events: "tcp://p:5557"}
+"#,
+        )
+        .unwrap();
+        let pd = c.models[0].pd.as_ref().unwrap();
+        assert_eq!(pd.mode, PdMode::Vllm);
+        assert_eq!(pd.decode_policy, Some(PolicyKind::LeastLoaded));
+        assert_eq!(pd.uncached_token_threshold, 32);
+        assert_eq!(
+            pd.prefill_workers[0].kv_events.as_deref(),
+            Some("tcp://p:5557")
+        );
+        assert!(Config::from_yaml_str(
+            "models: [{name: m, workers: [http://d:1], pd: {mode: nixl, prefill_workers: [http://p:1]}}]"
+        )
+        .is_err());
     }
 
     #[test]

@@ -249,6 +249,17 @@ impl ApiError {
         )
     }
 
+    /// 502: a disaggregated request's prefill leg answered but its answer cannot be
+    /// handed to a decode worker (no `kv_transfer_params`, unreadable body).
+    pub fn prefill_handover_failed(worker: &str, detail: impl std::fmt::Display) -> Self {
+        Self::new(
+            StatusCode::BAD_GATEWAY,
+            "upstream_error",
+            "prefill_handover_failed",
+            format!("prefill worker {worker}: {detail}"),
+        )
+    }
+
     /// 503: the gateway's shutdown grace period ended before the response did.
     pub fn gateway_shutting_down() -> Self {
         Self::new(

@@ -90,7 +90,9 @@ impl Drop for Unanswered {
     }
 }
 
-/// Routes and forwards one admitted request, with failover before the first byte.
+/// Routes and forwards one admitted request, with failover before the first byte. A
+/// disaggregated model's request runs its prefill and decode legs (disaggregation.rs),
+/// unless its prompt is short enough to skip the split.
 pub(crate) async fn dispatch(
     gw: &Arc<Gateway>,
     endpoint: Endpoint,
@@ -109,12 +111,29 @@ pub(crate) async fn dispatch(
         body,
         started: tokio::time::Instant::now(),
     };
+    if let Some(prefill) = &p.model.prefill {
+        if !crate::disaggregation::skips_prefill(gw, prefill, &p) {
+            return crate::disaggregation::dispatch(gw, prefill, request, &p, &admission, record)
+                .await;
+        }
+    }
     let route = Route::Booked {
         p: &p,
         admission: &admission,
         record,
     };
     let accepted = call_workers(gw, &request, route).await?;
+    answer(gw, &request, accepted).await
+}
+
+/// The client's response from an accepted routed attempt: an engine's non-JSON error
+/// page re-made as OpenAI-style JSON, anything else passed through with its body
+/// observed until it ends (the lease ends with it).
+pub(crate) async fn answer(
+    gw: &Arc<Gateway>,
+    request: &Forwarded,
+    accepted: Accepted,
+) -> Result<Response, ApiError> {
     let Some((decision, lease)) = accepted.lease else {
         return Err(ApiError::internal(
             "a routed request was answered without a lease",
@@ -127,7 +146,7 @@ pub(crate) async fn dispatch(
     }
     Ok(commit(
         gw,
-        &request,
+        request,
         &decision,
         lease,
         accepted.resp,
@@ -161,16 +180,17 @@ pub(crate) async fn side_call(
 }
 
 /// The request as it is sent to each worker it tries.
-struct Forwarded {
-    endpoint: Endpoint,
-    headers: http::HeaderMap,
-    body: bytes::Bytes,
+#[derive(Clone)]
+pub(crate) struct Forwarded {
+    pub(crate) endpoint: Endpoint,
+    pub(crate) headers: http::HeaderMap,
+    pub(crate) body: bytes::Bytes,
     /// When the first attempt began (the total timeout counts from here).
-    started: tokio::time::Instant,
+    pub(crate) started: tokio::time::Instant,
 }
 
 /// Which workers the attempt loop tries, and what each attempt holds.
-enum Route<'a> {
+pub(crate) enum Route<'a> {
     /// A routed request: the policy chooses, each attempt holds a lease (admission
     /// plus booking), and the request is counted in `kvgate_requests_total`.
     Booked {
@@ -183,6 +203,12 @@ enum Route<'a> {
         model: &'a ModelState,
         order: Vec<Arc<Worker>>,
     },
+    /// One attempt on a worker already chosen and leased (a leg whose body names its
+    /// worker, such as an SGLang prefill): no retry here, the caller decides.
+    Leased {
+        model: Arc<ModelState>,
+        lease: Option<(Decision, Lease)>,
+    },
 }
 
 impl Route<'_> {
@@ -190,18 +216,19 @@ impl Route<'_> {
         match self {
             Route::Booked { p, .. } => &p.model,
             Route::Side { model, .. } => model,
+            Route::Leased { model, .. } => model,
         }
     }
 }
 
 /// A response head the loop accepted, and what its attempt holds.
-struct Accepted {
-    worker: Arc<Worker>,
-    resp: http::Response<hyper::body::Incoming>,
+pub(crate) struct Accepted {
+    pub(crate) worker: Arc<Worker>,
+    pub(crate) resp: http::Response<hyper::body::Incoming>,
     /// The routing decision and the lease (routed requests only).
-    lease: Option<(Decision, Lease)>,
+    pub(crate) lease: Option<(Decision, Lease)>,
     /// Ends the response if the worker is declared dead or the grace period ends.
-    cut_off: tokio_util::sync::CancellationToken,
+    pub(crate) cut_off: tokio_util::sync::CancellationToken,
 }
 
 /// What a failed attempt comes to.
@@ -216,7 +243,7 @@ enum Attempt {
 /// backoff; a transport failure, a first-byte timeout or a 5xx/429 before the first
 /// byte moves on to another worker (each failure counted against its worker by
 /// health.rs); the first other answer, or the last attempt's, is accepted.
-async fn call_workers(
+pub(crate) async fn call_workers(
     gw: &Gateway,
     request: &Forwarded,
     mut route: Route<'_>,
@@ -224,8 +251,9 @@ async fn call_workers(
     let max_attempts = match &route {
         Route::Booked { .. } => gw.config.failover.max_attempts as usize,
         Route::Side { order, .. } => order.len().min(gw.config.failover.max_attempts as usize),
+        Route::Leased { .. } => 1,
     };
-    let booked = matches!(route, Route::Booked { .. });
+    let booked = !matches!(route, Route::Side { .. });
     let mut excluded: SmallVec<[WorkerId; 4]> = SmallVec::new();
     let mut last_err: Option<ApiError> = None;
     let mut backoff = Duration::from_millis(gw.config.failover.backoff_ms);
@@ -260,6 +288,10 @@ async fn call_workers(
                 }
             },
             Route::Side { order, .. } => (order[attempt].clone(), None),
+            Route::Leased { lease, .. } => match lease.take() {
+                Some((decision, lease)) => (lease.worker().clone(), Some((decision, lease))),
+                None => return Err(ApiError::internal("a leased call was attempted twice")),
+            },
         };
         let model = route.model();
         let cut_off = worker.cut_off_signal();

@@ -25,7 +25,7 @@ use crate::errors::ApiError;
 use crate::limits::GlobalLimiter;
 use crate::metrics::Metrics;
 use crate::proxy::{build_client, ForwardAuth, HttpClient, Upstream};
-use crate::registry::{ModelState, Worker};
+use crate::registry::{ModelState, PrefillPool, Worker};
 
 /// Shared state of one gateway process.
 pub struct Gateway {
@@ -75,7 +75,26 @@ impl Gateway {
         let peers = Arc::new(crate::peers::PeerHub::default());
         let client = build_client(&config.timeouts);
         for mc in &config.models {
-            let model = Arc::new(build_model(mc, &events, &worker_ids, ledger_ttl)?);
+            let model = match mc.pd_pools() {
+                None => build_model(mc, &events, &worker_ids, ledger_ttl, None)?,
+                Some((decode, prefill)) => {
+                    let pool = Arc::new(build_model(
+                        &prefill,
+                        &events,
+                        &worker_ids,
+                        ledger_ttl,
+                        None,
+                    )?);
+                    pending.push((pool.clone(), prefill.workers.clone()));
+                    let pd = mc.pd.as_ref().map(|pd| PrefillPool {
+                        mode: pd.mode,
+                        pool,
+                        uncached_token_threshold: pd.uncached_token_threshold,
+                    });
+                    build_model(&decode, &events, &worker_ids, ledger_ttl, pd)?
+                }
+            };
+            let model = Arc::new(model);
             if config.peers.enabled() {
                 // Before any worker is added: their subscribers ask the peers for a
                 // snapshot of the worker before replaying its engine's buffer.
@@ -169,6 +188,13 @@ impl Gateway {
         self.names.iter().filter(|n| n.2.is_none()).map(|n| &n.1)
     }
 
+    /// Every pool of workers: each model, and the prefill pool of a disaggregated
+    /// model (health checks, worker metrics and shutdown cover them all).
+    pub fn pools(&self) -> impl Iterator<Item = &Arc<ModelState>> {
+        self.models()
+            .flat_map(|m| std::iter::once(m).chain(m.prefill.as_ref().map(|p| &p.pool)))
+    }
+
     /// Header handling for forwarded requests.
     /// How this gateway sends requests to workers.
     pub(crate) fn upstream(&self) -> Upstream<'_> {
@@ -259,7 +285,7 @@ impl Gateway {
 
     /// URL of a worker id in any model.
     pub fn worker_url(&self, id: WorkerId) -> Option<String> {
-        self.models().find_map(|m| {
+        self.pools().find_map(|m| {
             m.workers()
                 .iter()
                 .find(|w| w.id == id)
@@ -273,6 +299,7 @@ fn build_model(
     events: &Arc<EventMetrics>,
     worker_ids: &Arc<AtomicU32>,
     booking_ttl: Duration,
+    prefill: Option<PrefillPool>,
 ) -> anyhow::Result<ModelState> {
     let name = &mc.name;
     let selection = SelectionService::new(
@@ -310,5 +337,6 @@ fn build_model(
         selection,
         tokenizer,
         session_header,
+        prefill,
     ))
 }

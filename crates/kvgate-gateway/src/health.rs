@@ -102,7 +102,7 @@ pub async fn run_health_checks(gw: Arc<Gateway>) {
             _ = tick.tick() => {}
         }
         let mut set = JoinSet::new();
-        for model in gw.models() {
+        for model in gw.pools() {
             for worker in model.workers().iter() {
                 let (gw, model, worker) = (gw.clone(), model.clone(), worker.clone());
                 set.spawn(async move {
@@ -135,7 +135,7 @@ pub async fn run_ledger_sweep(gw: Arc<Gateway>) {
             _ = gw.shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
-        for model in gw.models() {
+        for model in gw.pools() {
             let n = model.selection.sweep_expired(Instant::now());
             if n > 0 {
                 tracing::warn!(model = %model.name, swept = n, "ledger TTL sweep freed bookings whose request never ended");

@@ -41,10 +41,15 @@ impl Lease {
         admission: &Arc<Admission>,
         max_in_flight: u32,
     ) -> Option<Lease> {
-        let booking = p.model.selection.try_book(
-            decision,
-            p.prompt_tokens,
-            p.max_tokens,
+        let mut spec = decision.booking(p.prompt_tokens, p.max_tokens);
+        if p.kv_transferred {
+            // A decode leg: the prompt's KV arrives from its prefill worker, nothing of
+            // it is computed here.
+            spec.cached_tokens = spec.prompt_tokens;
+        }
+        let booking = p.model.selection.try_book_spec(
+            decision.worker,
+            spec,
             p.keys.as_deref().unwrap_or_default(),
             max_in_flight,
             Instant::now(),

@@ -6,7 +6,8 @@
 //! admission, body limit) → `routing` (parse, model, tokenize, select) → `failover`
 //! (an attempt's `lease`: admission plus booking; forward, retry before the first
 //! byte) → `proxy` (upstream HTTP) → `observe` (pass bytes through, drive the
-//! booking, end the lease).
+//! booking, end the lease). A disaggregated model's request runs a prefill and a
+//! decode leg (`disaggregation`), each through `failover`'s attempt loop.
 //! Background: `health` (checks, ledger sweep), `peers` (load reports and index
 //! snapshots exchanged with other kvgate replicas), `discovery` (engines found through
 //! DNS). State: `gateway`, `registry`,
@@ -18,6 +19,7 @@ pub mod auth;
 pub mod breaker;
 pub mod cli;
 pub mod config;
+pub mod disaggregation;
 pub mod discovery;
 pub mod errors;
 pub mod failover;

@@ -112,6 +112,11 @@ impl Worker {
         Uri::from_parts(parts).unwrap_or_default()
     }
 
+    /// The host of the worker's URL (an SGLang prefill worker's bootstrap host).
+    pub fn host(&self) -> &str {
+        self.authority.host()
+    }
+
     /// The signal a request on this worker watches: cancelled when the worker is
     /// declared dead while the request is in flight.
     pub(crate) fn cut_off_signal(&self) -> CancellationToken {
@@ -125,6 +130,17 @@ impl Worker {
     }
 }
 
+/// A disaggregated model's prefill side: its pool and how requests are handed over.
+#[derive(Debug)]
+pub struct PrefillPool {
+    pub mode: crate::config::PdMode,
+    /// The prefill workers as a model of their own (selection service, index,
+    /// ledger, policy); never resolved by name.
+    pub pool: Arc<ModelState>,
+    /// Prompts with fewer uncached tokens skip the prefill leg (0 = never).
+    pub uncached_token_threshold: u32,
+}
+
 /// One served model and its fleet.
 pub struct ModelState {
     pub name: Arc<str>,
@@ -135,6 +151,9 @@ pub struct ModelState {
     /// Local tokenizer (None with remote tokenization or token-less policies).
     pub tokenizer: Option<Tokenizer>,
     pub session_header: HeaderName,
+    /// Prefill/decode disaggregation: this model's workers are the decode pool and
+    /// requests first go through the prefill pool.
+    pub prefill: Option<PrefillPool>,
     workers: RwLock<Arc<Vec<Arc<Worker>>>>,
     /// Signalled when a lease ends while someone waits for a worker slot.
     pub(crate) capacity: Notify,
@@ -157,6 +176,7 @@ impl ModelState {
         selection: SelectionService,
         tokenizer: Option<Tokenizer>,
         session_header: HeaderName,
+        prefill: Option<PrefillPool>,
     ) -> ModelState {
         ModelState {
             name: config.name.as_str().into(),
@@ -164,6 +184,7 @@ impl ModelState {
             selection,
             tokenizer,
             session_header,
+            prefill,
             workers: RwLock::new(Arc::new(Vec::new())),
             capacity: Notify::new(),
             waiting: AtomicUsize::new(0),
@@ -178,6 +199,16 @@ impl ModelState {
 
     pub fn kind(&self) -> PolicyKind {
         self.selection.kind()
+    }
+
+    /// Whether routing a request needs its token ids (this pool's policy, or the
+    /// prefill pool's).
+    pub fn uses_tokens(&self) -> bool {
+        self.kind().uses_tokens()
+            || self
+                .prefill
+                .as_ref()
+                .is_some_and(|p| p.pool.kind().uses_tokens())
     }
 
     /// The load ledger (the selection service's).

@@ -111,6 +111,7 @@ impl<'de> Deserialize<'de> for PromptSize {
 }
 
 /// A request ready to be routed.
+#[derive(Clone)]
 pub struct Prepared {
     pub model: Arc<ModelState>,
     pub lora: Option<Arc<str>>,
@@ -123,6 +124,9 @@ pub struct Prepared {
     pub prompt_tokens_estimated: bool,
     /// Token ids, when tokenized and asked for (`/tokenize`).
     pub token_ids: Option<Vec<u32>>,
+    /// The prompt's KV cache arrives from a prefill worker (a disaggregated request's
+    /// decode leg): its booking counts no prefill work.
+    pub kv_transferred: bool,
 }
 
 fn to_u32(v: Option<f64>) -> Option<u32> {
@@ -167,11 +171,12 @@ pub async fn prepare(
         prompt_tokens: 0,
         prompt_tokens_estimated: false,
         token_ids: None,
+        kv_transferred: false,
         model,
         lora,
     };
     let needed = match tokens {
-        TokenUse::ForPolicy => p.model.kind().uses_tokens(),
+        TokenUse::ForPolicy => p.model.uses_tokens(),
         TokenUse::ReturnIds => p.model.tokenizer.is_some(),
     };
     if !needed {

@@ -270,7 +270,20 @@ async fn ready(State(gw): State<Arc<Gateway>>) -> Response {
                 .filter(|w| w.breaker.available(passive))
                 .count();
             all &= healthy > 0;
-            json!({"model": &*m.name, "workers": workers.len(), "healthy": healthy})
+            let mut entry =
+                json!({"model": &*m.name, "workers": workers.len(), "healthy": healthy});
+            if let Some(prefill) = &m.prefill {
+                // A disaggregated model also needs a prefill worker.
+                let workers = prefill.pool.workers();
+                let healthy = workers
+                    .iter()
+                    .filter(|w| w.breaker.available(passive))
+                    .count();
+                all &= healthy > 0;
+                entry["prefill_workers"] = json!(workers.len());
+                entry["prefill_healthy"] = json!(healthy);
+            }
+            entry
         })
         .collect();
     let status = if all {
@@ -292,7 +305,7 @@ async fn metrics(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Response
     let events = gw.events.snapshot();
     let text = gw.metrics.render(
         |g| {
-            for m in gw.models() {
+            for m in gw.pools() {
                 let workers = m.workers();
                 for w in workers.iter() {
                     g.worker(
@@ -458,7 +471,7 @@ impl RunningGateway {
             // Every response still running ends with an error event or a JSON 503;
             // give them a moment to reach their clients before closing the sockets.
             self.gateway.grace_over.cancel();
-            for m in self.gateway.models() {
+            for m in self.gateway.pools() {
                 for w in m.workers().iter() {
                     w.cut_off_in_flight();
                 }
@@ -473,7 +486,7 @@ impl RunningGateway {
         for t in self.tasks.drain(..) {
             t.abort();
         }
-        for m in self.gateway.models() {
+        for m in self.gateway.pools() {
             m.selection.shutdown();
         }
     }

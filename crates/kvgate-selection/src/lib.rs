@@ -634,7 +634,9 @@ impl SelectionService {
         self.try_book_spec(decision.worker, spec, block_keys, max_in_flight, now)
     }
 
-    fn try_book_spec(
+    /// As [`Self::try_book`] with the booking spelled out (a leg whose prompt's KV
+    /// arrives by transfer books it as cached).
+    pub fn try_book_spec(
         &self,
         worker: WorkerId,
         spec: BookingSpec,

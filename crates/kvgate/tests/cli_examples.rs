@@ -191,6 +191,10 @@ const SERVE_FLAGS_WITHOUT_DEFAULT: &[&str] = &[
     "--workers-dns",
     "--workers-dns-kv-events-port",
     "--workers-dns-replay-port",
+    "--pd-mode",
+    "--prefill-worker",
+    "--bootstrap-port",
+    "--decode-policy",
 ];
 
 #[test]

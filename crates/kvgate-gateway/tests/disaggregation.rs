@@ -1,0 +1,474 @@
+//! Prefill/decode disaggregation end to end, with simulated engines in their roles:
+//! vLLM's flow (prefill with kv_transfer_params, then decode with the prefill answer's
+//! parameters) and SGLang's (both at once, paired by a bootstrap room), streamed and
+//! not; the prefill worker chosen by kv_aware on the prefill pool's index; a client
+//! that leaves in either leg frees both bookings; a dead prefill worker before the
+//! first byte is failed over (or is a clean error, never a hang); short prompts skip
+//! the split.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use kvgate_core::PolicyKind;
+use kvgate_gateway::config::{PdConfig, PdMode};
+use kvgate_gateway::{start, Gateway, RunningGateway, WorkerConfig};
+use kvgate_mock_engine::disaggregation::{PdConfig as EnginePd, PdMode as EngineMode, PdRole};
+use kvgate_mock_engine::{spawn, EngineConfig, RunningEngine};
+use serde_json::{json, Value};
+
+struct Fleet {
+    prefill: Vec<RunningEngine>,
+    decode: Vec<RunningEngine>,
+}
+
+async fn engine(role: PdRole, mode: EngineMode, speedup: f64) -> RunningEngine {
+    spawn(EngineConfig {
+        speedup,
+        pd: Some(EnginePd {
+            role,
+            mode,
+            bootstrap_port: 0,
+            transfer_timeout: Duration::from_secs(10),
+        }),
+        ..EngineConfig::default()
+    })
+    .await
+    .unwrap()
+}
+
+async fn fleet(mode: EngineMode, prefill: usize, decode: usize, speedup: f64) -> Fleet {
+    let mut f = Fleet {
+        prefill: Vec::new(),
+        decode: Vec::new(),
+    };
+    for _ in 0..prefill {
+        f.prefill.push(engine(PdRole::Prefill, mode, speedup).await);
+    }
+    for _ in 0..decode {
+        f.decode.push(engine(PdRole::Decode, mode, speedup).await);
+    }
+    f
+}
+
+fn worker_of_engine(e: &RunningEngine) -> WorkerConfig {
+    WorkerConfig {
+        kv_events: e.kv_events_endpoint.clone(),
+        kv_events_replay: e.replay_endpoint.clone(),
+        bootstrap_port: e.bootstrap_addr.map(|a| a.port()),
+        ..WorkerConfig::new(e.base_url())
+    }
+}
+
+/// A gateway over the fleet: kv_aware on the prefill pool (remote tokenization),
+/// the decode pool's default policy, plus `extra_prefill` URLs in the prefill pool.
+async fn gateway(
+    f: &Fleet,
+    mode: PdMode,
+    policy: PolicyKind,
+    extra_prefill: &[String],
+) -> RunningGateway {
+    let mut cfg = config(&[], policy);
+    let m = &mut cfg.models[0];
+    m.remote_tokenize = true;
+    m.workers = f.decode.iter().map(worker_of_engine).collect();
+    let mut prefill: Vec<WorkerConfig> = f.prefill.iter().map(worker_of_engine).collect();
+    for url in extra_prefill {
+        prefill.push(WorkerConfig {
+            bootstrap_port: Some(1),
+            ..WorkerConfig::new(url.clone())
+        });
+    }
+    m.pd = Some(PdConfig {
+        mode,
+        prefill_workers: prefill,
+        ..PdConfig::default()
+    });
+    let gw = start(cfg).await.unwrap();
+    let g = gw.gateway().clone();
+    // Pools whose policy keeps an index follow their engines' events.
+    let sources = f.decode.len()
+        + if policy == PolicyKind::KvAware {
+            f.prefill.len()
+        } else {
+            0
+        };
+    eventually("event streams connected", || {
+        let s = g.events.snapshot();
+        s.workers.len() == sources && s.workers.iter().all(|w| w.connected)
+    })
+    .await;
+    gw
+}
+
+fn prefill_pool(gw: &Gateway) -> Arc<kvgate_gateway::registry::ModelState> {
+    gw.model("m")
+        .unwrap()
+        .prefill
+        .as_ref()
+        .unwrap()
+        .pool
+        .clone()
+}
+
+fn in_flight(model: &kvgate_gateway::registry::ModelState) -> u64 {
+    model.ledger().stats().active
+}
+
+fn prompt(tag: &str, words: usize) -> String {
+    (0..words).map(|i| format!("{tag}{i} ")).collect()
+}
+
+fn chat(content: &str, stream: bool, max_tokens: u32) -> Value {
+    json!({"model": "m", "stream": stream, "max_tokens": max_tokens,
+           "stream_options": {"include_usage": true},
+           "messages": [{"role": "user", "content": content}]})
+}
+
+fn header(resp: &reqwest::Response, name: &str) -> String {
+    resp.headers()
+        .get(name)
+        .map(|v| v.to_str().unwrap().to_string())
+        .unwrap_or_default()
+}
+
+/// A counter of an engine's /metrics, summed over its series.
+async fn engine_counter(c: &reqwest::Client, e: &RunningEngine, name: &str) -> f64 {
+    let text = c
+        .get(format!("{}/metrics", e.base_url()))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| l.starts_with(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Both flows, streamed and not: the answer comes from a decode worker, names its
+/// prefill worker, and the decode engines computed none of the prompt (they received
+/// it) while the prefill engines computed it.
+async fn split_requests_are_answered_by_decode_with_the_prefill_kv(mode: PdMode) {
+    let engine_mode = match mode {
+        PdMode::Vllm => EngineMode::Vllm,
+        PdMode::Sglang => EngineMode::Sglang,
+    };
+    let f = fleet(engine_mode, 2, 2, 20.0).await;
+    let gw = gateway(&f, mode, PolicyKind::KvAware, &[]).await;
+    let c = client();
+    let prefill_urls: Vec<String> = f.prefill.iter().map(|e| e.base_url()).collect();
+    let decode_urls: Vec<String> = f.decode.iter().map(|e| e.base_url()).collect();
+    for (i, stream) in [false, true, false, true].into_iter().enumerate() {
+        let resp = c
+            .post(format!("{}/v1/chat/completions", gw.url()))
+            .json(&chat(&prompt(&format!("r{i}w"), 80), stream, 6))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200, "{mode}: {:?}", resp.text().await);
+        assert!(decode_urls.contains(&worker_of(&resp)), "{mode}");
+        assert!(
+            prefill_urls.contains(&header(&resp, "x-kvgate-prefill-worker")),
+            "{mode}"
+        );
+        let text = resp.text().await.unwrap();
+        if stream {
+            assert!(text.trim_end().ends_with("data: [DONE]"), "{mode}: {text}");
+            assert!(text.contains("\"usage\""), "{mode}: {text}");
+        } else {
+            let v: Value = serde_json::from_str(&text).unwrap();
+            assert_eq!(v["usage"]["completion_tokens"], 6, "{mode}: {text}");
+            assert!(v.get("kv_transfer_params").is_none(), "{mode}: {text}");
+        }
+    }
+    let mut computed_on_decode = 0.0;
+    let mut transferred = 0.0;
+    for e in &f.decode {
+        computed_on_decode += engine_counter(&c, e, "kvgate_mock:prompt_tokens_computed").await;
+        transferred += engine_counter(&c, e, "kvgate_mock:prompt_tokens_transferred").await;
+    }
+    let mut computed_on_prefill = 0.0;
+    for e in &f.prefill {
+        computed_on_prefill += engine_counter(&c, e, "kvgate_mock:prompt_tokens_computed").await;
+    }
+    assert!(
+        transferred > 300.0,
+        "{mode}: {transferred} tokens transferred"
+    );
+    assert!(computed_on_prefill >= transferred, "{mode}");
+    // One token per request at most is computed where the prompt was received.
+    assert!(
+        computed_on_decode <= 4.0,
+        "{mode}: decode computed {computed_on_decode}"
+    );
+    // Every booking ended with its leg.
+    let g = gw.gateway().clone();
+    eventually("bookings freed", || {
+        in_flight(&prefill_pool(&g)) == 0 && in_flight(g.model("m").unwrap()) == 0
+    })
+    .await;
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn vllm_split_requests_are_answered_by_decode_with_the_prefill_kv() {
+    split_requests_are_answered_by_decode_with_the_prefill_kv(PdMode::Vllm).await;
+}
+
+#[tokio::test]
+async fn sglang_split_requests_are_answered_by_decode_with_the_prefill_kv() {
+    split_requests_are_answered_by_decode_with_the_prefill_kv(PdMode::Sglang).await;
+}
+
+/// kv_aware on the prefill pool's index: a repeated prompt's prefill goes back to the
+/// prefill worker that holds it, and that engine serves it from its cache.
+#[tokio::test]
+async fn repeated_prompts_prefill_where_their_kv_is() {
+    let f = fleet(EngineMode::Vllm, 2, 2, 20.0).await;
+    let gw = gateway(&f, PdMode::Vllm, PolicyKind::KvAware, &[]).await;
+    let c = client();
+    let g = gw.gateway().clone();
+    for tag in ["alpha", "beta", "gamma"] {
+        let body = chat(&prompt(tag, 200), false, 2);
+        let first = c
+            .post(format!("{}/v1/chat/completions", gw.url()))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(first.status(), 200);
+        let holder = header(&first, "x-kvgate-prefill-worker");
+        // The holder's blocks reach the prefill pool's index.
+        let pool = prefill_pool(&g);
+        let id = pool.worker_by_url(&holder).unwrap().id;
+        eventually("prefill blocks indexed", || {
+            pool.selection
+                .snapshot_rank(id, 0)
+                .is_some_and(|s| !s.blocks.is_empty())
+        })
+        .await;
+        let again = c
+            .post(format!("{}/v1/chat/completions", gw.url()))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(header(&again, "x-kvgate-prefill-worker"), holder, "{tag}");
+    }
+    let hits: f64 = {
+        let mut h = 0.0;
+        for e in &f.prefill {
+            h += engine_counter(&c, e, "vllm:prefix_cache_hits").await;
+        }
+        h
+    };
+    assert!(hits > 0.0, "the prefill engines served repeats from cache");
+    gw.shutdown().await;
+}
+
+/// A client that leaves during the prefill leg ends it: the prefill booking is freed
+/// and no decode leg starts.
+#[tokio::test]
+async fn a_client_leaving_during_prefill_frees_everything() {
+    for mode in [PdMode::Vllm, PdMode::Sglang] {
+        let engine_mode = match mode {
+            PdMode::Vllm => EngineMode::Vllm,
+            PdMode::Sglang => EngineMode::Sglang,
+        };
+        // Slow engines: a long prompt's prefill takes a while.
+        let f = fleet(engine_mode, 1, 1, 0.05).await;
+        let gw = gateway(&f, mode, PolicyKind::RoundRobin, &[]).await;
+        let g = gw.gateway().clone();
+        let url = format!("{}/v1/chat/completions", gw.url());
+        let body = chat(&prompt("slow", 3000), false, 4);
+        let request = tokio::spawn(async move { client().post(url).json(&body).send().await });
+        let pool = prefill_pool(&g);
+        eventually("prefill leg booked", || in_flight(&pool) == 1).await;
+        request.abort();
+        eventually("prefill booking freed", || in_flight(&pool) == 0).await;
+        eventually("decode never booked, or freed", || {
+            in_flight(g.model("m").unwrap()) == 0
+        })
+        .await;
+        gw.shutdown().await;
+    }
+}
+
+/// A client that leaves during the decode leg's stream frees the decode booking (and
+/// the engine stops generating).
+#[tokio::test]
+async fn a_client_leaving_during_decode_frees_everything() {
+    for mode in [PdMode::Vllm, PdMode::Sglang] {
+        let engine_mode = match mode {
+            PdMode::Vllm => EngineMode::Vllm,
+            PdMode::Sglang => EngineMode::Sglang,
+        };
+        let f = fleet(engine_mode, 1, 1, 1.0).await;
+        let gw = gateway(&f, mode, PolicyKind::RoundRobin, &[]).await;
+        let g = gw.gateway().clone();
+        let mut resp = client()
+            .post(format!("{}/v1/chat/completions", gw.url()))
+            .json(&chat(&prompt("long", 40), true, 5000))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200, "{mode}");
+        assert!(
+            resp.chunk().await.unwrap().is_some(),
+            "{mode}: a first chunk"
+        );
+        assert_eq!(in_flight(g.model("m").unwrap()), 1, "{mode}: decode booked");
+        drop(resp);
+        eventually("decode booking freed", || {
+            in_flight(g.model("m").unwrap()) == 0 && in_flight(&prefill_pool(&g)) == 0
+        })
+        .await;
+        let decode = &f.decode[0];
+        let c = client();
+        let mut running = 1.0;
+        for _ in 0..200 {
+            running = engine_counter(&c, decode, "vllm:num_requests_running").await;
+            if running == 0.0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(running, 0.0, "{mode}: the decode engine stopped generating");
+        gw.shutdown().await;
+    }
+}
+
+/// A dead prefill worker before the first byte: its requests go to another prefill
+/// worker (vLLM: the prefill leg fails over; SGLang: the pair is tried again with a new
+/// room). With no prefill worker alive, a clean JSON error comes quickly.
+#[tokio::test]
+async fn a_dead_prefill_worker_is_failed_over_or_a_clean_error() {
+    for mode in [PdMode::Vllm, PdMode::Sglang] {
+        let engine_mode = match mode {
+            PdMode::Vllm => EngineMode::Vllm,
+            PdMode::Sglang => EngineMode::Sglang,
+        };
+        let f = fleet(engine_mode, 1, 1, 20.0).await;
+        let dead = dead_url().await;
+        let gw = gateway(
+            &f,
+            mode,
+            PolicyKind::RoundRobin,
+            std::slice::from_ref(&dead),
+        )
+        .await;
+        let c = client();
+        for i in 0..4 {
+            let resp = c
+                .post(format!("{}/v1/chat/completions", gw.url()))
+                .json(&chat(&prompt(&format!("d{i}x"), 20), i % 2 == 1, 3))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(resp.status(), 200, "{mode}: {:?}", resp.text().await);
+            assert_eq!(
+                header(&resp, "x-kvgate-prefill-worker"),
+                f.prefill[0].base_url(),
+                "{mode}"
+            );
+            resp.text().await.unwrap();
+        }
+        gw.shutdown().await;
+
+        // Only dead prefill workers: an error, fast, in OpenAI's shape.
+        let decode_only = fleet(engine_mode, 0, 1, 20.0).await;
+        let gw = gateway(
+            &decode_only,
+            mode,
+            PolicyKind::RoundRobin,
+            &[dead.clone(), dead_url().await],
+        )
+        .await;
+        let started = std::time::Instant::now();
+        let resp = c
+            .post(format!("{}/v1/chat/completions", gw.url()))
+            .json(&chat("nobody prefills this", true, 3))
+            .send()
+            .await
+            .unwrap();
+        assert!(
+            resp.status() == 502 || resp.status() == 503,
+            "{mode}: {}",
+            resp.status()
+        );
+        let v: Value = resp.json().await.unwrap();
+        assert!(v["error"]["message"].is_string(), "{mode}: {v}");
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{mode}: answered in {:?}",
+            started.elapsed()
+        );
+        assert_eq!(in_flight(gw.gateway().model("m").unwrap()), 0, "{mode}");
+        gw.shutdown().await;
+    }
+}
+
+/// With a threshold, short prompts skip the split (no prefill worker named) and long
+/// ones take it.
+#[tokio::test]
+async fn short_prompts_skip_the_split() {
+    let f = fleet(EngineMode::Vllm, 1, 1, 20.0).await;
+    let mut cfg = config(&[], PolicyKind::RoundRobin);
+    let m = &mut cfg.models[0];
+    m.remote_tokenize = true;
+    m.workers = f.decode.iter().map(worker_of_engine).collect();
+    m.pd = Some(PdConfig {
+        mode: PdMode::Vllm,
+        prefill_workers: f.prefill.iter().map(worker_of_engine).collect(),
+        uncached_token_threshold: 100,
+        ..PdConfig::default()
+    });
+    let gw = start(cfg).await.unwrap();
+    let c = client();
+    let short = c
+        .post(format!("{}/v1/chat/completions", gw.url()))
+        .json(&chat("a short question", false, 2))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(short.status(), 200);
+    assert_eq!(header(&short, "x-kvgate-prefill-worker"), "");
+    assert_eq!(worker_of(&short), f.decode[0].base_url());
+    let long = c
+        .post(format!("{}/v1/chat/completions", gw.url()))
+        .json(&chat(&prompt("long", 600), false, 2))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(long.status(), 200);
+    assert_eq!(
+        header(&long, "x-kvgate-prefill-worker"),
+        f.prefill[0].base_url()
+    );
+    gw.shutdown().await;
+}
+
+/// The decode engine refuses parameters that name KV no prefill engine holds (the
+/// mock keeps the real engines' contract, so a router that forwards the wrong
+/// parameters fails its tests).
+#[tokio::test]
+async fn the_decode_engine_refuses_kv_it_cannot_pull() {
+    let f = fleet(EngineMode::Vllm, 1, 1, 20.0).await;
+    let c = client();
+    let mut body = chat("hello there", false, 2);
+    body["kv_transfer_params"] = json!({"do_remote_prefill": true, "remote_engine_id": "nobody",
+        "remote_block_ids": [1], "remote_host": "127.0.0.1",
+        "remote_port": f.prefill[0].http_addr.port()});
+    let resp = c
+        .post(format!("{}/v1/chat/completions", f.decode[0].base_url()))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+}
