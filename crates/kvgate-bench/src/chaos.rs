@@ -257,6 +257,7 @@ pub async fn run_chaos(cfg: &ChaosConfig) -> anyhow::Result<ChaosSummary> {
         seed: cfg.seed,
         extra_args: vec!["--replay-buffer".into(), REPLAY_BUFFER.to_string()],
         startup_timeout: Duration::from_secs(60),
+        pd: None,
     };
     let mut fleet = Fleet::start(&engine_cfg, &log_dir)
         .await

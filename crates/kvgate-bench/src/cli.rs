@@ -380,6 +380,7 @@ impl FleetArgs {
             seed,
             extra_args: self.engine_arg.clone(),
             startup_timeout: self.startup_timeout(),
+            pd: None,
         })
     }
 
@@ -406,7 +407,10 @@ pub struct CompareArgs {
     /// A row may carry its own options: `kv_aware@overlap-weight=2@temperature=0.1`
     /// appends `--overlap-weight 2 --temperature 0.1` to that row's command line only;
     /// `kv_aware@replicas=3` starts three kvgate replicas that follow each other's load
-    /// and spreads the requests over them (`@sync=off`: unaware of each other).
+    /// and spreads the requests over them (`@sync=off`: unaware of each other);
+    /// `kv_aware@pd=vllm` and `vllm-router:cache_aware@pd=vllm` split the row's engines
+    /// into prefill and decode engines (`@pd=sglang`: SGLang's protocol; `@prefill=P`
+    /// of them prefill, default half) and run the router in its disaggregated mode.
     #[arg(long, value_delimiter = ',')]
     pub routers: Vec<String>,
     /// Row the ratio column compares against.
@@ -594,6 +598,7 @@ async fn run_scenario_suite(args: ScenariosArgs) -> anyhow::Result<()> {
             seed: args.load.seed,
             extra_args: Vec::new(),
             startup_timeout: Duration::from_secs(60),
+            pd: None,
         },
         num_blocks_override: args.load.num_blocks,
         routers,

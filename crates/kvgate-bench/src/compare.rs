@@ -164,8 +164,13 @@ async fn run_one(
     logs: &Path,
 ) -> Result<Report, RunError> {
     let log_dir = logs.join(spec.file_stem());
-    // A fresh fleet per router: cold caches, fresh event sequence numbers.
-    let fleet = Fleet::start(&cfg.engine, &log_dir)
+    // A fresh fleet per router: cold caches, fresh event sequence numbers; split into
+    // prefill and decode engines for a disaggregated row.
+    let engine_cfg = crate::fleet::EngineConfig {
+        pd: spec.policy_spec().pd_fleet(cfg.engine.engines),
+        ..cfg.engine.clone()
+    };
+    let fleet = Fleet::start(&engine_cfg, &log_dir)
         .await
         .context("starting the mock-engine fleet")?;
     let ctx = RouterContext {
@@ -327,11 +332,11 @@ pub fn render_markdown(summary: &CompareSummary, baseline: &str) -> String {
     );
     let _ = writeln!(
         s,
-        "| router | ok | errors | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | TTFT p90 vs {baseline} | ITL p50 ms | E2E p50 ms | E2E p99 ms | req/s | out tok/s | prefix hit | predicted / reported cached | spread max/mean | note |"
+        "| router | ok | errors | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | TTFT p90 vs {baseline} | ITL p50 ms | ITL p90 ms | ITL p99 ms | E2E p50 ms | E2E p99 ms | req/s | out tok/s | prefix hit | predicted / reported cached | spread max/mean | note |"
     );
     let _ = writeln!(
         s,
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
     );
     for row in &summary.rows {
         match &row.report {
@@ -341,7 +346,7 @@ pub fn render_markdown(summary: &CompareSummary, baseline: &str) -> String {
                     .map(|b| b.ttft_ms.p90 / r.ttft_ms.p90);
                 let _ = writeln!(
                     s,
-                    "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {} | {:.1} | {:.1} | {:.1} | {:.2} | {:.1} | {} | {} | {} | {} |",
+                    "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.1} | {} | {} | {} | {} |",
                     row.label,
                     r.ok,
                     r.errors,
@@ -350,6 +355,8 @@ pub fn render_markdown(summary: &CompareSummary, baseline: &str) -> String {
                     r.ttft_ms.p99,
                     ratio.map_or_else(|| "n/a".into(), |x| format!("{x:.2}x")),
                     r.itl_ms.p50,
+                    r.itl_ms.p90,
+                    r.itl_ms.p99,
                     r.e2e_ms.p50,
                     r.e2e_ms.p99,
                     r.requests_per_s,
@@ -360,7 +367,7 @@ pub fn render_markdown(summary: &CompareSummary, baseline: &str) -> String {
                     row.note.as_deref().unwrap_or(""),
                 );
             }
-            None => not_run_row(&mut s, &row.label, &row.status, row.note.as_deref(), 14),
+            None => not_run_row(&mut s, &row.label, &row.status, row.note.as_deref(), 16),
         }
     }
     s

@@ -33,6 +33,25 @@ pub struct EngineConfig {
     pub extra_args: Vec<String>,
     /// How long an engine may take to become ready.
     pub startup_timeout: Duration,
+    /// Prefill/decode disaggregation: the first engines prefill, the others decode.
+    pub pd: Option<FleetPd>,
+}
+
+/// A disaggregated fleet: `prefill` prefill engines, then decode engines, speaking
+/// `mode` (`vllm` or `sglang`, `kvgate mock-engine --pd-mode`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FleetPd {
+    pub mode: String,
+    pub prefill: usize,
+}
+
+/// An engine's part in disaggregated serving.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineRole {
+    /// An ordinary engine (prefill and decode).
+    Both,
+    Prefill,
+    Decode,
 }
 
 /// Addresses of one running engine.
@@ -44,6 +63,9 @@ pub struct EngineAddr {
     pub kv_events: String,
     /// `tcp://127.0.0.1:R`, the replay ROUTER endpoint.
     pub replay: String,
+    pub role: EngineRole,
+    /// An SGLang prefill engine's bootstrap port.
+    pub bootstrap_port: Option<u16>,
 }
 
 /// Running engines; killed on drop.
@@ -63,12 +85,27 @@ impl Fleet {
     /// Start `cfg.engines` engines and wait until each prints its ready line.
     /// Engine logs go to `log_dir/engine-<i>.{out,err}.log`.
     pub async fn start(cfg: &EngineConfig, log_dir: &Path) -> anyhow::Result<Self> {
-        let ports = free_ports(cfg.engines * 3)?;
+        let ports = free_ports(cfg.engines * 4)?;
         let mut children = Vec::with_capacity(cfg.engines);
         let mut addrs = Vec::with_capacity(cfg.engines);
         let mut commands = Vec::with_capacity(cfg.engines);
+        if let Some(pd) = &cfg.pd {
+            if pd.prefill == 0 || pd.prefill >= cfg.engines {
+                anyhow::bail!(
+                    "a disaggregated fleet of {} engines needs 1 to {} prefill engines, not {}",
+                    cfg.engines,
+                    cfg.engines.saturating_sub(1),
+                    pd.prefill
+                );
+            }
+        }
         for i in 0..cfg.engines {
-            let (http, kv, replay) = (ports[3 * i], ports[3 * i + 1], ports[3 * i + 2]);
+            let (http, kv, replay, bootstrap) = (
+                ports[4 * i],
+                ports[4 * i + 1],
+                ports[4 * i + 2],
+                ports[4 * i + 3],
+            );
             let mut args: Vec<String> = vec![
                 "mock-engine".into(),
                 "--port".into(),
@@ -86,6 +123,27 @@ impl Fleet {
                 "--seed".into(),
                 (cfg.seed + i as u64).to_string(),
             ];
+            let (role, bootstrap_port) = match &cfg.pd {
+                None => (EngineRole::Both, None),
+                Some(pd) => {
+                    let prefill = i < pd.prefill;
+                    let role = if prefill { "prefill" } else { "decode" };
+                    args.extend([
+                        "--role".into(),
+                        role.into(),
+                        "--pd-mode".into(),
+                        pd.mode.clone(),
+                    ]);
+                    if prefill && pd.mode == "sglang" {
+                        args.extend(["--bootstrap-port".into(), bootstrap.to_string()]);
+                        (EngineRole::Prefill, Some(bootstrap))
+                    } else if prefill {
+                        (EngineRole::Prefill, None)
+                    } else {
+                        (EngineRole::Decode, None)
+                    }
+                }
+            };
             args.extend(cfg.extra_args.iter().cloned());
             let child =
                 ManagedChild::spawn(&format!("engine-{i}"), &cfg.kvgate_bin, &args, log_dir)?;
@@ -95,6 +153,8 @@ impl Fleet {
                 url: format!("http://127.0.0.1:{http}"),
                 kv_events: format!("tcp://127.0.0.1:{kv}"),
                 replay: format!("tcp://127.0.0.1:{replay}"),
+                role,
+                bootstrap_port,
             });
         }
         for child in &mut children {

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use anyhow::bail;
 
-use crate::fleet::EngineAddr;
+use crate::fleet::{EngineAddr, EngineRole};
 use crate::process::{free_ports, which, ManagedChild};
 
 /// kvgate's own policies, in the order a full comparison runs them.
@@ -28,8 +28,10 @@ pub const KVGATE_POLICIES: &[&str] = &[
 /// over them round-robin; `sync=off` leaves them unaware of each other (by default
 /// each follows the others' load with `--peer`); `clients=K` sends requests to the
 /// first K replicas only (the others run idle: a control for what the extra processes
-/// cost the machine).
-pub const BENCH_OPTIONS: &[&str] = &["replicas", "sync", "clients"];
+/// cost the machine); `pd=vllm|sglang` splits the row's fleet into prefill and decode
+/// engines of that protocol (`prefill=P` of them prefill, default half) and runs the
+/// router in its disaggregated mode.
+pub const BENCH_OPTIONS: &[&str] = &["replicas", "sync", "clients", "pd", "prefill"];
 
 /// Most kvgate replicas a row may start.
 pub const MAX_REPLICAS: usize = 16;
@@ -88,6 +90,12 @@ impl PolicySpec {
                 ("clients", _) => {
                     bail!("router spec {s:?}: clients must be a number of replicas (1 or more)")
                 }
+                ("pd", Some("vllm" | "sglang")) => {}
+                ("pd", _) => bail!("router spec {s:?}: pd must be vllm or sglang"),
+                ("prefill", Some(n)) if n.parse::<usize>().is_ok_and(|n| n >= 1) => {}
+                ("prefill", _) => {
+                    bail!("router spec {s:?}: prefill must be a number of engines (1 or more)")
+                }
                 _ => {}
             }
             options.push((flag.to_string(), value));
@@ -119,6 +127,20 @@ impl PolicySpec {
             .and_then(|n| n.parse().ok())
             .unwrap_or(usize::MAX)
             .clamp(1, self.replicas())
+    }
+
+    /// The disaggregated fleet this row runs on (`@pd=MODE`, `@prefill=P`; by default
+    /// half of `engines` prefill), or `None` for an ordinary fleet.
+    pub fn pd_fleet(&self, engines: usize) -> Option<crate::fleet::FleetPd> {
+        let mode = self.bench_option("pd")?;
+        let prefill = self
+            .bench_option("prefill")
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(engines / 2);
+        Some(crate::fleet::FleetPd {
+            mode: mode.to_string(),
+            prefill,
+        })
     }
 
     /// Whether several replicas follow each other's load (`@sync=off` says no).
@@ -306,7 +328,74 @@ pub fn command_line(
     metrics_port: u16,
 ) -> Option<(PathBuf, Vec<String>)> {
     let workers: Vec<String> = engines.iter().map(|a| a.url.clone()).collect();
+    let pd_mode = spec.policy_spec().bench_option("pd");
+    let of_role = |role: EngineRole| engines.iter().filter(move |a| a.role == role);
     match spec {
+        RouterSpec::Kvgate(policy) if pd_mode.is_some() => {
+            let mut args: Vec<String> = vec![
+                "serve".into(),
+                "--port".into(),
+                port.to_string(),
+                "--model".into(),
+                ctx.model.clone(),
+                "--policy".into(),
+                policy.name.clone(),
+                "--block-size".into(),
+                ctx.block_size.to_string(),
+                "--remote-tokenize".into(),
+                "--pd-mode".into(),
+                pd_mode.unwrap_or_default().to_string(),
+            ];
+            for a in of_role(EngineRole::Prefill) {
+                args.extend(["--prefill-worker".into(), a.url.clone()]);
+                if let Some(p) = a.bootstrap_port {
+                    args.extend(["--bootstrap-port".into(), format!("{}={p}", a.url)]);
+                }
+            }
+            for a in of_role(EngineRole::Decode) {
+                args.extend(["--decode-worker".into(), a.url.clone()]);
+            }
+            for a in engines {
+                args.extend(["--kv-events".into(), format!("{}={}", a.url, a.kv_events)]);
+                args.extend([
+                    "--kv-events-replay".into(),
+                    format!("{}={}", a.url, a.replay),
+                ]);
+            }
+            args.extend(ctx.kvgate_extra_args.iter().cloned());
+            args.extend(policy.extra_args());
+            Some((ctx.kvgate_bin.clone(), args))
+        }
+        RouterSpec::VllmRouter(policy) if pd_mode.is_some() => {
+            let bin = which("vllm-router")?;
+            let mut args = peer_args(&[], port, metrics_port, policy, Vec::new());
+            // No --worker-urls in PD mode: prefill and decode engines are listed apart.
+            args.truncate(args.len() - 1);
+            args.push(if pd_mode == Some("sglang") {
+                "--pd-disaggregation".into()
+            } else {
+                "--vllm-pd-disaggregation".into()
+            });
+            for a in of_role(EngineRole::Prefill) {
+                args.extend(["--prefill".into(), a.url.clone()]);
+                if let Some(p) = a.bootstrap_port {
+                    args.push(p.to_string());
+                }
+            }
+            for a in of_role(EngineRole::Decode) {
+                args.extend(["--decode".into(), a.url.clone()]);
+            }
+            if policy.name == "kv_aware" {
+                for a in of_role(EngineRole::Prefill) {
+                    args.extend([
+                        "--pd-kv-events".into(),
+                        format!("{}={}", a.url, a.kv_events),
+                    ]);
+                }
+            }
+            args.extend(policy.extra_args());
+            Some((bin, args))
+        }
         RouterSpec::Kvgate(policy) => {
             let mut args: Vec<String> = vec![
                 "serve".into(),
@@ -402,6 +491,19 @@ pub async fn start(
     let replicas = spec.policy_spec().replicas();
     if replicas > 1 && !matches!(spec, RouterSpec::Kvgate(_)) {
         bail!("{}: only kvgate rows start several replicas", spec.label());
+    }
+    let disaggregated = engines.iter().any(|a| a.role != EngineRole::Both);
+    if spec.policy_spec().bench_option("pd").is_some() != disaggregated {
+        bail!(
+            "{}: @pd rows run on a fleet split into prefill and decode engines (kvgate bench compare), other rows on an ordinary one",
+            spec.label()
+        );
+    }
+    if disaggregated && matches!(spec, RouterSpec::SglangRouter(_)) {
+        bail!(
+            "{}: disaggregated rows compare kvgate and vllm-router",
+            spec.label()
+        );
     }
     let ports = free_ports(replicas + 1)?;
     let metrics_port = ports[replicas];
@@ -543,6 +645,8 @@ mod tests {
             url: "http://127.0.0.1:1".into(),
             kv_events: "tcp://127.0.0.1:2".into(),
             replay: "tcp://127.0.0.1:3".into(),
+            role: EngineRole::Both,
+            bootstrap_port: None,
         }]
     }
 

@@ -70,6 +70,7 @@ pub async fn run_up(args: UpArgs) -> anyhow::Result<()> {
         seed: 0,
         extra_args: Vec::new(),
         startup_timeout: Duration::from_secs(60),
+        pd: None,
     };
     eprintln!("starting {} simulated engines...", engine_cfg.engines);
     let fleet = Fleet::start(&engine_cfg, &log_dir)

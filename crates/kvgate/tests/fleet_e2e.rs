@@ -40,6 +40,7 @@ async fn compare_round_robin_and_kv_aware_on_shared_prefix() {
             seed: 0,
             extra_args: vec![],
             startup_timeout: Duration::from_secs(30),
+            pd: None,
         },
         routers: vec![
             RouterSpec::Kvgate("round_robin".into()),

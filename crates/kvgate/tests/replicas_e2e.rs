@@ -34,6 +34,7 @@ async fn engines_with(n: usize, extra: &[&str], logs: &std::path::Path) -> Fleet
             seed: 0,
             extra_args: extra.iter().map(|s| s.to_string()).collect(),
             startup_timeout: Duration::from_secs(30),
+            pd: None,
         },
         logs,
     )

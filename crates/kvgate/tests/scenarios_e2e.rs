@@ -23,6 +23,7 @@ fn config(out: &std::path::Path, routers: &[&str]) -> ScenarioConfig {
             seed: 0,
             extra_args: vec![],
             startup_timeout: Duration::from_secs(30),
+            pd: None,
         },
         num_blocks_override: None,
         routers: routers
