@@ -366,16 +366,21 @@ pub fn command_line(
             args.extend(policy.extra_args());
             Some((ctx.kvgate_bin.clone(), args))
         }
-        RouterSpec::VllmRouter(policy) if pd_mode.is_some() => {
-            let bin = which("vllm-router")?;
-            let mut args = peer_args(&[], port, metrics_port, policy, Vec::new());
+        RouterSpec::VllmRouter(policy) | RouterSpec::SglangRouter(policy) if pd_mode.is_some() => {
+            // vllm-router speaks vLLM's protocol (--vllm-pd-disaggregation), the SGLang
+            // gateway SGLang's (--pd-disaggregation); `start` pairs them.
+            let (bin, leading, flag) = match spec {
+                RouterSpec::SglangRouter(_) => (
+                    which("sglang-router")?,
+                    &["launch"][..],
+                    "--pd-disaggregation",
+                ),
+                _ => (which("vllm-router")?, &[][..], "--vllm-pd-disaggregation"),
+            };
+            let mut args = peer_args(leading, port, metrics_port, policy, Vec::new());
             // No --worker-urls in PD mode: prefill and decode engines are listed apart.
             args.truncate(args.len() - 1);
-            args.push(if pd_mode == Some("sglang") {
-                "--pd-disaggregation".into()
-            } else {
-                "--vllm-pd-disaggregation".into()
-            });
+            args.push(flag.into());
             for a in of_role(EngineRole::Prefill) {
                 args.extend(["--prefill".into(), a.url.clone()]);
                 if let Some(p) = a.bootstrap_port {
@@ -499,11 +504,16 @@ pub async fn start(
             spec.label()
         );
     }
-    if disaggregated && matches!(spec, RouterSpec::SglangRouter(_)) {
-        bail!(
-            "{}: disaggregated rows compare kvgate and vllm-router",
+    match (spec, spec.policy_spec().bench_option("pd")) {
+        (RouterSpec::VllmRouter(_), Some("sglang")) => bail!(
+            "{}: vllm-router's disaggregated mode speaks vLLM's protocol; compare SGLang's with sglang-router:cache_aware@pd=sglang",
             spec.label()
-        );
+        ),
+        (RouterSpec::SglangRouter(_), Some("vllm")) => bail!(
+            "{}: the SGLang gateway's disaggregated mode speaks SGLang's protocol; compare vLLM's with vllm-router:cache_aware@pd=vllm",
+            spec.label()
+        ),
+        _ => {}
     }
     let ports = free_ports(replicas + 1)?;
     let metrics_port = ports[replicas];
@@ -727,5 +737,52 @@ mod tests {
         }
         assert!(labels.contains(&"vllm-router:kv_aware".to_string()));
         assert!(labels.contains(&"sglang-router:cache_aware".to_string()));
+    }
+
+    #[test]
+    fn pd_rows_split_the_fleet_and_run_the_disaggregated_modes() {
+        let spec = RouterSpec::parse("kv_aware@pd=sglang@prefill=1").unwrap();
+        assert_eq!(
+            spec.policy_spec().pd_fleet(4),
+            Some(crate::fleet::FleetPd {
+                mode: "sglang".into(),
+                prefill: 1
+            })
+        );
+        assert!(spec.policy_spec().extra_args().is_empty());
+        assert_eq!(
+            RouterSpec::parse("kv_aware@pd=vllm")
+                .unwrap()
+                .policy_spec()
+                .pd_fleet(4)
+                .map(|p| p.prefill),
+            Some(2),
+            "half the engines prefill by default"
+        );
+        assert!(RouterSpec::parse("kv_aware@pd=nixl").is_err());
+        assert!(RouterSpec::parse("kv_aware@pd=vllm@prefill=0").is_err());
+        let engines = vec![
+            EngineAddr {
+                role: EngineRole::Prefill,
+                bootstrap_port: Some(9),
+                ..fleet()[0].clone()
+            },
+            EngineAddr {
+                url: "http://127.0.0.1:4".into(),
+                role: EngineRole::Decode,
+                ..fleet()[0].clone()
+            },
+        ];
+        let (_, args) = command_line(&spec, &ctx(), &engines, 8000, 9000).unwrap();
+        let line = args.join(" ");
+        for part in [
+            "--pd-mode sglang",
+            "--prefill-worker http://127.0.0.1:1",
+            "--bootstrap-port http://127.0.0.1:1=9",
+            "--decode-worker http://127.0.0.1:4",
+        ] {
+            assert!(line.contains(part), "{part} missing from {line}");
+        }
+        assert!(!line.contains("--worker "), "{line}");
     }
 }
