@@ -331,41 +331,6 @@ pub fn command_line(
     let pd_mode = spec.policy_spec().bench_option("pd");
     let of_role = |role: EngineRole| engines.iter().filter(move |a| a.role == role);
     match spec {
-        RouterSpec::Kvgate(policy) if pd_mode.is_some() => {
-            let mut args: Vec<String> = vec![
-                "serve".into(),
-                "--port".into(),
-                port.to_string(),
-                "--model".into(),
-                ctx.model.clone(),
-                "--policy".into(),
-                policy.name.clone(),
-                "--block-size".into(),
-                ctx.block_size.to_string(),
-                "--remote-tokenize".into(),
-                "--pd-mode".into(),
-                pd_mode.unwrap_or_default().to_string(),
-            ];
-            for a in of_role(EngineRole::Prefill) {
-                args.extend(["--prefill-worker".into(), a.url.clone()]);
-                if let Some(p) = a.bootstrap_port {
-                    args.extend(["--bootstrap-port".into(), format!("{}={p}", a.url)]);
-                }
-            }
-            for a in of_role(EngineRole::Decode) {
-                args.extend(["--decode-worker".into(), a.url.clone()]);
-            }
-            for a in engines {
-                args.extend(["--kv-events".into(), format!("{}={}", a.url, a.kv_events)]);
-                args.extend([
-                    "--kv-events-replay".into(),
-                    format!("{}={}", a.url, a.replay),
-                ]);
-            }
-            args.extend(ctx.kvgate_extra_args.iter().cloned());
-            args.extend(policy.extra_args());
-            Some((ctx.kvgate_bin.clone(), args))
-        }
         RouterSpec::VllmRouter(policy) | RouterSpec::SglangRouter(policy) if pd_mode.is_some() => {
             // vllm-router speaks vLLM's protocol (--vllm-pd-disaggregation), the SGLang
             // gateway SGLang's (--pd-disaggregation); `start` pairs them.
@@ -377,9 +342,8 @@ pub fn command_line(
                 ),
                 _ => (which("vllm-router")?, &[][..], "--vllm-pd-disaggregation"),
             };
-            let mut args = peer_args(leading, port, metrics_port, policy, Vec::new());
             // No --worker-urls in PD mode: prefill and decode engines are listed apart.
-            args.truncate(args.len() - 1);
+            let mut args = peer_args(leading, port, metrics_port, policy, Vec::new());
             args.push(flag.into());
             for a in of_role(EngineRole::Prefill) {
                 args.extend(["--prefill".into(), a.url.clone()]);
@@ -414,8 +378,22 @@ pub fn command_line(
                 ctx.block_size.to_string(),
                 "--remote-tokenize".into(),
             ];
-            for a in engines {
-                args.extend(["--worker".into(), a.url.clone()]);
+            if let Some(mode) = pd_mode {
+                // A disaggregated fleet: its pools apart.
+                args.extend(["--pd-mode".into(), mode.to_string()]);
+                for a in of_role(EngineRole::Prefill) {
+                    args.extend(["--prefill-worker".into(), a.url.clone()]);
+                    if let Some(p) = a.bootstrap_port {
+                        args.extend(["--bootstrap-port".into(), format!("{}={p}", a.url)]);
+                    }
+                }
+                for a in of_role(EngineRole::Decode) {
+                    args.extend(["--decode-worker".into(), a.url.clone()]);
+                }
+            } else {
+                for a in engines {
+                    args.extend(["--worker".into(), a.url.clone()]);
+                }
             }
             for a in engines {
                 args.extend(["--kv-events".into(), format!("{}={}", a.url, a.kv_events)]);
@@ -462,8 +440,8 @@ pub fn command_line(
 }
 
 /// The arguments vllm-router and sglang-router share (they come from one code base):
-/// listen address, metrics port, policy and worker URLs, after `leading` (a
-/// subcommand).
+/// listen address, metrics port, policy and worker URLs (none: a disaggregated fleet
+/// lists its pools apart), after `leading` (a subcommand).
 fn peer_args(
     leading: &[&str],
     port: u16,
@@ -481,9 +459,11 @@ fn peer_args(
         metrics_port.to_string(),
         "--policy".into(),
         policy.name.clone(),
-        "--worker-urls".into(),
     ]);
-    args.extend(workers);
+    if !workers.is_empty() {
+        args.push("--worker-urls".into());
+        args.extend(workers);
+    }
     args
 }
 

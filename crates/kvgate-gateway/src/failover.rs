@@ -262,6 +262,7 @@ pub(crate) async fn call_workers(
             tokio::time::sleep(backoff).await;
             backoff = backoff.saturating_mul(2);
         }
+        let mut rank = None;
         let (worker, lease) = match &mut route {
             Route::Booked {
                 p,
@@ -271,6 +272,7 @@ pub(crate) async fn call_workers(
                 Ok((decision, lease)) => {
                     let worker = lease.worker().clone();
                     record.worker = Some(worker.clone());
+                    rank = data_parallel_rank(p, &worker);
                     log_decision(
                         &p.model.name,
                         &worker.url,
@@ -296,8 +298,16 @@ pub(crate) async fn call_workers(
         let model = route.model();
         let cut_off = worker.cut_off_signal();
         let upstream = gw.upstream();
+        let pinned;
+        let headers = match rank {
+            Some(rank) => {
+                pinned = with_rank(&request.headers, rank);
+                &pinned
+            }
+            None => &request.headers,
+        };
         let sent = tokio::select! {
-            sent = upstream.send(&worker, request.endpoint, &request.headers, request.body.clone()) => sent,
+            sent = upstream.send(&worker, request.endpoint, headers, request.body.clone()) => sent,
             () = cut_off.cancelled() => {
                 if gw.grace_over.is_cancelled() {
                     return Err(ApiError::gateway_shutting_down());
@@ -352,6 +362,30 @@ pub(crate) async fn call_workers(
     Err(last_err.unwrap_or_else(|| {
         ApiError::no_healthy_worker(&route.model().name, gw.config.health.open_ms.div_ceil(1000))
     }))
+}
+
+/// The header vLLM's and SGLang's API servers read to send a request to one of their
+/// data-parallel ranks.
+pub const DATA_PARALLEL_RANK_HEADER: http::HeaderName =
+    http::HeaderName::from_static("x-data-parallel-rank");
+
+/// The rank a routed request is pinned to on a worker with several data-parallel ranks:
+/// the one whose cache holds most of its prompt (`None`: one rank, no prompt keys, or
+/// no rank holds it, and the engine balances itself).
+fn data_parallel_rank(p: &Prepared, worker: &Worker) -> Option<u32> {
+    if worker.config.dp_size <= 1 {
+        return None;
+    }
+    p.model
+        .selection
+        .best_rank(worker.id, p.keys.as_deref().unwrap_or_default())
+}
+
+/// The request's headers with the rank header set (the client's own replaced).
+fn with_rank(headers: &http::HeaderMap, rank: u32) -> http::HeaderMap {
+    let mut pinned = headers.clone();
+    pinned.insert(DATA_PARALLEL_RANK_HEADER, http::HeaderValue::from(rank));
+    pinned
 }
 
 /// The response the client gets: the worker's head, and its body observed until it

@@ -171,3 +171,99 @@ async fn repeated_prompt_follows_its_cached_prefix() {
         e.shutdown().await;
     }
 }
+
+/// Two consecutive free loopback ports (a worker's rank 0 and rank 1 event sockets).
+fn consecutive_free_ports() -> u16 {
+    for _ in 0..100 {
+        let a = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = a.local_addr().unwrap().port();
+        if port < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", port + 1)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no two consecutive free ports");
+}
+
+/// A worker with two data-parallel ranks: a prompt that rank 1 holds is sent with
+/// `x-data-parallel-rank: 1` (what vLLM's and SGLang's API servers read); a prompt no
+/// rank holds goes without one, and the engine balances it.
+#[tokio::test]
+async fn requests_are_pinned_to_the_rank_holding_their_prompt() {
+    let base = consecutive_free_ports();
+    let tokenizer = fixtures().join("qwen3-tokenizer");
+    let mut ranks = Vec::new();
+    for r in 0..2u16 {
+        ranks.push(
+            spawn(EngineConfig {
+                speedup: 20.0,
+                tokenizer: Some(tokenizer.clone()),
+                kv_events: Some(kvgate_mock_engine::PublisherConfig {
+                    port: base + r,
+                    replay_port: None,
+                    dp_rank: u32::from(r),
+                    ..Default::default()
+                }),
+                ..EngineConfig::default()
+            })
+            .await
+            .unwrap(),
+        );
+    }
+    // The worker's HTTP front records the rank header it is sent.
+    let front = fake("dp", Behavior::default()).await;
+    let mut cfg = config(&[], PolicyKind::KvAware);
+    cfg.models[0].tokenizer = Some(tokenizer);
+    cfg.models[0].workers = vec![WorkerConfig {
+        kv_events: Some(format!("tcp://127.0.0.1:{base}")),
+        dp_size: 2,
+        ..WorkerConfig::new(front.url.clone())
+    }];
+    let gw = start(cfg).await.unwrap();
+    let g = gw.gateway().clone();
+    eventually("the worker's event streams connected", || {
+        let s = g.events.snapshot();
+        s.workers.len() == 1 && s.workers.iter().all(|w| w.connected)
+    })
+    .await;
+    let c = client();
+    // Rank 1 caches a prompt (again with a new one until its events reach the index:
+    // a SUB socket misses what is published before it is connected).
+    let mut body = json!({});
+    for attempt in 0..100 {
+        let prompt: String = (0..200).map(|i| format!("w{attempt}x{i} ")).collect();
+        body = json!({"model": "m", "prompt": prompt, "max_tokens": 2});
+        let direct = c
+            .post(format!("{}/v1/completions", ranks[1].base_url()))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(direct.status(), 200);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if gw.index_len("m").unwrap_or(0) > 0 {
+            break;
+        }
+    }
+    assert!(
+        gw.index_len("m").unwrap_or(0) > 0,
+        "rank 1's blocks indexed"
+    );
+    let routed = c
+        .post(format!("{}/v1/completions", gw.url()))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(routed.status(), 200);
+    assert_eq!(front.stats.last_dp_rank.lock().as_deref(), Some("1"));
+    let cold: String = (0..200).map(|i| format!("z{i} ")).collect();
+    let routed = c
+        .post(format!("{}/v1/completions", gw.url()))
+        .json(&json!({"model": "m", "prompt": cold, "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(routed.status(), 200);
+    assert_eq!(front.stats.last_dp_rank.lock().as_deref(), None);
+    gw.shutdown().await;
+}

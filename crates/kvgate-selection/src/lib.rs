@@ -634,6 +634,22 @@ impl SelectionService {
         self.try_book_spec(decision.worker, spec, block_keys, max_in_flight, now)
     }
 
+    /// The data-parallel rank of `worker` holding the longest run of `keys`: the rank
+    /// to pin the request to (vLLM's and SGLang's `X-data-parallel-rank`). `None`
+    /// without an index, or when no rank of the worker holds the prompt's first block
+    /// (the engine's own balancer then chooses).
+    pub fn best_rank(&self, worker: WorkerId, keys: &[BlockKey]) -> Option<u32> {
+        let index = self.index.as_ref()?;
+        if keys.is_empty() {
+            return None;
+        }
+        let scores = index.read().overlaps(keys);
+        scores
+            .best_for(worker)
+            .filter(|o| o.total() > 0)
+            .map(|o| o.at.dp_rank)
+    }
+
     /// As [`Self::try_book`] with the booking spelled out (a leg whose prompt's KV
     /// arrives by transfer books it as cached).
     pub fn try_book_spec(

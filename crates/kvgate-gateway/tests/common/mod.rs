@@ -98,6 +98,8 @@ pub struct Stats {
     pub tokenize_calls: AtomicUsize,
     pub healthy: AtomicBool,
     pub last_auth: parking_lot::Mutex<Option<String>>,
+    /// The `x-data-parallel-rank` of the last completions request.
+    pub last_dp_rank: parking_lot::Mutex<Option<String>>,
 }
 
 pub struct Fake {
@@ -165,6 +167,11 @@ async fn completions(State(s): State<FakeState>, req: Request) -> Response {
     *s.stats.last_auth.lock() = req
         .headers()
         .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    *s.stats.last_dp_rank.lock() = req
+        .headers()
+        .get("x-data-parallel-rank")
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
     let body = axum::body::to_bytes(req.into_body(), 1 << 24)
