@@ -27,6 +27,9 @@ use crate::metrics::Metrics;
 use crate::proxy::{build_client, ForwardAuth, HttpClient, Upstream};
 use crate::registry::{ModelState, PrefillPool, Worker};
 
+/// The name of a disaggregated model's prefill pool in peers' load reports.
+pub const PREFILL_POOL: &str = "prefill";
+
 /// Shared state of one gateway process.
 pub struct Gateway {
     pub config: Config,
@@ -97,14 +100,18 @@ impl Gateway {
             let model = Arc::new(model);
             if config.peers.enabled() {
                 // Before any worker is added: their subscribers ask the peers for a
-                // snapshot of the worker before replaying its engine's buffer.
-                model.selection.set_bootstrap(crate::peers::bootstrap(
-                    client.clone(),
-                    peers.clone(),
-                    config.peers.clone(),
-                    config.admin_token.clone(),
-                    mc.name.clone(),
-                ));
+                // snapshot of the worker before replaying its engine's buffer (a
+                // prefill pool's too: peers find its workers by URL in either pool).
+                let pools = std::iter::once(&model).chain(model.prefill.as_ref().map(|p| &p.pool));
+                for pool in pools {
+                    pool.selection.set_bootstrap(crate::peers::bootstrap(
+                        client.clone(),
+                        peers.clone(),
+                        config.peers.clone(),
+                        config.admin_token.clone(),
+                        mc.name.clone(),
+                    ));
+                }
             }
             models.insert(mc.name.clone(), model.clone());
             names.push((mc.name.clone(), model.clone(), None));
@@ -189,10 +196,18 @@ impl Gateway {
     }
 
     /// Every pool of workers: each model, and the prefill pool of a disaggregated
-    /// model (health checks, worker metrics and shutdown cover them all).
+    /// model (health checks, worker metrics, peers' load reports and shutdown cover
+    /// them all).
     pub fn pools(&self) -> impl Iterator<Item = &Arc<ModelState>> {
-        self.models()
-            .flat_map(|m| std::iter::once(m).chain(m.prefill.as_ref().map(|p| &p.pool)))
+        self.pools_named().map(|(m, _)| m)
+    }
+
+    /// As [`Self::pools`], each with its pool's name within its model: `""` for the
+    /// model's own workers (a disaggregated model's decode pool), `"prefill"`.
+    pub fn pools_named(&self) -> impl Iterator<Item = (&Arc<ModelState>, &'static str)> {
+        self.models().flat_map(|m| {
+            std::iter::once((m, "")).chain(m.prefill.as_ref().map(|p| (&p.pool, PREFILL_POOL)))
+        })
     }
 
     /// Header handling for forwarded requests.

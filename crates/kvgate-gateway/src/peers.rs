@@ -88,6 +88,10 @@ pub struct WireReport {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct WireModel {
     pub model: String,
+    /// The model's pool: absent for its own workers, `prefill` for a disaggregated
+    /// model's prefill pool.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub pool: String,
     pub workers: Vec<WireLoad>,
 }
 
@@ -154,14 +158,15 @@ fn host_name() -> String {
 
 /// This replica's load per model and worker, by URL.
 fn local_loads(gw: &Gateway) -> Vec<WireModel> {
-    gw.models()
-        .map(|m| {
+    gw.pools_named()
+        .map(|(m, pool)| {
             let workers = m.workers();
             let ids: Vec<_> = workers.iter().map(|w| w.id).collect();
             let loads = m.ledger().loads_of(&ids);
             let mut prefilling = m.ledger().prefilling_checkpoints();
             WireModel {
                 model: m.name.to_string(),
+                pool: pool.to_string(),
                 workers: workers
                     .iter()
                     .zip(loads)
@@ -206,7 +211,7 @@ pub async fn run_publisher(gw: Arc<Gateway>) {
         let now = Instant::now();
         // Only a replica that follows peers holds their reports (and a follower also
         // drops a peer whose stream goes silent; this is the backstop).
-        for m in gw.models().filter(|_| cfg.enabled()) {
+        for m in gw.pools().filter(|_| cfg.enabled()) {
             for gone in m.ledger().expire_peers(now, expiry) {
                 tracing::warn!(model = %m.name, replica = %gone, ?expiry, "peer replica went silent; dropping its bookings");
             }
@@ -489,7 +494,7 @@ async fn follow_once(gw: &Gateway, url: &str, stop: &CancellationToken) -> Strea
     let end = read_reports(gw, resp.into_body(), expiry, stop, &mut heard).await;
     connected.dec();
     if let Some((replica, incarnation)) = heard {
-        for m in gw.models() {
+        for m in gw.pools() {
             if m.ledger().remove_peer(&replica, incarnation) {
                 tracing::info!(model = %m.name, %replica, peer = %url, "peer replica's stream ended; dropped its bookings");
             }
@@ -551,8 +556,11 @@ async fn read_reports(
 /// replica's ids (workers this replica does not serve are left out).
 fn apply(gw: &Gateway, report: WireReport) {
     let now = Instant::now();
-    for m in gw.models() {
-        let wire = report.models.iter().find(|w| *w.model == *m.name);
+    for (m, pool) in gw.pools_named() {
+        let wire = report
+            .models
+            .iter()
+            .find(|w| *w.model == *m.name && w.pool == pool);
         let workers = m.workers();
         let resolve = |url: &str| {
             let url = crate::config::normalize_url(url);
@@ -691,10 +699,13 @@ pub async fn serve_snapshot(
     let Some(model) = gw.model(&req.model) else {
         return ApiError::not_found(format!("unknown model {:?}", req.model)).into_response();
     };
-    let Some(worker) = model.worker_by_url(&req.worker) else {
+    // The worker may be in the model's prefill pool.
+    let found = std::iter::once(model)
+        .chain(model.prefill.as_ref().map(|p| &p.pool))
+        .find_map(|pool| Some((pool.clone(), pool.worker_by_url(&req.worker)?)));
+    let Some((model, worker)) = found else {
         return ApiError::not_found(format!("unknown worker {:?}", req.worker)).into_response();
     };
-    let model = model.clone();
     let id = worker.id;
     // Exporting a large index takes a while: off the async workers.
     let snapshot =

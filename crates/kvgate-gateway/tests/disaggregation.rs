@@ -472,3 +472,45 @@ async fn the_decode_engine_refuses_kv_it_cannot_pull() {
         .unwrap();
     assert_eq!(resp.status(), 400);
 }
+
+/// Replicas that agree share a disaggregated model's prefill pool too: a prefill leg
+/// booked on one replica shows as peer load on the other's prefill worker.
+#[tokio::test]
+async fn replicas_share_the_prefill_pools_load() {
+    let f = fleet(EngineMode::Vllm, 1, 1, 0.05).await;
+    let a = gateway(&f, PdMode::Vllm, PolicyKind::RoundRobin, &[]).await;
+    let mut cfg = config(&[], PolicyKind::RoundRobin);
+    let m = &mut cfg.models[0];
+    m.remote_tokenize = true;
+    m.workers = f.decode.iter().map(worker_of_engine).collect();
+    m.pd = Some(PdConfig {
+        mode: PdMode::Vllm,
+        prefill_workers: f.prefill.iter().map(worker_of_engine).collect(),
+        ..PdConfig::default()
+    });
+    cfg.peers.replica_id = Some("b".into());
+    cfg.peers.urls = vec![a.url()];
+    let b = start(cfg).await.unwrap();
+    let url = format!("{}/v1/chat/completions", a.url());
+    let body = chat(&prompt("shared", 3000), false, 2);
+    let request = tokio::spawn(async move { client().post(url).json(&body).send().await });
+    let (ga, gb) = (a.gateway().clone(), b.gateway().clone());
+    eventually("the prefill leg booked on replica a", || {
+        in_flight(&prefill_pool(&ga)) == 1
+    })
+    .await;
+    let pool = prefill_pool(&gb);
+    let worker = pool.workers()[0].id;
+    eventually("replica b sees it on its prefill worker", || {
+        pool.ledger().peer_load(worker).in_flight == 1
+    })
+    .await;
+    assert_eq!(in_flight(&pool), 0, "not booked by b itself");
+    request.abort();
+    eventually("and sees it end", || {
+        pool.ledger().peer_load(worker).in_flight == 0
+    })
+    .await;
+    b.shutdown().await;
+    a.shutdown().await;
+}
