@@ -203,10 +203,40 @@ async fn explain(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
         Err(e) => return e.into_response(),
     };
     let session = session_key(&p.model, &headers);
-    let (decision, worker) = match try_pick(&gw, &p, session, &[], Candidates::AllHealthy) {
-        Ok(Pick::Chosen { decision, worker }) => (decision, worker),
-        Ok(_) => return ApiError::no_healthy_worker(&p.model.name, 1).into_response(),
+    let mut answer = match explain_pool(&gw, &p, session) {
+        Ok(a) => a,
         Err(e) => return e.into_response(),
+    };
+    answer["model"] = json!(&*p.model.name);
+    answer["lora"] = json!(p.lora.as_deref());
+    answer["prompt_tokens"] = json!(p.prompt_tokens);
+    answer["prompt_tokens_estimated"] = json!(p.prompt_tokens_estimated);
+    answer["prompt_blocks"] = json!(p.keys.as_ref().map(Vec::len));
+    if let Some(prefill) = &p.model.prefill {
+        // A disaggregated model: the decode choice above, the prefill choice here.
+        let on_prefill = crate::routing::Prepared {
+            model: prefill.pool.clone(),
+            ..p.clone()
+        };
+        answer["prefill"] = match explain_pool(&gw, &on_prefill, None) {
+            Ok(a) => a,
+            Err(e) => return e.into_response(),
+        };
+        answer["skips_prefill"] = json!(crate::disaggregation::skips_prefill(&gw, prefill, &p));
+    }
+    Json(answer).into_response()
+}
+
+/// What one pool's policy would choose for a prepared request, and why: every
+/// candidate's overlap, load (own and peers') and cost. Books nothing.
+fn explain_pool(
+    gw: &Gateway,
+    p: &crate::routing::Prepared,
+    session: Option<&str>,
+) -> Result<Value, ApiError> {
+    let (decision, worker) = match try_pick(gw, p, session, &[], Candidates::AllHealthy)? {
+        Pick::Chosen { decision, worker } => (decision, worker),
+        _ => return Err(ApiError::no_healthy_worker(&p.model.name, 1)),
     };
     let workers = p.model.workers();
     let url_of = |id| {
@@ -236,22 +266,16 @@ async fn explain(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
             })
         })
         .collect();
-    Json(json!({
-        "model": &*p.model.name,
-        "lora": p.lora.as_deref(),
+    Ok(json!({
         "policy": decision.policy,
         "worker": &*worker.url,
         "worker_id": worker.id.0,
         "reason": decision.reason,
-        "prompt_tokens": p.prompt_tokens,
-        "prompt_tokens_estimated": p.prompt_tokens_estimated,
-        "prompt_blocks": p.keys.as_ref().map(Vec::len),
         "block_size": p.model.selection.block_size(),
         "predicted_cached_tokens": decision.predicted_cached_tokens,
         "peer_replicas": p.model.ledger().peer_replicas(),
         "scores": scores,
     }))
-    .into_response()
 }
 
 async fn health() -> Response {

@@ -259,6 +259,23 @@ async fn repeated_prompts_prefill_where_their_kv_is() {
             .await
             .unwrap();
         assert_eq!(header(&again, "x-kvgate-prefill-worker"), holder, "{tag}");
+        // /v1/route/explain shows both choices, the prefill one with its overlap.
+        let ex: Value = c
+            .post(format!("{}/v1/route/explain", gw.url()))
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(ex["prefill"]["worker"], holder.as_str(), "{tag}: {ex}");
+        assert!(
+            ex["prefill"]["predicted_cached_tokens"].as_u64().unwrap() > 0,
+            "{ex}"
+        );
+        assert_eq!(ex["skips_prefill"], false, "{ex}");
+        assert!(ex["worker"].is_string(), "{ex}");
     }
     let hits: f64 = {
         let mut h = 0.0;
