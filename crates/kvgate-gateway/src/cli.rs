@@ -286,6 +286,8 @@ impl ServeArgs {
             prefill_workers,
             decode_policy: self.decode_policy,
             uncached_token_threshold: self.pd_uncached_token_threshold.unwrap_or(0),
+            // Prefill engines found through DNS or Kubernetes: YAML only.
+            ..crate::config::PdConfig::default()
         });
         let mut m = ModelConfig {
             name,

@@ -217,6 +217,10 @@ pub struct PdConfig {
     pub mode: PdMode,
     /// The prefill pool (SGLang: each with its `bootstrap_port`).
     pub prefill_workers: Vec<WorkerConfig>,
+    /// Prefill workers found through a DNS name, in addition to `prefill_workers`.
+    pub prefill_workers_dns: Option<WorkersDnsConfig>,
+    /// Prefill workers found through the Kubernetes API (`--features kubernetes`).
+    pub prefill_workers_kubernetes: Option<WorkersKubernetesConfig>,
     /// Policy of the decode pool (default: kv_aware when a decode worker publishes KV
     /// events, least_loaded otherwise).
     pub decode_policy: Option<PolicyKind>,
@@ -230,6 +234,8 @@ impl Default for PdConfig {
         Self {
             mode: PdMode::Vllm,
             prefill_workers: Vec::new(),
+            prefill_workers_dns: None,
+            prefill_workers_kubernetes: None,
             decode_policy: None,
             uncached_token_threshold: 0,
         }
@@ -268,6 +274,8 @@ pub struct WorkersKubernetesConfig {
     pub kv_events_replay_port: Option<u16>,
     pub dp_size: u32,
     pub refresh_ms: u64,
+    /// SGLang prefill pods: their bootstrap server's port.
+    pub bootstrap_port: Option<u16>,
     /// The API server's URL instead of the in-cluster or kubeconfig one (e.g.
     /// `http://127.0.0.1:8001` behind `kubectl proxy`).
     pub api_url: Option<String>,
@@ -283,6 +291,7 @@ impl Default for WorkersKubernetesConfig {
             kv_events_replay_port: None,
             dp_size: 1,
             refresh_ms: 5_000,
+            bootstrap_port: None,
             api_url: None,
         }
     }
@@ -308,6 +317,7 @@ impl WorkersKubernetesConfig {
             kv_events_port: self.kv_events_port,
             kv_events_replay_port: self.kv_events_replay_port,
             dp_size: self.dp_size,
+            bootstrap_port: self.bootstrap_port,
         }
     }
 }
@@ -329,6 +339,8 @@ pub struct WorkersDnsConfig {
     /// Data-parallel ranks per engine.
     pub dp_size: u32,
     pub refresh_ms: u64,
+    /// SGLang prefill engines: their bootstrap server's port.
+    pub bootstrap_port: Option<u16>,
 }
 
 impl Default for WorkersDnsConfig {
@@ -339,6 +351,7 @@ impl Default for WorkersDnsConfig {
             kv_events_replay_port: None,
             dp_size: 1,
             refresh_ms: 5_000,
+            bootstrap_port: None,
         }
     }
 }
@@ -358,6 +371,7 @@ impl WorkersDnsConfig {
             kv_events_port: self.kv_events_port,
             kv_events_replay_port: self.kv_events_replay_port,
             dp_size: self.dp_size,
+            bootstrap_port: self.bootstrap_port,
         }
     }
 }
@@ -369,6 +383,7 @@ pub struct DiscoveredPorts {
     pub kv_events_port: Option<u16>,
     pub kv_events_replay_port: Option<u16>,
     pub dp_size: u32,
+    pub bootstrap_port: Option<u16>,
 }
 
 impl DiscoveredPorts {
@@ -395,7 +410,7 @@ impl DiscoveredPorts {
                 .kv_events_replay_port
                 .map(|p| format!("tcp://{ip}:{p}")),
             dp_size: self.dp_size,
-            bootstrap_port: None,
+            bootstrap_port: self.bootstrap_port,
         }
     }
 }
@@ -488,8 +503,8 @@ impl ModelConfig {
             workers: pd.prefill_workers.clone(),
             tokenizer: None,
             remote_tokenize: false,
-            workers_dns: None,
-            workers_kubernetes: None,
+            workers_dns: pd.prefill_workers_dns.clone(),
+            workers_kubernetes: pd.prefill_workers_kubernetes.clone(),
             lora_adapters: Vec::new(),
             pd: None,
             ..self.clone()
@@ -852,8 +867,25 @@ impl ModelConfig {
 
 impl PdConfig {
     fn validate(&self, model: &ModelConfig) -> anyhow::Result<()> {
-        if self.prefill_workers.is_empty() {
-            bail!("prefill/decode disaggregation needs at least one prefill worker (--prefill-worker URL)");
+        if self.prefill_workers.is_empty()
+            && self.prefill_workers_dns.is_none()
+            && self.prefill_workers_kubernetes.is_none()
+        {
+            bail!("prefill/decode disaggregation needs at least one prefill worker (--prefill-worker URL, or prefill_workers_dns / prefill_workers_kubernetes)");
+        }
+        if let Some(dns) = &self.prefill_workers_dns {
+            dns.validate().context("prefill_workers_dns")?;
+            if self.mode == PdMode::Sglang && dns.bootstrap_port.is_none() {
+                bail!(
+                    "prefill_workers_dns: SGLang disaggregation needs the engines' bootstrap_port"
+                );
+            }
+        }
+        if let Some(k8s) = &self.prefill_workers_kubernetes {
+            k8s.validate().context("prefill_workers_kubernetes")?;
+            if self.mode == PdMode::Sglang && k8s.bootstrap_port.is_none() {
+                bail!("prefill_workers_kubernetes: SGLang disaggregation needs the pods' bootstrap_port");
+            }
         }
         if model.workers.is_empty()
             && model.workers_dns.is_none()
@@ -1011,6 +1043,24 @@ models:
             "models: [{name: m, workers: [http://d:1], pd: {mode: nixl, prefill_workers: [http://p:1]}}]"
         )
         .is_err());
+        // A prefill pool found through DNS; SGLang's needs the bootstrap port.
+        let c = Config::from_yaml_str(
+            "models: [{name: m, workers: [http://d:1], pd: {mode: sglang, prefill_workers_dns: {name: 'prefill.llm.svc:30000', bootstrap_port: 8998}}}]",
+        )
+        .unwrap();
+        let (_, prefill) = c.models[0].pd_pools().unwrap();
+        assert_eq!(
+            prefill
+                .workers_dns
+                .as_ref()
+                .map(|d| d.ports().bootstrap_port),
+            Some(Some(8998))
+        );
+        let e = Config::from_yaml_str(
+            "models: [{name: m, workers: [http://d:1], pd: {mode: sglang, prefill_workers_dns: {name: 'prefill.llm.svc:30000'}}}]",
+        )
+        .unwrap_err();
+        assert!(format!("{e:#}").contains("bootstrap_port"), "{e:#}");
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! Engines found without naming them: a model's `workers_dns` name (a Kubernetes
 //! headless Service of engine pods) re-resolved periodically, or its
 //! `workers_kubernetes` pods listed through the Kubernetes API by label selector
-//! (`--features kubernetes`); each address a worker.
+//! (`--features kubernetes`); each address a worker. A disaggregated model's prefill
+//! pool has its own (`pd.prefill_workers_dns`, `pd.prefill_workers_kubernetes`).
 //!
 //! Owns the resolve-and-reconcile loop and the pure reconcile step ([`reconcile`]):
 //! which discovered workers to add and which to remove. Adding and removing go through
@@ -109,29 +110,43 @@ impl Source {
     }
 }
 
-/// Keeps every model's discovered workers (DNS names, Kubernetes pods) in step with
-/// their source, until shutdown.
+/// Keeps every pool's discovered workers (DNS names, Kubernetes pods) in step with
+/// their source, until shutdown: each model's, and a disaggregated model's prefill
+/// pool's.
 pub async fn run_worker_discovery(gw: Arc<Gateway>) {
-    let mut sources: Vec<(String, Source)> = Vec::new();
+    let mut sources: Vec<(String, &'static str, Source)> = Vec::new();
     for m in &gw.config.models {
-        if let Some(d) = &m.workers_dns {
-            sources.push((m.name.clone(), Source::Dns(d.clone())));
-        }
-        #[cfg(feature = "kubernetes")]
-        if let Some(k) = &m.workers_kubernetes {
-            sources.push((m.name.clone(), Source::Kubernetes(k.clone(), None)));
+        let prefill = m.pd.as_ref();
+        let pools = [
+            ("", m.workers_dns.as_ref(), m.workers_kubernetes.as_ref()),
+            (
+                crate::gateway::PREFILL_POOL,
+                prefill.and_then(|pd| pd.prefill_workers_dns.as_ref()),
+                prefill.and_then(|pd| pd.prefill_workers_kubernetes.as_ref()),
+            ),
+        ];
+        for (pool, dns, kubernetes) in pools {
+            if let Some(d) = dns {
+                sources.push((m.name.clone(), pool, Source::Dns(d.clone())));
+            }
+            #[cfg(feature = "kubernetes")]
+            if let Some(k) = kubernetes {
+                sources.push((m.name.clone(), pool, Source::Kubernetes(k.clone(), None)));
+            }
+            #[cfg(not(feature = "kubernetes"))]
+            let _ = kubernetes;
         }
     }
     let tasks: Vec<_> = sources
         .into_iter()
-        .map(|(model, source)| tokio::spawn(discover(gw.clone(), model, source)))
+        .map(|(model, pool, source)| tokio::spawn(discover(gw.clone(), model, pool, source)))
         .collect();
     for t in tasks {
         let _ = t.await;
     }
 }
 
-async fn discover(gw: Arc<Gateway>, model: String, mut source: Source) {
+async fn discover(gw: Arc<Gateway>, model: String, pool: &'static str, mut source: Source) {
     let mut known: BTreeSet<String> = BTreeSet::new();
     let mut tick = tokio::time::interval(source.refresh());
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -157,7 +172,7 @@ async fn discover(gw: Arc<Gateway>, model: String, mut source: Source) {
                 continue;
             }
         };
-        let Some(m) = gw.model(&model) else {
+        let Some(m) = gw.pool(&model, pool) else {
             return;
         };
         let configured: BTreeSet<String> = m
@@ -170,13 +185,13 @@ async fn discover(gw: Arc<Gateway>, model: String, mut source: Source) {
         for url in plan.remove {
             known.remove(&url);
             if let Some(w) = m.worker_by_url(&url) {
-                gw.remove_worker(&model, w.id);
+                gw.remove_worker_from(&m, w.id);
                 tracing::info!(%model, worker = %url, source = %what, "worker left its discovery source: removed");
             }
         }
         for worker in plan.add {
             let url = worker.url.clone();
-            match gw.add_worker(&model, worker) {
+            match gw.add_worker_to(&m, worker) {
                 Ok(_) => {
                     tracing::info!(%model, worker = %url, source = %what, "worker discovered: added");
                     known.insert(url);

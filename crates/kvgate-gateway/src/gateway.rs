@@ -235,7 +235,15 @@ impl Gateway {
         self.add_worker_to(&m, config)
     }
 
-    fn add_worker_to(
+    /// A model's pool by name within it (`""`: the model's own workers; `prefill`).
+    pub fn pool(&self, model: &str, pool: &str) -> Option<Arc<ModelState>> {
+        self.pools_named()
+            .find(|(m, p)| *m.name == *model && *p == pool)
+            .map(|(m, _)| m.clone())
+    }
+
+    /// Adds a worker to one pool (a model's own workers, or its prefill pool).
+    pub(crate) fn add_worker_to(
         &self,
         model: &Arc<ModelState>,
         config: WorkerConfig,
@@ -274,7 +282,12 @@ impl Gateway {
     /// Removes a worker: it gets no new requests, its event subscribers stop and its
     /// index entries are purged. Requests in flight to it finish normally.
     pub fn remove_worker(&self, model: &str, id: WorkerId) -> Option<Arc<Worker>> {
-        let m = self.models.get(model)?;
+        let m = self.models.get(model)?.clone();
+        self.remove_worker_from(&m, id)
+    }
+
+    /// Removes a worker from one pool (as [`Self::remove_worker`]).
+    pub(crate) fn remove_worker_from(&self, m: &ModelState, id: WorkerId) -> Option<Arc<Worker>> {
         let w = m.remove_worker(id)?;
         let purged = m.selection.remove_worker(id).unwrap_or(0);
         self.count_purged(m, &w, purged, "removed");

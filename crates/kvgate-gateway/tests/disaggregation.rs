@@ -531,3 +531,53 @@ async fn replicas_share_the_prefill_pools_load() {
     b.shutdown().await;
     a.shutdown().await;
 }
+
+/// A prefill pool found through DNS (a headless Service of prefill pods): its engine
+/// joins the prefill pool, not the decode pool, and takes the prefill legs.
+#[tokio::test]
+async fn prefill_workers_found_through_dns_join_the_prefill_pool() {
+    let f = fleet(EngineMode::Vllm, 1, 1, 20.0).await;
+    let prefill = &f.prefill[0];
+    let mut cfg = config(&[], PolicyKind::RoundRobin);
+    let m = &mut cfg.models[0];
+    m.remote_tokenize = true;
+    m.workers = f.decode.iter().map(worker_of_engine).collect();
+    let kv_port = |ep: &Option<String>| {
+        ep.as_deref()
+            .and_then(|e| e.rsplit(':').next())
+            .and_then(|p| p.parse::<u16>().ok())
+    };
+    m.pd = Some(PdConfig {
+        mode: PdMode::Vllm,
+        prefill_workers_dns: Some(kvgate_gateway::WorkersDnsConfig {
+            name: format!("localhost:{}", prefill.http_addr.port()),
+            kv_events_port: kv_port(&prefill.kv_events_endpoint),
+            refresh_ms: 50,
+            ..Default::default()
+        }),
+        ..PdConfig::default()
+    });
+    let gw = start(cfg).await.unwrap();
+    let g = gw.gateway().clone();
+    eventually("the prefill engine discovered", || {
+        prefill_pool(&g).workers().len() == 1
+    })
+    .await;
+    assert_eq!(
+        g.model("m").unwrap().workers().len(),
+        1,
+        "decode pool unchanged"
+    );
+    let resp = client()
+        .post(format!("{}/v1/chat/completions", gw.url()))
+        .json(&chat(&prompt("dns", 40), false, 2))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(
+        header(&resp, "x-kvgate-prefill-worker"),
+        format!("http://127.0.0.1:{}", prefill.http_addr.port())
+    );
+    gw.shutdown().await;
+}
