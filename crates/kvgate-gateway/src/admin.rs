@@ -1,8 +1,9 @@
 //! The admin API: list, add and remove workers at run time.
 //!
 //! `GET /admin/workers`, `POST /admin/workers` (`{"model","url","kv_events"?,
-//! "kv_events_replay"?,"dp_size"?}`), `DELETE /admin/workers/{id}` or
-//! `DELETE /admin/workers?model=M&url=U`. Off (404) unless an admin token is
+//! "kv_events_replay"?,"dp_size"?,"pool"?,"bootstrap_port"?}`; `"pool":"prefill"` adds
+//! to a disaggregated model's prefill pool), `DELETE /admin/workers/{id}` or
+//! `DELETE /admin/workers?model=M&url=U` (either pool). Off (404) unless an admin token is
 //! configured; every call must carry it as a bearer token. Owns request/response shapes
 //! only; the gateway does the work.
 
@@ -31,11 +32,13 @@ fn guard(gw: &Gateway, headers: &http::HeaderMap) -> Result<(), ApiError> {
     }
 }
 
-pub fn worker_json(model: &ModelState, w: &Worker) -> Value {
+pub fn worker_json(model: &ModelState, pool: &str, w: &Worker) -> Value {
     let load = model.ledger().load(w.id);
     json!({
         "id": w.id.0,
         "model": &*model.name,
+        "pool": if pool.is_empty() { None } else { Some(pool) },
+        "bootstrap_port": w.config.bootstrap_port,
         "url": &*w.url,
         "healthy": !w.breaker.is_open(),
         "consecutive_failures": w.breaker.consecutive_failures(),
@@ -52,11 +55,11 @@ pub async fn list(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
         return e.into_response();
     }
     let workers: Vec<Value> = gw
-        .models()
-        .flat_map(|m| {
+        .pools_named()
+        .flat_map(|(m, pool)| {
             m.workers()
                 .iter()
-                .map(|w| worker_json(m, w))
+                .map(|w| worker_json(m, pool, w))
                 .collect::<Vec<_>>()
         })
         .collect();
@@ -74,6 +77,11 @@ struct AddWorker {
     kv_events_replay: Option<String>,
     #[serde(default)]
     dp_size: Option<u32>,
+    /// `prefill`: a disaggregated model's prefill pool (default: the model's workers).
+    #[serde(default)]
+    pool: Option<String>,
+    #[serde(default)]
+    bootstrap_port: Option<u16>,
 }
 
 pub async fn add(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
@@ -92,18 +100,62 @@ pub async fn add(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
         Ok((m, _)) => m.clone(),
         Err(e) => return e.into_response(),
     };
+    let pool_name = match add.pool.as_deref() {
+        None | Some("") => "",
+        Some(crate::gateway::PREFILL_POOL) => crate::gateway::PREFILL_POOL,
+        Some(other) => {
+            return ApiError::bad_request(
+                "invalid_worker",
+                format!("pool {other:?}: leave it out for the model's workers, or \"prefill\""),
+            )
+            .into_response()
+        }
+    };
+    let Some(pool) = gw.pool(&model.name, pool_name) else {
+        return ApiError::bad_request(
+            "invalid_worker",
+            format!(
+                "model {:?} has no prefill pool (it is not disaggregated)",
+                &*model.name
+            ),
+        )
+        .into_response();
+    };
+    let sglang_prefill = pool_name == crate::gateway::PREFILL_POOL
+        && model
+            .prefill
+            .as_ref()
+            .is_some_and(|p| p.mode == crate::config::PdMode::Sglang);
+    if sglang_prefill && add.bootstrap_port.is_none() {
+        return ApiError::bad_request(
+            "invalid_worker",
+            "an SGLang prefill worker needs its bootstrap_port",
+        )
+        .into_response();
+    }
     let config = WorkerConfig {
         url: add.url,
         kv_events: add.kv_events,
         kv_events_replay: add.kv_events_replay,
         dp_size: add.dp_size.unwrap_or(1),
-        bootstrap_port: None,
+        bootstrap_port: add.bootstrap_port,
     };
     if let Err(e) = config.validate() {
         return ApiError::bad_request("invalid_worker", format!("{e:#}")).into_response();
     }
-    match gw.add_worker(&model.name, config) {
-        Ok(w) => (StatusCode::CREATED, Json(worker_json(&model, &w))).into_response(),
+    // One engine is in one pool of a model.
+    let in_other_pool = gw.pools_named().any(|(m, p)| {
+        *m.name == *model.name && p != pool_name && m.worker_by_url(&config.url).is_some()
+    });
+    if in_other_pool {
+        return ApiError::worker_conflict(format!(
+            "worker {} is already in the other pool of model {:?}",
+            config.url, &*model.name
+        ))
+        .into_response();
+    }
+    match gw.add_worker_to(&pool, config) {
+        Ok(w) => (StatusCode::CREATED, Json(worker_json(&pool, pool_name, &w))).into_response(),
         Err(e) => ApiError::worker_conflict(format!("{e:#}")).into_response(),
     }
 }
@@ -116,7 +168,7 @@ pub struct RemoveQuery {
 
 fn remove_by(gw: &Gateway, pred: impl Fn(&ModelState, &Worker) -> bool) -> Response {
     let found: Vec<(Arc<ModelState>, WorkerId)> = gw
-        .models()
+        .pools()
         .flat_map(|m| {
             m.workers()
                 .iter()
@@ -130,7 +182,7 @@ fn remove_by(gw: &Gateway, pred: impl Fn(&ModelState, &Worker) -> bool) -> Respo
     }
     let mut removed = Vec::new();
     for (m, id) in found {
-        if let Some(w) = gw.remove_worker(&m.name, id) {
+        if let Some(w) = gw.remove_worker_from(&m, id) {
             removed.push(json!({"id": id.0, "model": &*m.name, "url": &*w.url}));
         }
     }

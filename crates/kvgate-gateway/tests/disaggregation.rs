@@ -581,3 +581,77 @@ async fn prefill_workers_found_through_dns_join_the_prefill_pool() {
     );
     gw.shutdown().await;
 }
+
+/// The admin API adds an engine to the prefill pool (`"pool":"prefill"`), lists it
+/// there, refuses one engine in both pools, and removes it.
+#[tokio::test]
+async fn the_admin_api_manages_the_prefill_pool() {
+    let f = fleet(EngineMode::Vllm, 2, 1, 20.0).await;
+    let mut cfg = config(&[], PolicyKind::RoundRobin);
+    cfg.admin_token = Some("t".into());
+    let m = &mut cfg.models[0];
+    m.remote_tokenize = true;
+    m.workers = f.decode.iter().map(worker_of_engine).collect();
+    m.pd = Some(PdConfig {
+        mode: PdMode::Vllm,
+        prefill_workers: vec![worker_of_engine(&f.prefill[0])],
+        ..PdConfig::default()
+    });
+    let gw = start(cfg).await.unwrap();
+    let c = client();
+    let admin = format!("{}/admin/workers", gw.url());
+    let added = c
+        .post(&admin)
+        .bearer_auth("t")
+        .json(&json!({"model": "m", "url": f.prefill[1].base_url(), "pool": "prefill"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(added.status(), 201);
+    let listed: Value = c
+        .get(&admin)
+        .bearer_auth("t")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let in_prefill = listed["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|w| w["pool"] == "prefill")
+        .count();
+    assert_eq!(in_prefill, 2, "{listed}");
+    let both = c
+        .post(&admin)
+        .bearer_auth("t")
+        .json(&json!({"model": "m", "url": f.decode[0].base_url(), "pool": "prefill"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(both.status(), 409);
+    // Round robin over the prefill pool: the added engine takes prefill legs.
+    let mut seen = std::collections::BTreeSet::new();
+    for i in 0..4 {
+        let r = c
+            .post(format!("{}/v1/chat/completions", gw.url()))
+            .json(&chat(&prompt(&format!("a{i}x"), 20), false, 2))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        seen.insert(header(&r, "x-kvgate-prefill-worker"));
+    }
+    assert!(seen.contains(&f.prefill[1].base_url()), "{seen:?}");
+    let removed = c
+        .delete(format!("{admin}?model=m&url={}", f.prefill[1].base_url()))
+        .bearer_auth("t")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(removed.status(), 200);
+    assert_eq!(prefill_pool(gw.gateway()).workers().len(), 1);
+    gw.shutdown().await;
+}
