@@ -106,6 +106,11 @@ def dashboard():
                "{{worker}} {{to}}")])
     d.series("Retries by reason",
              [(f"sum by (reason) (rate(kvgate_retries_total{MODEL}[5m]))", "{{reason}}")], "reqps")
+    d.series("Disaggregated requests by route",
+             [(f"sum by (route) (rate(kvgate_disaggregated_requests_total{MODEL}[5m]))", "{{route}}")],
+             "reqps", "split: prefill and decode legs; whole: short enough to skip the split; "
+             "handover_failed: a prefill answer without kv_transfer_params; "
+             "prefill_retried: an SGLang pair tried again after its prefill leg failed.")
     d.row("KV events")
     d.series("Events applied per second",
              [("sum by (worker) (rate(kvgate_kv_events_events_applied_total[1m]))", "{{worker}}")])

@@ -42,6 +42,17 @@ use crate::limits::Admission;
 use crate::registry::{ModelState, PrefillPool};
 use crate::routing::{pick, try_pick, Candidates, Pick, Prepared};
 
+/// The `route` labels of `kvgate_disaggregated_requests_total`.
+pub const ROUTES: [&str; 4] = ["split", "whole", "handover_failed", "prefill_retried"];
+
+/// Counts a disaggregated request by how it ran (one of [`ROUTES`]).
+pub(crate) fn count(gw: &Gateway, model: &str, route: &str) {
+    gw.metrics
+        .disaggregated
+        .with_label_values(&[model, route])
+        .inc();
+}
+
 /// Header naming the prefill worker of a disaggregated response.
 pub const PREFILL_WORKER_HEADER: HeaderName = HeaderName::from_static("x-kvgate-prefill-worker");
 
@@ -100,6 +111,7 @@ pub(crate) async fn dispatch(
     admission: &Arc<Admission>,
     record: &mut Unanswered,
 ) -> Result<Response, ApiError> {
+    count(gw, &p.model.name, "split");
     if !request.headers.contains_key(REQUEST_ID) {
         request.headers.insert(REQUEST_ID, new_request_id());
     }
@@ -151,9 +163,10 @@ impl Legs<'_> {
         }
         let prefill_worker = accepted.worker.clone();
         // Reading the answer ends the prefill leg and its booking.
-        let params = transfer_params_of(accepted)
-            .await
-            .map_err(|why| ApiError::prefill_handover_failed(&prefill_worker.url, why))?;
+        let params = transfer_params_of(accepted).await.map_err(|why| {
+            count(gw, &self.decode_p.model.name, "handover_failed");
+            ApiError::prefill_handover_failed(&prefill_worker.url, why)
+        })?;
         let decode_request = Forwarded {
             body: vllm_decode_body(&self.request.body, params)?,
             ..self.request
@@ -242,6 +255,7 @@ impl Legs<'_> {
                 First::Prefill(Err(LegFailure::Retry(e))) => {
                     // The decode attempt waits for KV that will not come: drop it.
                     tracing::debug!(worker = %prefill_worker.url, error = %e.message, attempt, "prefill leg failed before the decode answer");
+                    count(gw, &self.decode_p.model.name, "prefill_retried");
                     excluded.push(prefill_worker.id);
                     last_err = Some(e);
                     continue;

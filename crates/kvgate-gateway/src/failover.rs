@@ -116,6 +116,7 @@ pub(crate) async fn dispatch(
             return crate::disaggregation::dispatch(gw, prefill, request, &p, &admission, record)
                 .await;
         }
+        crate::disaggregation::count(gw, &p.model.name, "whole");
     }
     let route = Route::Booked {
         p: &p,

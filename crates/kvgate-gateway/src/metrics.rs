@@ -21,6 +21,11 @@ pub struct Metrics {
     pub decision_seconds: HistogramVec,
     pub tokenize_seconds: HistogramVec,
     pub retries: IntCounterVec,
+    /// Disaggregated models' requests by how they ran: `split` (prefill and decode
+    /// legs), `whole` (short enough to skip the split), `handover_failed` (the prefill
+    /// answer could not be handed to a decode worker), `prefill_retried` (an SGLang
+    /// pair tried again after its prefill leg failed).
+    pub disaggregated: IntCounterVec,
     pub stream_ends: IntCounterVec,
     pub predicted_cached_tokens: IntCounterVec,
     pub reported_cached_tokens: IntCounterVec,
@@ -120,6 +125,7 @@ impl Metrics {
             decision_seconds: histogram(&r, "kvgate_routing_decision_seconds", "Time to select a worker (policy + index lookup)", &["model", "policy"], latency_buckets())?,
             tokenize_seconds: histogram(&r, "kvgate_tokenization_seconds", "Time to tokenize a request for routing", &["model"], latency_buckets())?,
             retries: counter(&r, "kvgate_retries_total", "Requests retried on another worker before the first byte", &["model", "reason"])?,
+            disaggregated: counter(&r, "kvgate_disaggregated_requests_total", "Disaggregated models' requests: split (prefill and decode legs), whole (skipped the split), handover_failed, prefill_retried", &["model", "route"])?,
             stream_ends: counter(&r, "kvgate_response_ends_total", "How proxied responses ended: complete, client_disconnect, upstream_error, timeout", &["model", "outcome"])?,
             predicted_cached_tokens: counter(&r, "kvgate_predicted_cached_tokens_total", "Prompt tokens the policy predicted the engine would serve from cache (requests whose engine reported usage)", &["model"])?,
             reported_cached_tokens: counter(&r, "kvgate_reported_cached_tokens_total", "usage.prompt_tokens_details.cached_tokens reported by engines", &["model"])?,
@@ -158,6 +164,9 @@ impl Metrics {
         }
         for outcome in crate::observe::RESPONSE_OUTCOMES {
             self.stream_ends.with_label_values(&[model, outcome]);
+        }
+        for route in crate::disaggregation::ROUTES {
+            self.disaggregated.with_label_values(&[model, route]);
         }
         for c in [
             &self.predicted_cached_tokens,

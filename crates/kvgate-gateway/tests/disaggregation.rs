@@ -467,6 +467,14 @@ async fn short_prompts_skip_the_split() {
         header(&long, "x-kvgate-prefill-worker"),
         f.prefill[0].base_url()
     );
+    let metrics = metrics_text(&c, &gw.url()).await;
+    for series in [
+        "kvgate_disaggregated_requests_total{model=\"m\",route=\"whole\"} 1",
+        "kvgate_disaggregated_requests_total{model=\"m\",route=\"split\"} 1",
+        "kvgate_disaggregated_requests_total{model=\"m\",route=\"handover_failed\"} 0",
+    ] {
+        assert!(metrics.contains(series), "{series} missing:\n{metrics}");
+    }
     gw.shutdown().await;
 }
 
