@@ -31,7 +31,8 @@ pub struct UpArgs {
     /// Gateway port on 127.0.0.1.
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
-    /// Routing policy (a kvgate policy, optionally with options: kv_aware@overlap_weight=8).
+    /// Routing policy (a kvgate policy, optionally with options: kv_aware@overlap-weight=8;
+    /// kv_aware@pd=vllm splits the engines into prefill and decode engines).
     #[arg(long, default_value = "kv_aware")]
     pub policy: String,
     /// KV block size of the engines (tokens).
@@ -61,22 +62,25 @@ pub async fn run_up(args: UpArgs) -> anyhow::Result<()> {
         .log_dir
         .clone()
         .unwrap_or_else(|| std::env::temp_dir().join(format!("kvgate-up-{}", std::process::id())));
+    let spec = RouterSpec::Kvgate(PolicySpec::parse(&args.policy)?);
+    let engines = args.engines.max(1);
     let engine_cfg = EngineConfig {
         kvgate_bin: kvgate_bin.clone(),
-        engines: args.engines.max(1),
+        engines,
         block_size: args.block_size,
         num_blocks: args.num_blocks,
         speedup: args.engine_speedup,
         seed: 0,
         extra_args: Vec::new(),
         startup_timeout: Duration::from_secs(60),
-        pd: None,
+        // `--policy kv_aware@pd=vllm`: prefill and decode engines, kvgate in its
+        // disaggregated mode.
+        pd: spec.policy_spec().pd_fleet(engines),
     };
     eprintln!("starting {} simulated engines...", engine_cfg.engines);
     let fleet = Fleet::start(&engine_cfg, &log_dir)
         .await
         .context("starting the simulated engines")?;
-    let spec = RouterSpec::Kvgate(PolicySpec::parse(&args.policy)?);
     let ctx = RouterContext {
         kvgate_bin,
         model: MODEL.into(),

@@ -221,3 +221,54 @@ async fn kvgate_up_serves_every_printed_command_and_stops_on_ctrl_c() {
         .await
         .is_err());
 }
+
+/// `kvgate up --policy kv_aware@pd=vllm`: the engines split into prefill and decode
+/// engines and the printed chat command goes through both (the answer names its
+/// prefill worker).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kvgate_up_runs_a_disaggregated_fleet() {
+    let logs = tempfile::tempdir().unwrap();
+    let port = free_ports(1).unwrap()[0];
+    let bin = PathBuf::from(env!("CARGO_BIN_EXE_kvgate"));
+    let args: Vec<String> = [
+        "up",
+        "--engines",
+        "2",
+        "--policy",
+        "kv_aware@pd=vllm",
+        "--port",
+        &port.to_string(),
+        "--engine-speedup",
+        "10",
+        "--log-dir",
+        &logs.path().join("fleet").display().to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let mut up = ManagedChild::spawn("up", &bin, &args, logs.path()).unwrap();
+    up.wait_for_line(READY_LINE, Duration::from_secs(120))
+        .await
+        .unwrap_or_else(|e| panic!("kvgate up never got ready: {e:#}\n{}", up.log_tail(40)));
+    let printed = std::fs::read_to_string(logs.path().join("up.out.log")).unwrap();
+    let (url, body) = printed
+        .lines()
+        .filter_map(parse_curl)
+        .find(|(u, b)| u.ends_with("/v1/chat/completions") && b.is_some())
+        .expect("a printed chat command");
+    let resp = reqwest::Client::new()
+        .post(&url)
+        .header("content-type", "application/json")
+        .body(body.unwrap_or_default())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert!(
+        resp.headers().contains_key("x-kvgate-prefill-worker"),
+        "{:?}",
+        resp.headers()
+    );
+    up.signal(libc::SIGINT).unwrap();
+    assert!(up.wait_exit(Duration::from_secs(30)).await);
+}
