@@ -530,8 +530,6 @@ mod tests {
             "http://d:1",
             "--worker",
             "http://d:2",
-            "--pd-uncached-token-threshold",
-            "64",
         ])
         .unwrap();
         let m = &c.models[0];
@@ -543,7 +541,7 @@ mod tests {
             pd.prefill_workers[0].kv_events.as_deref(),
             Some("tcp://p:5557")
         );
-        assert_eq!(pd.uncached_token_threshold, 64);
+        assert_eq!(pd.uncached_token_threshold, 0);
         assert_eq!(
             m.workers.len(),
             2,
@@ -584,6 +582,42 @@ mod tests {
             format!("{e:#}").contains("both the prefill and the decode pool"),
             "{e:#}"
         );
+        // The threshold sends whole requests to decode workers: vLLM's only.
+        let vllm = [
+            "--model",
+            "m",
+            "--pd-mode",
+            "vllm",
+            "--decode-worker",
+            "http://d:1",
+            "--prefill-worker",
+            "http://p:1",
+            "--pd-uncached-token-threshold",
+            "64",
+        ];
+        assert_eq!(
+            parse(&vllm).unwrap().models[0]
+                .pd
+                .as_ref()
+                .unwrap()
+                .uncached_token_threshold,
+            64
+        );
+        let e = parse(
+            &[
+                &base[..],
+                &[
+                    "--prefill-worker",
+                    "http://p:1",
+                    "--bootstrap-port",
+                    "http://p:1=1",
+                ],
+                &["--pd-uncached-token-threshold", "64"],
+            ]
+            .concat(),
+        )
+        .unwrap_err();
+        assert!(format!("{e:#}").contains("needs mode vllm"), "{e:#}");
         // The pool flags need --pd-mode.
         assert!(parse(&[
             "--model",

@@ -903,6 +903,9 @@ impl PdConfig {
                 bail!("prefill worker {}: SGLang disaggregation needs its bootstrap port (--bootstrap-port URL=PORT, or bootstrap_port in YAML)", w.url);
             }
         }
+        if self.mode == PdMode::Sglang && self.uncached_token_threshold > 0 {
+            bail!("uncached_token_threshold needs mode vllm: SGLang's decode servers take no request without its prefill");
+        }
         if let Some(w) = model
             .workers
             .iter()

@@ -221,7 +221,21 @@ impl Legs<'_> {
                     prefill_worker.url
                 )));
             };
-            let room = rand::random::<u64>() >> 1;
+            // SGLang sends a prefill to its data-parallel rank `room % dp_size`: the
+            // room is chosen so that this is the rank holding most of the prompt.
+            let best_rank = (prefill_worker.config.dp_size > 1)
+                .then(|| {
+                    self.prefill_p.model.selection.best_rank(
+                        prefill_worker.id,
+                        self.prefill_p.keys.as_deref().unwrap_or_default(),
+                    )
+                })
+                .flatten();
+            let room = room_for_rank(
+                rand::random::<u64>(),
+                prefill_worker.config.dp_size,
+                best_rank,
+            );
             let body = sglang_body(&self.request.body, prefill_worker.host(), port, room)?;
             let prefill_request = Forwarded {
                 body: body.clone(),
@@ -470,6 +484,25 @@ pub fn sglang_body(body: &[u8], host: &str, port: u16, room: u64) -> Result<Byte
     })
 }
 
+/// An SGLang bootstrap room from a random number: below 2^63 (a JSON integer every
+/// client reads), and `room % dp_size == rank` when a rank is asked for (SGLang's data
+/// parallel controller sends a disaggregated prefill to rank `room % dp_size`).
+pub fn room_for_rank(random: u64, dp_size: u32, rank: Option<u32>) -> u64 {
+    let room = random >> 1;
+    match rank {
+        Some(rank) if dp_size > 1 && rank < dp_size => {
+            let dp = u64::from(dp_size);
+            let room = room - room % dp + u64::from(rank);
+            if room >= 1 << 63 {
+                room - dp
+            } else {
+                room
+            }
+        }
+        _ => room,
+    }
+}
+
 /// A new request id for both legs.
 fn new_request_id() -> HeaderValue {
     let id = format!("kvgate-pd-{:032x}", rand::random::<u128>());
@@ -517,6 +550,25 @@ mod tests {
             .unwrap_err()
             .contains("KV connector"));
         assert!(transfer_params_in(b"not json").is_err());
+    }
+
+    #[test]
+    fn a_room_picks_the_rank_sglang_will_send_the_prefill_to() {
+        for random in [0, 1, 12345, u64::MAX, u64::MAX - 7] {
+            assert!(room_for_rank(random, 1, None) < 1 << 63);
+            for (dp, rank) in [(2, 1), (4, 3), (8, 0), (3, 2)] {
+                let room = room_for_rank(random, dp, Some(rank));
+                assert_eq!(
+                    room % u64::from(dp),
+                    u64::from(rank),
+                    "{random} {dp} {rank}"
+                );
+                assert!(room < 1 << 63);
+            }
+        }
+        // No rank, or one out of range: the random room as it is.
+        assert_eq!(room_for_rank(10, 4, None), 5);
+        assert_eq!(room_for_rank(10, 4, Some(9)), 5);
     }
 
     #[test]

@@ -377,6 +377,16 @@ fn data_parallel_rank(p: &Prepared, worker: &Worker) -> Option<u32> {
     if worker.config.dp_size <= 1 {
         return None;
     }
+    // SGLang's disaggregated legs find their rank by bootstrap room (the prefill's
+    // room is chosen for its rank, disaggregation.rs); a header could contradict it.
+    let sglang_decode = p
+        .model
+        .prefill
+        .as_ref()
+        .is_some_and(|pd| pd.mode == crate::config::PdMode::Sglang);
+    if sglang_decode {
+        return None;
+    }
     p.model
         .selection
         .best_rank(worker.id, p.keys.as_deref().unwrap_or_default())
