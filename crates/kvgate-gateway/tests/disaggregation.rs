@@ -39,7 +39,11 @@ async fn engine(role: PdRole, mode: EngineMode, speedup: f64) -> RunningEngine {
     .unwrap()
 }
 
-async fn fleet(mode: EngineMode, prefill: usize, decode: usize, speedup: f64) -> Fleet {
+async fn fleet(mode: PdMode, prefill: usize, decode: usize, speedup: f64) -> Fleet {
+    let mode = match mode {
+        PdMode::Vllm => EngineMode::Vllm,
+        PdMode::Sglang => EngineMode::Sglang,
+    };
     let mut f = Fleet {
         prefill: Vec::new(),
         decode: Vec::new(),
@@ -62,30 +66,41 @@ fn worker_of_engine(e: &RunningEngine) -> WorkerConfig {
     }
 }
 
-/// A gateway over the fleet: kv_aware on the prefill pool (remote tokenization),
-/// the decode pool's default policy, plus `extra_prefill` URLs in the prefill pool.
+/// A gateway config over the fleet: `policy` on the prefill pool (remote
+/// tokenization), the decode pool's default policy.
+fn pd_config(f: &Fleet, mode: PdMode, policy: PolicyKind) -> kvgate_gateway::Config {
+    let mut cfg = config(&[], policy);
+    let m = &mut cfg.models[0];
+    m.remote_tokenize = true;
+    m.workers = f.decode.iter().map(worker_of_engine).collect();
+    m.pd = Some(PdConfig {
+        mode,
+        prefill_workers: f.prefill.iter().map(worker_of_engine).collect(),
+        ..PdConfig::default()
+    });
+    cfg
+}
+
+/// The prefill pool's config of a [`pd_config`].
+fn pd_of(cfg: &mut kvgate_gateway::Config) -> &mut PdConfig {
+    cfg.models[0].pd.as_mut().unwrap()
+}
+
+/// A gateway started from [`pd_config`], plus `extra_prefill` URLs in the prefill pool,
+/// once the pools' event streams are connected.
 async fn gateway(
     f: &Fleet,
     mode: PdMode,
     policy: PolicyKind,
     extra_prefill: &[String],
 ) -> RunningGateway {
-    let mut cfg = config(&[], policy);
-    let m = &mut cfg.models[0];
-    m.remote_tokenize = true;
-    m.workers = f.decode.iter().map(worker_of_engine).collect();
-    let mut prefill: Vec<WorkerConfig> = f.prefill.iter().map(worker_of_engine).collect();
+    let mut cfg = pd_config(f, mode, policy);
     for url in extra_prefill {
-        prefill.push(WorkerConfig {
+        pd_of(&mut cfg).prefill_workers.push(WorkerConfig {
             bootstrap_port: Some(1),
             ..WorkerConfig::new(url.clone())
         });
     }
-    m.pd = Some(PdConfig {
-        mode,
-        prefill_workers: prefill,
-        ..PdConfig::default()
-    });
     let gw = start(cfg).await.unwrap();
     let g = gw.gateway().clone();
     // Pools whose policy keeps an index follow their engines' events.
@@ -154,11 +169,7 @@ async fn engine_counter(c: &reqwest::Client, e: &RunningEngine, name: &str) -> f
 /// prefill worker, and the decode engines computed none of the prompt (they received
 /// it) while the prefill engines computed it.
 async fn split_requests_are_answered_by_decode_with_the_prefill_kv(mode: PdMode) {
-    let engine_mode = match mode {
-        PdMode::Vllm => EngineMode::Vllm,
-        PdMode::Sglang => EngineMode::Sglang,
-    };
-    let f = fleet(engine_mode, 2, 2, 20.0).await;
+    let f = fleet(mode, 2, 2, 20.0).await;
     let gw = gateway(&f, mode, PolicyKind::KvAware, &[]).await;
     let c = client();
     let prefill_urls: Vec<String> = f.prefill.iter().map(|e| e.base_url()).collect();
@@ -229,7 +240,7 @@ async fn sglang_split_requests_are_answered_by_decode_with_the_prefill_kv() {
 /// prefill worker that holds it, and that engine serves it from its cache.
 #[tokio::test]
 async fn repeated_prompts_prefill_where_their_kv_is() {
-    let f = fleet(EngineMode::Vllm, 2, 2, 20.0).await;
+    let f = fleet(PdMode::Vllm, 2, 2, 20.0).await;
     let gw = gateway(&f, PdMode::Vllm, PolicyKind::KvAware, &[]).await;
     let c = client();
     let g = gw.gateway().clone();
@@ -293,12 +304,8 @@ async fn repeated_prompts_prefill_where_their_kv_is() {
 #[tokio::test]
 async fn a_client_leaving_during_prefill_frees_everything() {
     for mode in [PdMode::Vllm, PdMode::Sglang] {
-        let engine_mode = match mode {
-            PdMode::Vllm => EngineMode::Vllm,
-            PdMode::Sglang => EngineMode::Sglang,
-        };
         // Slow engines: a long prompt's prefill takes a while.
-        let f = fleet(engine_mode, 1, 1, 0.05).await;
+        let f = fleet(mode, 1, 1, 0.05).await;
         let gw = gateway(&f, mode, PolicyKind::RoundRobin, &[]).await;
         let g = gw.gateway().clone();
         let url = format!("{}/v1/chat/completions", gw.url());
@@ -321,11 +328,7 @@ async fn a_client_leaving_during_prefill_frees_everything() {
 #[tokio::test]
 async fn a_client_leaving_during_decode_frees_everything() {
     for mode in [PdMode::Vllm, PdMode::Sglang] {
-        let engine_mode = match mode {
-            PdMode::Vllm => EngineMode::Vllm,
-            PdMode::Sglang => EngineMode::Sglang,
-        };
-        let f = fleet(engine_mode, 1, 1, 1.0).await;
+        let f = fleet(mode, 1, 1, 1.0).await;
         let gw = gateway(&f, mode, PolicyKind::RoundRobin, &[]).await;
         let g = gw.gateway().clone();
         let mut resp = client()
@@ -366,11 +369,7 @@ async fn a_client_leaving_during_decode_frees_everything() {
 #[tokio::test]
 async fn a_dead_prefill_worker_is_failed_over_or_a_clean_error() {
     for mode in [PdMode::Vllm, PdMode::Sglang] {
-        let engine_mode = match mode {
-            PdMode::Vllm => EngineMode::Vllm,
-            PdMode::Sglang => EngineMode::Sglang,
-        };
-        let f = fleet(engine_mode, 1, 1, 20.0).await;
+        let f = fleet(mode, 1, 1, 20.0).await;
         let dead = dead_url().await;
         let gw = gateway(
             &f,
@@ -398,7 +397,7 @@ async fn a_dead_prefill_worker_is_failed_over_or_a_clean_error() {
         gw.shutdown().await;
 
         // Only dead prefill workers: an error, fast, in OpenAI's shape.
-        let decode_only = fleet(engine_mode, 0, 1, 20.0).await;
+        let decode_only = fleet(mode, 0, 1, 20.0).await;
         let gw = gateway(
             &decode_only,
             mode,
@@ -434,17 +433,9 @@ async fn a_dead_prefill_worker_is_failed_over_or_a_clean_error() {
 /// ones take it.
 #[tokio::test]
 async fn short_prompts_skip_the_split() {
-    let f = fleet(EngineMode::Vllm, 1, 1, 20.0).await;
-    let mut cfg = config(&[], PolicyKind::RoundRobin);
-    let m = &mut cfg.models[0];
-    m.remote_tokenize = true;
-    m.workers = f.decode.iter().map(worker_of_engine).collect();
-    m.pd = Some(PdConfig {
-        mode: PdMode::Vllm,
-        prefill_workers: f.prefill.iter().map(worker_of_engine).collect(),
-        uncached_token_threshold: 100,
-        ..PdConfig::default()
-    });
+    let f = fleet(PdMode::Vllm, 1, 1, 20.0).await;
+    let mut cfg = pd_config(&f, PdMode::Vllm, PolicyKind::RoundRobin);
+    pd_of(&mut cfg).uncached_token_threshold = 100;
     let gw = start(cfg).await.unwrap();
     let c = client();
     let short = c
@@ -467,6 +458,26 @@ async fn short_prompts_skip_the_split() {
         header(&long, "x-kvgate-prefill-worker"),
         f.prefill[0].base_url()
     );
+    // /ready counts both pools.
+    let ready: Value = c
+        .get(format!("{}/ready", gw.url()))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let m = &ready["models"][0];
+    assert_eq!(
+        (
+            &m["workers"],
+            &m["healthy"],
+            &m["prefill_workers"],
+            &m["prefill_healthy"]
+        ),
+        (&json!(1), &json!(1), &json!(1), &json!(1)),
+        "{ready}"
+    );
     let metrics = metrics_text(&c, &gw.url()).await;
     for series in [
         "kvgate_disaggregated_requests_total{model=\"m\",route=\"whole\"} 1",
@@ -483,7 +494,7 @@ async fn short_prompts_skip_the_split() {
 /// parameters fails its tests).
 #[tokio::test]
 async fn the_decode_engine_refuses_kv_it_cannot_pull() {
-    let f = fleet(EngineMode::Vllm, 1, 1, 20.0).await;
+    let f = fleet(PdMode::Vllm, 1, 1, 20.0).await;
     let c = client();
     let mut body = chat("hello there", false, 2);
     body["kv_transfer_params"] = json!({"do_remote_prefill": true, "remote_engine_id": "nobody",
@@ -502,17 +513,9 @@ async fn the_decode_engine_refuses_kv_it_cannot_pull() {
 /// booked on one replica shows as peer load on the other's prefill worker.
 #[tokio::test]
 async fn replicas_share_the_prefill_pools_load() {
-    let f = fleet(EngineMode::Vllm, 1, 1, 0.05).await;
+    let f = fleet(PdMode::Vllm, 1, 1, 0.05).await;
     let a = gateway(&f, PdMode::Vllm, PolicyKind::RoundRobin, &[]).await;
-    let mut cfg = config(&[], PolicyKind::RoundRobin);
-    let m = &mut cfg.models[0];
-    m.remote_tokenize = true;
-    m.workers = f.decode.iter().map(worker_of_engine).collect();
-    m.pd = Some(PdConfig {
-        mode: PdMode::Vllm,
-        prefill_workers: f.prefill.iter().map(worker_of_engine).collect(),
-        ..PdConfig::default()
-    });
+    let mut cfg = pd_config(&f, PdMode::Vllm, PolicyKind::RoundRobin);
     cfg.peers.replica_id = Some("b".into());
     cfg.peers.urls = vec![a.url()];
     let b = start(cfg).await.unwrap();
@@ -544,26 +547,22 @@ async fn replicas_share_the_prefill_pools_load() {
 /// joins the prefill pool, not the decode pool, and takes the prefill legs.
 #[tokio::test]
 async fn prefill_workers_found_through_dns_join_the_prefill_pool() {
-    let f = fleet(EngineMode::Vllm, 1, 1, 20.0).await;
+    let f = fleet(PdMode::Vllm, 1, 1, 20.0).await;
     let prefill = &f.prefill[0];
-    let mut cfg = config(&[], PolicyKind::RoundRobin);
-    let m = &mut cfg.models[0];
-    m.remote_tokenize = true;
-    m.workers = f.decode.iter().map(worker_of_engine).collect();
     let kv_port = |ep: &Option<String>| {
         ep.as_deref()
             .and_then(|e| e.rsplit(':').next())
             .and_then(|p| p.parse::<u16>().ok())
     };
-    m.pd = Some(PdConfig {
-        mode: PdMode::Vllm,
-        prefill_workers_dns: Some(kvgate_gateway::WorkersDnsConfig {
-            name: format!("localhost:{}", prefill.http_addr.port()),
-            kv_events_port: kv_port(&prefill.kv_events_endpoint),
-            refresh_ms: 50,
-            ..Default::default()
-        }),
-        ..PdConfig::default()
+    let mut cfg = pd_config(&f, PdMode::Vllm, PolicyKind::RoundRobin);
+    let pd = pd_of(&mut cfg);
+    // No prefill worker named: the one engine is found through DNS.
+    pd.prefill_workers.clear();
+    pd.prefill_workers_dns = Some(kvgate_gateway::WorkersDnsConfig {
+        name: format!("localhost:{}", prefill.http_addr.port()),
+        kv_events_port: kv_port(&prefill.kv_events_endpoint),
+        refresh_ms: 50,
+        ..Default::default()
     });
     let gw = start(cfg).await.unwrap();
     let g = gw.gateway().clone();
@@ -594,17 +593,11 @@ async fn prefill_workers_found_through_dns_join_the_prefill_pool() {
 /// there, refuses one engine in both pools, and removes it.
 #[tokio::test]
 async fn the_admin_api_manages_the_prefill_pool() {
-    let f = fleet(EngineMode::Vllm, 2, 1, 20.0).await;
-    let mut cfg = config(&[], PolicyKind::RoundRobin);
+    let f = fleet(PdMode::Vllm, 2, 1, 20.0).await;
+    let mut cfg = pd_config(&f, PdMode::Vllm, PolicyKind::RoundRobin);
     cfg.admin_token = Some("t".into());
-    let m = &mut cfg.models[0];
-    m.remote_tokenize = true;
-    m.workers = f.decode.iter().map(worker_of_engine).collect();
-    m.pd = Some(PdConfig {
-        mode: PdMode::Vllm,
-        prefill_workers: vec![worker_of_engine(&f.prefill[0])],
-        ..PdConfig::default()
-    });
+    // The second prefill engine joins through the admin API.
+    pd_of(&mut cfg).prefill_workers.truncate(1);
     let gw = start(cfg).await.unwrap();
     let c = client();
     let admin = format!("{}/admin/workers", gw.url());

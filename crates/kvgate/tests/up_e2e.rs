@@ -149,12 +149,20 @@ fn parse_curl(line: &str) -> Option<(String, Option<String>)> {
     Some((url, body))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn kvgate_up_serves_every_printed_command_and_stops_on_ctrl_c() {
+/// A running `kvgate up` (2 engines, speedup 10) and what it printed once ready.
+struct Up {
+    logs: tempfile::TempDir,
+    port: u16,
+    up: ManagedChild,
+    printed: String,
+}
+
+/// Starts `kvgate up` with `extra` arguments and waits for its ready line.
+async fn start_up(extra: &[&str]) -> Up {
     let logs = tempfile::tempdir().unwrap();
     let port = free_ports(1).unwrap()[0];
     let bin = PathBuf::from(env!("CARGO_BIN_EXE_kvgate"));
-    let args: Vec<String> = [
+    let mut args: Vec<String> = [
         "up",
         "--engines",
         "2",
@@ -168,11 +176,28 @@ async fn kvgate_up_serves_every_printed_command_and_stops_on_ctrl_c() {
     .iter()
     .map(|s| s.to_string())
     .collect();
+    args.extend(extra.iter().map(|s| s.to_string()));
     let mut up = ManagedChild::spawn("up", &bin, &args, logs.path()).unwrap();
     up.wait_for_line(READY_LINE, Duration::from_secs(120))
         .await
         .unwrap_or_else(|e| panic!("kvgate up never got ready: {e:#}\n{}", up.log_tail(40)));
     let printed = std::fs::read_to_string(logs.path().join("up.out.log")).unwrap();
+    Up {
+        logs,
+        port,
+        up,
+        printed,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kvgate_up_serves_every_printed_command_and_stops_on_ctrl_c() {
+    let Up {
+        logs,
+        port,
+        mut up,
+        printed,
+    } = start_up(&[]).await;
     let commands: Vec<(String, Option<String>)> = printed.lines().filter_map(parse_curl).collect();
     assert_eq!(commands.len(), 4, "{printed}");
     let http = reqwest::Client::builder()
@@ -227,30 +252,9 @@ async fn kvgate_up_serves_every_printed_command_and_stops_on_ctrl_c() {
 /// prefill worker).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kvgate_up_runs_a_disaggregated_fleet() {
-    let logs = tempfile::tempdir().unwrap();
-    let port = free_ports(1).unwrap()[0];
-    let bin = PathBuf::from(env!("CARGO_BIN_EXE_kvgate"));
-    let args: Vec<String> = [
-        "up",
-        "--engines",
-        "2",
-        "--policy",
-        "kv_aware@pd=vllm",
-        "--port",
-        &port.to_string(),
-        "--engine-speedup",
-        "10",
-        "--log-dir",
-        &logs.path().join("fleet").display().to_string(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    let mut up = ManagedChild::spawn("up", &bin, &args, logs.path()).unwrap();
-    up.wait_for_line(READY_LINE, Duration::from_secs(120))
-        .await
-        .unwrap_or_else(|e| panic!("kvgate up never got ready: {e:#}\n{}", up.log_tail(40)));
-    let printed = std::fs::read_to_string(logs.path().join("up.out.log")).unwrap();
+    let Up {
+        mut up, printed, ..
+    } = start_up(&["--policy", "kv_aware@pd=vllm"]).await;
     let (url, body) = printed
         .lines()
         .filter_map(parse_curl)
