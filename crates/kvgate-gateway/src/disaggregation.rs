@@ -36,7 +36,7 @@ use smallvec::SmallVec;
 
 use crate::config::PdMode;
 use crate::errors::ApiError;
-use crate::failover::{answer, call_workers, Accepted, Forwarded, Route, Unanswered};
+use crate::failover::{answer, call_workers, engine_error, Accepted, Forwarded, Route, Unanswered};
 use crate::gateway::Gateway;
 use crate::limits::Admission;
 use crate::registry::{ModelState, PrefillPool};
@@ -63,8 +63,6 @@ const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 const PREFILL_ANSWER_MAX_BYTES: usize = 4 << 20;
 /// How long a prefill answer's body may take once its head arrived.
 const PREFILL_ANSWER_READ_TIMEOUT: Duration = Duration::from_secs(30);
-/// Longest part of a refusing prefill answer quoted to the client.
-const PREFILL_ERROR_TEXT_MAX: usize = 4096;
 
 /// Whether a request of a disaggregated model skips the split: its prompt has fewer
 /// uncached tokens (the prefill pool's best prediction taken off) than the threshold,
@@ -330,8 +328,7 @@ impl PrefillLeg {
                 .map_err(LegFailure::Retry)?;
             let status = accepted.resp.status();
             if !status.is_success() {
-                let text = read_text(accepted.resp, PREFILL_ERROR_TEXT_MAX).await;
-                let e = ApiError::engine_error_text(status, &accepted.worker.url, &text);
+                let e = engine_error(accepted.resp, &accepted.worker).await;
                 return Err(
                     if status.is_server_error() || status == StatusCode::TOO_MANY_REQUESTS {
                         LegFailure::Retry(e)
@@ -420,15 +417,6 @@ pub fn transfer_params_in(body: &[u8]) -> Result<Value, String> {
     match v.get("kv_transfer_params") {
         Some(p @ Value::Object(_)) => Ok(p.clone()),
         _ => Err("its answer has no kv_transfer_params: start the prefill engines with a KV connector that produces KV (--kv-transfer-config with kv_role kv_producer or kv_both)".into()),
-    }
-}
-
-/// Up to `max` bytes of an answer's body as text (within a short timeout).
-async fn read_text(resp: http::Response<hyper::body::Incoming>, max: usize) -> String {
-    let limited = http_body_util::Limited::new(resp.into_body(), max);
-    match tokio::time::timeout(Duration::from_secs(5), limited.collect()).await {
-        Ok(Ok(body)) => String::from_utf8_lossy(&body.to_bytes()).into_owned(),
-        _ => String::new(),
     }
 }
 

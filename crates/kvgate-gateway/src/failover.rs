@@ -488,6 +488,17 @@ fn is_json(headers: &http::HeaderMap) -> bool {
 /// the engine's status (the body is read up to a bound, within a short timeout).
 async fn json_error_of(resp: http::Response<hyper::body::Incoming>, worker: &Worker) -> Response {
     use axum::response::IntoResponse;
+    let mut out = engine_error(resp, worker).await.into_response();
+    prepare_response_headers(out.headers_mut(), worker);
+    out
+}
+
+/// An engine's error answer as an [`ApiError`] with the engine's status, quoting its
+/// body (read up to a bound, within a short timeout).
+pub(crate) async fn engine_error(
+    resp: http::Response<hyper::body::Incoming>,
+    worker: &Worker,
+) -> ApiError {
     use http_body_util::BodyExt;
     let status = resp.status();
     let limited = http_body_util::Limited::new(resp.into_body(), ENGINE_ERROR_TEXT_MAX);
@@ -495,9 +506,7 @@ async fn json_error_of(resp: http::Response<hyper::body::Incoming>, worker: &Wor
         Ok(Ok(body)) => String::from_utf8_lossy(&body.to_bytes()).into_owned(),
         _ => String::new(),
     };
-    let mut out = ApiError::engine_error_text(status, &worker.url, &text).into_response();
-    prepare_response_headers(out.headers_mut(), worker);
-    out
+    ApiError::engine_error_text(status, &worker.url, &text)
 }
 
 /// One debug line per routing decision (target `kvgate::decision`): what the policy

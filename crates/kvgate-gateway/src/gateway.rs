@@ -102,8 +102,7 @@ impl Gateway {
                 // Before any worker is added: their subscribers ask the peers for a
                 // snapshot of the worker before replaying its engine's buffer (a
                 // prefill pool's too: peers find its workers by URL in either pool).
-                let pools = std::iter::once(&model).chain(model.prefill.as_ref().map(|p| &p.pool));
-                for pool in pools {
+                for (pool, _) in model.pools() {
                     pool.selection.set_bootstrap(crate::peers::bootstrap(
                         client.clone(),
                         peers.clone(),
@@ -205,9 +204,7 @@ impl Gateway {
     /// As [`Self::pools`], each with its pool's name within its model: `""` for the
     /// model's own workers (a disaggregated model's decode pool), `"prefill"`.
     pub fn pools_named(&self) -> impl Iterator<Item = (&Arc<ModelState>, &'static str)> {
-        self.models().flat_map(|m| {
-            std::iter::once((m, "")).chain(m.prefill.as_ref().map(|p| (&p.pool, PREFILL_POOL)))
-        })
+        self.models().flat_map(|m| m.pools())
     }
 
     /// Header handling for forwarded requests.

@@ -700,9 +700,9 @@ pub async fn serve_snapshot(
         return ApiError::not_found(format!("unknown model {:?}", req.model)).into_response();
     };
     // The worker may be in the model's prefill pool.
-    let found = std::iter::once(model)
-        .chain(model.prefill.as_ref().map(|p| &p.pool))
-        .find_map(|pool| Some((pool.clone(), pool.worker_by_url(&req.worker)?)));
+    let found = model
+        .pools()
+        .find_map(|(pool, _)| Some((pool.clone(), pool.worker_by_url(&req.worker)?)));
     let Some((model, worker)) = found else {
         return ApiError::not_found(format!("unknown worker {:?}", req.worker)).into_response();
     };

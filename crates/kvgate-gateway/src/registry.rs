@@ -201,6 +201,16 @@ impl ModelState {
         self.selection.kind()
     }
 
+    /// This model's pools, each with its name within the model: itself (`""`: its own
+    /// workers, a disaggregated model's decode pool), then its prefill pool if any.
+    pub fn pools(self: &Arc<Self>) -> impl Iterator<Item = (&Arc<ModelState>, &'static str)> {
+        std::iter::once((self, "")).chain(
+            self.prefill
+                .as_ref()
+                .map(|p| (&p.pool, crate::gateway::PREFILL_POOL)),
+        )
+    }
+
     /// Whether routing a request needs its token ids (this pool's policy, or the
     /// prefill pool's).
     pub fn uses_tokens(&self) -> bool {

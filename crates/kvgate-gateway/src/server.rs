@@ -288,24 +288,22 @@ async fn ready(State(gw): State<Arc<Gateway>>) -> Response {
     let models: Vec<Value> = gw
         .models()
         .map(|m| {
-            let workers = m.workers();
-            let healthy = workers
-                .iter()
-                .filter(|w| w.breaker.available(passive))
-                .count();
-            all &= healthy > 0;
-            let mut entry =
-                json!({"model": &*m.name, "workers": workers.len(), "healthy": healthy});
-            if let Some(prefill) = &m.prefill {
-                // A disaggregated model also needs a prefill worker.
-                let workers = prefill.pool.workers();
+            let mut entry = json!({"model": &*m.name});
+            // Every pool needs a healthy worker (a disaggregated model's prefill pool
+            // too): `workers`/`healthy`, then `prefill_workers`/`prefill_healthy`.
+            for (pool, name) in m.pools() {
+                let workers = pool.workers();
                 let healthy = workers
                     .iter()
                     .filter(|w| w.breaker.available(passive))
                     .count();
                 all &= healthy > 0;
-                entry["prefill_workers"] = json!(workers.len());
-                entry["prefill_healthy"] = json!(healthy);
+                let key = |what: &str| match name {
+                    "" => what.to_string(),
+                    _ => format!("{name}_{what}"),
+                };
+                entry[key("workers")] = json!(workers.len());
+                entry[key("healthy")] = json!(healthy);
             }
             entry
         })
