@@ -213,6 +213,17 @@ impl Inner {
     }
 }
 
+/// The keys by which a prompt in prefill is remembered: every
+/// [`PREFILL_CHECKPOINT_STRIDE`]-th block key.
+fn prefill_checkpoints(prompt_keys: &[BlockKey]) -> Box<[BlockKey]> {
+    prompt_keys
+        .iter()
+        .skip(PREFILL_CHECKPOINT_STRIDE - 1)
+        .step_by(PREFILL_CHECKPOINT_STRIDE)
+        .copied()
+        .collect()
+}
+
 /// Per-worker load booked by this router. Internally synchronized; share as `Arc`.
 #[derive(Debug)]
 pub struct Ledger {
@@ -268,12 +279,7 @@ impl Ledger {
             credited_tokens: spec.credited_tokens.min(spec.prompt_tokens),
             ..spec
         };
-        let checkpoints: Box<[BlockKey]> = prompt_keys
-            .iter()
-            .skip(PREFILL_CHECKPOINT_STRIDE - 1)
-            .step_by(PREFILL_CHECKPOINT_STRIDE)
-            .copied()
-            .collect();
+        let checkpoints = prefill_checkpoints(prompt_keys);
         let mut booking = Booking {
             worker,
             spec,
@@ -453,6 +459,48 @@ impl Ledger {
     /// Applies another replica's report of its bookings ([`PeerLoads::apply`]).
     pub fn apply_peer_report(&self, report: PeerReport, now: Instant) -> PeerApplied {
         self.inner.lock().peers.apply(report, now)
+    }
+
+    /// Holds a choice this router made for peer `replica` (run `incarnation`) as that
+    /// replica's booking until one of its reports settles `id`
+    /// ([`PeerLoads::delegate`]): the load and prefill credit are what this router's
+    /// own booking of `spec` would carry. False when no report of that run is held.
+    #[allow(clippy::too_many_arguments)]
+    pub fn book_for_peer(
+        &self,
+        replica: &str,
+        incarnation: u64,
+        id: u64,
+        worker: WorkerId,
+        spec: BookingSpec,
+        prompt_keys: &[BlockKey],
+        now: Instant,
+    ) -> bool {
+        let cached = spec.cached_tokens.min(spec.prompt_tokens);
+        let booking = Booking {
+            worker,
+            spec,
+            prefill_pending: true,
+            output_tokens: 0,
+            decode_blocks: 0.0,
+            booked_at: now,
+            prefilling: Box::default(),
+        };
+        let load = WorkerLoad {
+            in_flight: 1,
+            prefill_tokens: u64::from(spec.prompt_tokens - cached),
+            decode_blocks: self.decode_blocks(&booking),
+        };
+        let checkpoints = prefill_checkpoints(prompt_keys).into_vec();
+        self.inner
+            .lock()
+            .peers
+            .delegate(replica, incarnation, id, worker, load, checkpoints, now)
+    }
+
+    /// Choices made here for peer replicas and not yet settled by their reports.
+    pub fn booked_for_peers(&self) -> usize {
+        self.inner.lock().peers.delegated()
     }
 
     /// Drops a replica's reported bookings when the stream of its run `incarnation`
@@ -744,6 +792,42 @@ mod tests {
             .collect()
     }
 
+    /// A choice made here for a peer weighs as that peer's booking would (load and
+    /// prefill credit) until the peer's report settles it, and only for a peer whose
+    /// reports are held.
+    #[test]
+    fn a_choice_made_for_a_peer_weighs_as_its_booking_until_settled() {
+        let ledger = Ledger::new(16);
+        let ws = [WorkerId(0), WorkerId(1)];
+        let prompt = keys(0, 16 * 40);
+        let report = |seq, settled| crate::peer_loads::PeerReport {
+            replica: "b".into(),
+            incarnation: 1,
+            seq,
+            loads: Vec::new(),
+            prefilling: Vec::new(),
+            settled,
+        };
+        let now = Instant::now();
+        let choice = spec(16 * 40, 160, Some(100));
+        assert!(!ledger.book_for_peer("b", 1, 7, WorkerId(1), choice, &prompt, now));
+        ledger.apply_peer_report(report(1, Vec::new()), now);
+        assert!(ledger.book_for_peer("b", 1, 7, WorkerId(1), choice, &prompt, now));
+        assert_eq!(ledger.booked_for_peers(), 1);
+        let loads = ledger.fleet_loads_of(&ws);
+        assert_eq!(loads[0], WorkerLoad::default());
+        assert_eq!(loads[1].in_flight, 1);
+        assert_eq!(loads[1].prefill_tokens, 16 * 40 - 160);
+        assert_eq!(loads[1].decode_blocks, 40.0);
+        assert_eq!(prefilling_blocks(&ledger, &prompt, &ws), [0, 32]);
+        // Not this router's own booking: its limits and reports do not see it.
+        assert_eq!(ledger.load(WorkerId(1)), WorkerLoad::default());
+        ledger.apply_peer_report(report(2, vec![7]), now);
+        assert_eq!(ledger.booked_for_peers(), 0);
+        assert_eq!(ledger.fleet_loads_of(&ws)[1], WorkerLoad::default());
+        assert_eq!(prefilling_blocks(&ledger, &prompt, &ws), [0, 0]);
+    }
+
     fn prefilling_blocks(ledger: &Ledger, keys: &[BlockKey], ws: &[WorkerId]) -> Vec<u32> {
         ledger
             .prefill_credits(keys, ws, Instant::now(), Duration::from_secs(60))
@@ -785,6 +869,7 @@ mod tests {
             seq,
             loads: Vec::new(),
             prefilling,
+            settled: Vec::new(),
         };
         ledger.apply_peer_report(report(1, theirs.prefilling_checkpoints()), Instant::now());
         assert_eq!(prefilling_blocks(&ledger, &prompt, &ws), [0, 32]);

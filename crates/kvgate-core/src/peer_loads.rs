@@ -14,6 +14,13 @@
 //! worker), so kv_aware's prefill credit sees a prompt another replica is prefilling as
 //! it sees its own ([`PeerLoads::prefilling_on`]).
 //!
+//! Decisions made for a peer: when replicas delegate their choices to one leader
+//! replica (so that requests arriving at several replicas at once are decided in one
+//! place, in order), the leader holds each choice it made for a peer as that peer's
+//! booking ([`PeerLoads::delegate`]) until the peer's report says it has booked it
+//! (the report's `settled` ids: from then on its totals include it) or the peer went
+//! away; a choice never settled expires with the replica's silence bound.
+//!
 //! Reports name workers by [`WorkerId`]: the caller resolves the peer's worker URLs
 //! to this process's ids before applying, and drops workers it does not serve.
 
@@ -41,6 +48,19 @@ pub struct PeerReport {
     /// The prompts the replica booked that are still in prefill: per booking, its
     /// worker and its prompt's checkpoint keys (see the ledger's prefill credit).
     pub prefilling: Vec<(WorkerId, Vec<BlockKey>)>,
+    /// Ids of decisions this router made for the replica ([`PeerLoads::delegate`])
+    /// that the replica has since booked (its loads include them) or given up.
+    pub settled: Vec<u64>,
+}
+
+/// A choice this router made for a peer replica that its reports do not show yet.
+#[derive(Clone, Debug)]
+struct Delegated {
+    id: u64,
+    worker: WorkerId,
+    load: WorkerLoad,
+    prefilling: Vec<BlockKey>,
+    at: Instant,
 }
 
 /// What applying a report did.
@@ -72,6 +92,8 @@ struct Held {
     heard_at: Instant,
     loads: Vec<(WorkerId, WorkerLoad)>,
     prefilling: Vec<(WorkerId, Vec<BlockKey>)>,
+    /// Choices made here for this replica and not yet settled by its reports.
+    delegated: Vec<Delegated>,
 }
 
 /// The peer replicas' reports and their sum per worker.
@@ -88,6 +110,7 @@ impl PeerLoads {
     /// Applies a report heard at `now`. A report of the same run that is not newer is
     /// ignored, but still counts as hearing from the replica.
     pub fn apply(&mut self, report: PeerReport, now: Instant) -> PeerApplied {
+        let mut delegated = Vec::new();
         let applied = match self.replicas.get_mut(&report.replica) {
             None => PeerApplied::New,
             Some(held) => {
@@ -102,6 +125,9 @@ impl PeerLoads {
                 if report.incarnation > held.incarnation {
                     PeerApplied::Restarted
                 } else {
+                    // Choices the replica has not settled yet stay counted.
+                    delegated = std::mem::take(&mut held.delegated);
+                    delegated.retain(|d| !report.settled.contains(&d.id));
                     PeerApplied::Updated
                 }
             }
@@ -114,10 +140,59 @@ impl PeerLoads {
                 heard_at: now,
                 loads: report.loads,
                 prefilling: report.prefilling,
+                delegated,
             },
         );
         self.recompute();
         applied
+    }
+
+    /// Holds a choice this router made for `replica` (run `incarnation`) as that
+    /// replica's booking of `load` on `worker`, with its prompt's checkpoint keys in
+    /// prefill, until a report of the replica settles `id`. False (nothing held) when
+    /// no report of that run is held: a replica this router does not follow would
+    /// never settle it.
+    #[allow(clippy::too_many_arguments)]
+    pub fn delegate(
+        &mut self,
+        replica: &str,
+        incarnation: u64,
+        id: u64,
+        worker: WorkerId,
+        load: WorkerLoad,
+        prefilling: Vec<BlockKey>,
+        now: Instant,
+    ) -> bool {
+        let Some(held) = self.replicas.get_mut(replica) else {
+            return false;
+        };
+        if held.incarnation != incarnation {
+            return false;
+        }
+        // Added in place (a decision is made per request; a rebuild is per report).
+        let t = self.totals.entry(worker).or_default();
+        t.in_flight += load.in_flight;
+        t.prefill_tokens += load.prefill_tokens;
+        t.decode_blocks += load.decode_blocks;
+        for key in &prefilling {
+            let on = self.prefilling.entry(*key).or_default();
+            if !on.contains(&worker) {
+                on.push(worker);
+            }
+        }
+        held.delegated.push(Delegated {
+            id,
+            worker,
+            load,
+            prefilling,
+            at: now,
+        });
+        true
+    }
+
+    /// Choices made here for peers and not yet settled, over all replicas.
+    pub fn delegated(&self) -> usize {
+        self.replicas.values().map(|h| h.delegated.len()).sum()
     }
 
     /// Drops a replica's bookings when the stream of its run `incarnation` ended.
@@ -135,9 +210,20 @@ impl PeerLoads {
         held
     }
 
-    /// Drops every replica not heard from for longer than `silence`; returns their
-    /// names.
+    /// Drops every replica not heard from for longer than `silence`, and choices made
+    /// for a replica that its reports have not settled within `silence`; returns the
+    /// names of the replicas dropped.
     pub fn expire(&mut self, now: Instant, silence: Duration) -> Vec<String> {
+        let mut stale_choices = false;
+        for held in self.replicas.values_mut() {
+            let before = held.delegated.len();
+            held.delegated
+                .retain(|d| now.saturating_duration_since(d.at) <= silence);
+            stale_choices |= held.delegated.len() != before;
+        }
+        if stale_choices {
+            self.recompute();
+        }
         let gone: Vec<String> = self
             .replicas
             .iter()
@@ -158,6 +244,7 @@ impl PeerLoads {
         for held in self.replicas.values_mut() {
             held.loads.retain(|(w, _)| *w != worker);
             held.prefilling.retain(|(w, _)| *w != worker);
+            held.delegated.retain(|d| d.worker != worker);
         }
         self.recompute();
     }
@@ -198,7 +285,13 @@ impl PeerLoads {
         self.totals.clear();
         self.prefilling.clear();
         for held in self.replicas.values() {
-            for (worker, keys) in &held.prefilling {
+            let delegated_prefills = held.delegated.iter().map(|d| (&d.worker, &d.prefilling));
+            for (worker, keys) in held
+                .prefilling
+                .iter()
+                .map(|(w, k)| (w, k))
+                .chain(delegated_prefills)
+            {
                 for key in keys {
                     let on = self.prefilling.entry(*key).or_default();
                     if !on.contains(worker) {
@@ -206,7 +299,13 @@ impl PeerLoads {
                     }
                 }
             }
-            for (worker, l) in &held.loads {
+            let delegated_loads = held.delegated.iter().map(|d| (&d.worker, &d.load));
+            for (worker, l) in held
+                .loads
+                .iter()
+                .map(|(w, l)| (w, l))
+                .chain(delegated_loads)
+            {
                 let t = self.totals.entry(*worker).or_default();
                 t.in_flight += l.in_flight;
                 t.prefill_tokens += l.prefill_tokens;
@@ -247,6 +346,7 @@ mod tests {
                 .map(|(w, n)| (WorkerId(*w), load(*n)))
                 .collect(),
             prefilling: Vec::new(),
+            settled: Vec::new(),
         }
     }
 
@@ -364,5 +464,53 @@ mod tests {
         p.apply(report("b", 1, 1, &[(1, 1)]), t);
         assert_eq!(p.load(WorkerId(0)), WorkerLoad::default());
         assert_eq!(p.load(WorkerId(1)), load(2));
+    }
+
+    #[test]
+    fn a_choice_made_for_a_peer_counts_until_its_report_settles_it() {
+        let mut p = PeerLoads::default();
+        let t = Instant::now();
+        // Only a replica whose reports are held can be decided for.
+        assert!(!p.delegate("a", 1, 7, WorkerId(0), load(1), vec![BlockKey(3)], t));
+        p.apply(report("a", 1, 1, &[(0, 1)]), t);
+        assert!(!p.delegate("a", 2, 7, WorkerId(0), load(1), Vec::new(), t));
+        assert!(p.delegate("a", 1, 7, WorkerId(0), load(1), vec![BlockKey(3)], t));
+        assert!(p.delegate("a", 1, 8, WorkerId(1), load(1), Vec::new(), t));
+        assert_eq!(p.load(WorkerId(0)), load(2));
+        assert_eq!(p.prefilling_on(&BlockKey(3)), &[WorkerId(0)][..]);
+        assert_eq!(p.delegated(), 2);
+        // A report that settles nothing keeps both choices beside its own totals.
+        p.apply(report("a", 1, 2, &[(0, 1)]), t);
+        assert_eq!(p.load(WorkerId(0)), load(2));
+        assert_eq!(p.load(WorkerId(1)), load(1));
+        // The replica booked choice 7: its report counts it and the choice goes.
+        let mut r = report("a", 1, 3, &[(0, 2)]);
+        r.settled = vec![7];
+        p.apply(r, t);
+        assert_eq!(p.load(WorkerId(0)), load(2));
+        assert_eq!(p.load(WorkerId(1)), load(1));
+        assert!(p.prefilling_on(&BlockKey(3)).is_empty());
+        assert_eq!(p.delegated(), 1);
+        // A choice never settled expires with the silence bound, the replica stays.
+        let later = t + Duration::from_millis(2500);
+        p.apply(report("a", 1, 4, &[(0, 2)]), later);
+        assert!(p.expire(later, Duration::from_secs(2)).is_empty());
+        assert_eq!(p.load(WorkerId(1)), WorkerLoad::default());
+        assert_eq!(p.delegated(), 0);
+    }
+
+    #[test]
+    fn choices_made_for_a_peer_go_with_its_run() {
+        let mut p = PeerLoads::default();
+        let t = Instant::now();
+        p.apply(report("a", 1, 1, &[]), t);
+        assert!(p.delegate("a", 1, 7, WorkerId(0), load(1), Vec::new(), t));
+        // A restart replaces the old run's bookings, choices made for it included.
+        p.apply(report("a", 2, 1, &[]), t);
+        assert_eq!(p.load(WorkerId(0)), WorkerLoad::default());
+        assert!(p.delegate("a", 2, 8, WorkerId(0), load(1), Vec::new(), t));
+        assert!(p.remove("a", 2));
+        assert_eq!(p.load(WorkerId(0)), WorkerLoad::default());
+        assert_eq!(p.delegated(), 0);
     }
 }

@@ -219,6 +219,7 @@ fn policies_score_the_load_peer_replicas_reported_as_well_as_their_own() {
             },
         )],
         prefilling: Vec::new(),
+        settled: Vec::new(),
     };
     ledger.apply_peer_report(peer, now);
     let ws = workers(2);
