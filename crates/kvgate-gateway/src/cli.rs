@@ -198,6 +198,14 @@ pub struct ServeArgs {
     pub peer_expiry_ms: Option<u64>,
     #[arg(long, value_name = "MS", help_heading = PEERS, help = with_default("How often this replica looks for a change in its bookings to report to its peers, ms", PeersConfig::default().publish_ms))]
     pub peer_publish_ms: Option<u64>,
+    /// Where replicas choose workers: `leader` (the connected replica with the
+    /// smallest name chooses for all, so requests reaching several replicas at once
+    /// are decided in order) or `local` (each on its peers' last reports) [default:
+    /// leader].
+    #[arg(long, value_name = "WHERE", help_heading = PEERS)]
+    pub peer_decisions: Option<crate::config::PeerDecisions>,
+    #[arg(long, value_name = "MS", help_heading = PEERS, help = with_default("How long a replica waits for the leader's choice before choosing itself, ms", PeersConfig::default().decide_timeout_ms))]
+    pub peer_decide_timeout_ms: Option<u64>,
 }
 
 fn has_model_flags(a: &ServeArgs) -> bool {
@@ -396,6 +404,8 @@ impl ServeArgs {
         }
         set(&mut c.peers.expiry_ms, &self.peer_expiry_ms);
         set(&mut c.peers.publish_ms, &self.peer_publish_ms);
+        set(&mut c.peers.decisions, &self.peer_decisions);
+        set(&mut c.peers.decide_timeout_ms, &self.peer_decide_timeout_ms);
     }
 }
 
@@ -490,6 +500,38 @@ mod tests {
             Some("tcp://127.0.0.1:5701")
         );
         assert_eq!(m.workers[1].kv_events, None);
+    }
+
+    #[test]
+    fn peer_flags_choose_where_replicas_decide() {
+        let base = [
+            "--model",
+            "m",
+            "--worker",
+            "http://h:1",
+            "--peer",
+            "http://p:2",
+        ];
+        let c = parse(&base).unwrap();
+        assert_eq!(c.peers.decisions, crate::config::PeerDecisions::Leader);
+        assert_eq!(c.peers.decide_timeout_ms, 50);
+        let mut args = base.to_vec();
+        args.extend([
+            "--peer-decisions",
+            "local",
+            "--peer-decide-timeout-ms",
+            "20",
+        ]);
+        let c = parse(&args).unwrap();
+        assert_eq!(c.peers.decisions, crate::config::PeerDecisions::Local);
+        assert_eq!(c.peers.decide_timeout_ms, 20);
+        let mut args = base.to_vec();
+        args.extend(["--peer-decide-timeout-ms", "0"]);
+        let e = parse(&args).unwrap_err();
+        assert!(e.to_string().contains("decide_timeout_ms"), "{e}");
+        let yaml: crate::config::PeersConfig =
+            serde_norway::from_str("{urls: ['http://p:2'], decisions: local}").unwrap();
+        assert_eq!(yaml.decisions, crate::config::PeerDecisions::Local);
     }
 
     #[test]

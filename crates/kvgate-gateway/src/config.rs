@@ -87,6 +87,34 @@ pub struct PeersConfig {
     pub heartbeat_ms: u64,
     /// A peer not heard from for this long loses its bookings here, ms.
     pub expiry_ms: u64,
+    /// Where a request's worker is chosen when replicas follow each other.
+    pub decisions: PeerDecisions,
+    /// How long a replica waits for the leader's choice before choosing itself, ms.
+    pub decide_timeout_ms: u64,
+}
+
+/// Where replicas that follow each other choose workers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum PeerDecisions {
+    /// The replica with the smallest name among those connected (the leader) chooses
+    /// for all of them: requests that reach several replicas at the same instant are
+    /// decided in one place, in order, each seeing the ones before it. A replica that
+    /// cannot reach the leader within `decide_timeout_ms` chooses itself.
+    #[default]
+    Leader,
+    /// Every replica chooses for its own requests, on the load its peers last reported
+    /// (up to `publish_ms` old, and blind to requests decided at the same instant).
+    Local,
+}
+
+impl std::fmt::Display for PeerDecisions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            PeerDecisions::Leader => "leader",
+            PeerDecisions::Local => "local",
+        })
+    }
 }
 
 impl Default for PeersConfig {
@@ -99,6 +127,8 @@ impl Default for PeersConfig {
             publish_ms: 20,
             heartbeat_ms: 500,
             expiry_ms: 2_000,
+            decisions: PeerDecisions::Leader,
+            decide_timeout_ms: 50,
         }
     }
 }
@@ -123,8 +153,12 @@ impl PeersConfig {
         {
             bail!("peers.replica_id is set but empty");
         }
-        if self.publish_ms == 0 || self.heartbeat_ms == 0 || self.dns_refresh_ms == 0 {
-            bail!("peers.publish_ms, heartbeat_ms and dns_refresh_ms must be positive");
+        if self.publish_ms == 0
+            || self.heartbeat_ms == 0
+            || self.dns_refresh_ms == 0
+            || self.decide_timeout_ms == 0
+        {
+            bail!("peers.publish_ms, heartbeat_ms, dns_refresh_ms and decide_timeout_ms must be positive");
         }
         if self.expiry_ms <= self.heartbeat_ms {
             bail!(

@@ -48,6 +48,10 @@ pub struct Metrics {
     pub peer_reports: IntCounterVec,
     /// Peers whose report stream this replica follows now.
     pub peers_connected: IntGauge,
+    /// Choices made at the leader replica: `asked` (this replica used the leader's
+    /// choice), `fallback` (the leader did not answer or refused: chosen here), `served`
+    /// (chosen here for a peer).
+    pub peer_decisions: IntCounterVec,
     /// Peers following this replica's report stream now.
     pub peer_subscribers: IntGauge,
     peer_in_flight: IntGaugeVec,
@@ -144,6 +148,7 @@ impl Metrics {
             ledger_swept: igauge(&r, "kvgate_ledger_swept_total", "Bookings freed by the TTL sweep (leaks caught)", &["model"])?,
             index_entries: igauge(&r, "kvgate_index_entries", "Prefix index entries per model", &["model"])?,
             peer_reports: counter(&r, "kvgate_peer_reports_total", "Load reports exchanged with peer replicas: out = sent (per subscriber), in = received", &["direction"])?,
+            peer_decisions: counter(&r, "kvgate_peer_decisions_total", "Worker choices made at the leader replica: asked = used the leader's choice, fallback = the leader did not answer or refused (chosen here), served = chosen here for a peer", &["model", "outcome"])?,
             peers_connected: plain_gauge(&r, "kvgate_peers_connected", "Peer replicas whose load reports this replica follows")?,
             peer_subscribers: plain_gauge(&r, "kvgate_peer_subscribers", "Peer replicas following this replica's load reports")?,
             peer_in_flight: igauge(&r, "kvgate_peer_in_flight", "Requests in flight that peer replicas reported booking, per model", &["model"])?,
@@ -167,6 +172,9 @@ impl Metrics {
         }
         for route in crate::disaggregation::ROUTES {
             self.disaggregated.with_label_values(&[model, route]);
+        }
+        for outcome in crate::peers::DECISION_OUTCOMES {
+            self.peer_decisions.with_label_values(&[model, outcome]);
         }
         for c in [
             &self.predicted_cached_tokens,

@@ -9,9 +9,27 @@
 //! (`kvgate_core::peer_loads`). Also the index bootstrap over the same links: serving
 //! a snapshot of one worker rank's index entries with the event sequence number they
 //! reflect (`POST /peer/v1/index`), and the callback a new replica's KV-event
-//! subscribers use to ask its peers for one before replaying the engine's buffer. It must not choose workers or change this replica's
-//! own bookings, and it never forwards a peer's load to another peer (each replica
-//! reports only what it booked, so nothing is counted twice).
+//! subscribers use to ask its peers for one before replaying the engine's buffer. And
+//! the transport of decisions made at a leader (`peers.decisions: leader`): which
+//! connected replica leads (the smallest name), asking it to choose
+//! (`POST /peer/v1/decide`), serving such requests, and the `settled` ids by which a
+//! replica's reports tell the leader that a choice it made is now in the replica's own
+//! bookings. It must not choose workers itself (the model's selection service does,
+//! here and at the leader) or change this replica's own bookings, and it never forwards
+//! a peer's load to another peer (each replica reports only what it booked, so nothing
+//! is counted twice).
+//!
+//! Why a leader: reports make every replica see the others' load within `publish_ms`,
+//! but requests that reach several replicas at the same instant are decided
+//! concurrently, each blind to the others' choices, so they herd onto the same
+//! worker however short the reporting interval (measured on the Mooncake trace, whose
+//! requests arrive in bursts: docs/BENCHMARKS.md, "Replicas that agree"). One replica
+//! deciding for all puts those decisions in order, as a single router would, for one
+//! loopback or in-cluster round trip each (the choice is a few microseconds of work;
+//! the asker sends the prompt's block keys, not its text). The leader holds each
+//! choice as the asker's booking until the asker's report shows it; a leader that does
+//! not answer within `decide_timeout_ms` is skipped for a second while every replica
+//! decides alone on the reported loads, as with `decisions: local`.
 //!
 //! Why reports of totals over HTTP, not per-booking messages over ZeroMQ: a report is
 //! this replica's whole booked load per worker, sent when it changes (checked every
@@ -25,8 +43,9 @@
 //! The `zeromq` crate's SUB socket neither reports a lost peer nor reconnects (the
 //! KV-event subscriber needs its own link watch for that).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -37,22 +56,37 @@ use axum::Json;
 use bytes::{Bytes, BytesMut};
 use http::{header, HeaderMap, HeaderName, HeaderValue, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
-use kvgate_core::{BlockKey, HeldBlock, PeerApplied, PeerReport, Tier, WorkerLoad};
+use kvgate_core::{
+    BlockKey, Decision, HeldBlock, PeerApplied, PeerReport, SelectError, Tier, WorkerLoad,
+};
 use kvgate_events::{Bootstrap, RankSnapshot};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::auth::check_bearer;
-use crate::config::PeersConfig;
+use crate::config::{PeerDecisions, PeersConfig};
 use crate::errors::ApiError;
 use crate::gateway::Gateway;
 use crate::proxy::HttpClient;
+use crate::registry::{ModelState, Worker};
+use crate::routing::Prepared;
 
 /// Path of the report stream.
 pub const LOADS_PATH: &str = "/peer/v1/loads";
 /// Path of the index snapshot of one worker rank (`POST` with [`SnapshotRequest`]).
 pub const INDEX_PATH: &str = "/peer/v1/index";
+/// Path of a choice made at the leader (`POST` with [`DecideRequest`]).
+pub const DECIDE_PATH: &str = "/peer/v1/decide";
+/// Largest decide request read (the block keys of a prompt of about 1.5M tokens at
+/// block size 16).
+const MAX_DECIDE_BYTES: usize = 2 << 20;
+/// The outcomes `kvgate_peer_decisions_total` counts.
+pub const DECISION_OUTCOMES: [&str; 3] = ["asked", "fallback", "served"];
+/// Settled ids older than this are forgotten whether or not they were reported.
+const SETTLED_MAX_AGE: Duration = Duration::from_secs(10);
+/// How long a leader that did not answer is passed over.
+const LEADER_BACKOFF: Duration = Duration::from_secs(1);
 /// Largest snapshot accepted from a peer.
 const MAX_SNAPSHOT_BYTES: usize = 1 << 30;
 /// How long one peer may take to answer a snapshot request. The subscriber waits for
@@ -83,6 +117,10 @@ pub struct WireReport {
     pub incarnation: u64,
     pub seq: u64,
     pub models: Vec<WireModel>,
+    /// Ids of choices a leader made for this replica that it has booked (or given up)
+    /// recently: the leader stops counting them as its own hold on them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub settled: Vec<u64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -113,6 +151,15 @@ pub struct WireLoad {
 pub struct PeerHub {
     identity: OnceLock<Identity>,
     latest: watch::Sender<Bytes>,
+    /// Peers whose report stream is open now: address → replica name.
+    followed: parking_lot::Mutex<BTreeMap<String, String>>,
+    /// Choices the leader made for this replica and their settling time, kept in the
+    /// reports for a while (a follower may skip a report; the next still names them).
+    settled: parking_lot::Mutex<VecDeque<(Instant, u64)>>,
+    /// Ids of the choices asked of a leader.
+    next_choice: AtomicU64,
+    /// A leader that did not answer is passed over until then.
+    leader_skipped_until: parking_lot::Mutex<Option<Instant>>,
 }
 
 impl Default for PeerHub {
@@ -120,6 +167,10 @@ impl Default for PeerHub {
         Self {
             identity: OnceLock::new(),
             latest: watch::Sender::new(Bytes::new()),
+            followed: Default::default(),
+            settled: Default::default(),
+            next_choice: AtomicU64::new(1),
+            leader_skipped_until: Default::default(),
         }
     }
 }
@@ -139,6 +190,69 @@ impl PeerHub {
 
     pub fn identity(&self) -> Option<&Identity> {
         self.identity.get()
+    }
+
+    /// The address of the replica that chooses for this one: the smallest name among
+    /// this replica and the peers whose streams are open. `None` when that is this
+    /// replica (or a leader that did not answer is being passed over).
+    pub fn leader(&self) -> Option<(String, String)> {
+        let own = self.identity()?;
+        if self
+            .leader_skipped_until
+            .lock()
+            .is_some_and(|until| Instant::now() < until)
+        {
+            return None;
+        }
+        let followed = self.followed.lock();
+        let (url, name) = followed.iter().min_by(|a, b| a.1.cmp(b.1))?;
+        (name.as_str() < own.replica.as_str()).then(|| (url.clone(), name.clone()))
+    }
+
+    /// Passes the leader over for [`LEADER_BACKOFF`]; true when it was not being
+    /// passed over already (so one warning is logged per back-off, not per request).
+    fn skip_leader(&self) -> bool {
+        let now = Instant::now();
+        let mut until = self.leader_skipped_until.lock();
+        let fresh = until.is_none_or(|u| u <= now);
+        *until = Some(now + LEADER_BACKOFF);
+        fresh
+    }
+
+    /// A choice asked of the leader is done with: `book` books it here (or gives it
+    /// up), and the next reports name it as settled. The booking and the settling are
+    /// one step for the publisher, which reads both under the same lock
+    /// ([`Self::settled_with_loads`]): a report never shows the booking without the id,
+    /// which would count it twice at the leader, or the id without the booking.
+    pub fn settle<T>(&self, id: u64, book: impl FnOnce() -> T) -> T {
+        let mut settled = self.settled.lock();
+        let booked = book();
+        let now = Instant::now();
+        // Bounded even while nobody follows this replica (the publisher then prunes
+        // nothing).
+        while settled
+            .front()
+            .is_some_and(|(at, _)| now.saturating_duration_since(*at) > SETTLED_MAX_AGE)
+        {
+            settled.pop_front();
+        }
+        settled.push_back((now, id));
+        booked
+    }
+
+    /// The ids settled within `window` (older ones are dropped), and `loads` read
+    /// under the same lock as [`Self::settle`] books.
+    fn settled_with_loads<T>(&self, window: Duration, loads: impl FnOnce() -> T) -> (Vec<u64>, T) {
+        let mut settled = self.settled.lock();
+        let now = Instant::now();
+        while settled
+            .front()
+            .is_some_and(|(at, _)| now.saturating_duration_since(*at) > window)
+        {
+            settled.pop_front();
+        }
+        let ids = settled.iter().map(|(_, id)| *id).collect();
+        (ids, loads())
     }
 }
 
@@ -201,7 +315,9 @@ pub async fn run_publisher(gw: Arc<Gateway>) {
     let expiry = Duration::from_millis(cfg.expiry_ms);
     let mut tick = tokio::time::interval(Duration::from_millis(cfg.publish_ms));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut last: Option<(Vec<WireModel>, Instant)> = None;
+    // Long enough for every follower to see a settled id in some report.
+    let settled_window = Duration::from_millis((cfg.publish_ms * 10).max(250));
+    let mut last: Option<(Vec<WireModel>, Vec<u64>, Instant)> = None;
     let mut seq = 0u64;
     loop {
         tokio::select! {
@@ -225,10 +341,14 @@ pub async fn run_publisher(gw: Arc<Gateway>) {
             last = None;
             continue;
         }
-        let models = local_loads(&gw);
+        let (settled, models) = gw
+            .peers
+            .settled_with_loads(settled_window, || local_loads(&gw));
         let due = match &last {
             None => true,
-            Some((prev, at)) => *prev != models || now.duration_since(*at) >= heartbeat,
+            Some((prev, prev_settled, at)) => {
+                *prev != models || *prev_settled != settled || now.duration_since(*at) >= heartbeat
+            }
         };
         if !due {
             continue;
@@ -239,6 +359,7 @@ pub async fn run_publisher(gw: Arc<Gateway>) {
             incarnation: identity.incarnation,
             seq,
             models: models.clone(),
+            settled: settled.clone(),
         };
         match serde_json::to_vec(&report) {
             Ok(mut line) => {
@@ -247,7 +368,7 @@ pub async fn run_publisher(gw: Arc<Gateway>) {
             }
             Err(err) => tracing::warn!(%err, "cannot encode the load report"),
         }
-        last = Some((models, now));
+        last = Some((models, settled, now));
     }
 }
 
@@ -491,7 +612,8 @@ async fn follow_once(gw: &Gateway, url: &str, stop: &CancellationToken) -> Strea
     let connected = gw.metrics.peers_connected.clone();
     connected.inc();
     let mut heard: Option<(String, u64)> = None;
-    let end = read_reports(gw, resp.into_body(), expiry, stop, &mut heard).await;
+    let end = read_reports(gw, url, resp.into_body(), expiry, stop, &mut heard).await;
+    gw.peers.followed.lock().remove(url);
     connected.dec();
     if let Some((replica, incarnation)) = heard {
         for m in gw.pools() {
@@ -506,6 +628,7 @@ async fn follow_once(gw: &Gateway, url: &str, stop: &CancellationToken) -> Strea
 /// Reads report lines until the stream ends, goes silent for `expiry`, or `stop`.
 async fn read_reports(
     gw: &Gateway,
+    url: &str,
     mut body: hyper::body::Incoming,
     expiry: Duration,
     stop: &CancellationToken,
@@ -542,6 +665,12 @@ async fn read_reports(
             let run = (report.replica.clone(), report.incarnation);
             if heard.as_ref().is_some_and(|h| *h != run) {
                 return StreamEnd::Retry("the peer changed its name or run mid-stream".into());
+            }
+            if heard.is_none() {
+                gw.peers
+                    .followed
+                    .lock()
+                    .insert(url.to_owned(), report.replica.clone());
             }
             *heard = Some(run);
             apply(gw, report);
@@ -607,6 +736,7 @@ fn apply(gw: &Gateway, report: WireReport) {
                 seq: report.seq,
                 loads,
                 prefilling,
+                settled: report.settled.clone(),
             },
             now,
         );
@@ -796,4 +926,333 @@ async fn fetch_snapshot(
     tokio::time::timeout(SNAPSHOT_TIMEOUT, answer)
         .await
         .map_err(|_| "timed out".to_owned())?
+}
+
+/// What a replica asks the leader to choose.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DecideRequest {
+    pub model: String,
+    /// The model's pool: absent for its own workers, `prefill` for its prefill pool.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub pool: String,
+    /// The asker's run (its reports' incarnation).
+    pub incarnation: u64,
+    /// The choice's id, named again in the asker's reports once it is booked there.
+    pub id: u64,
+    /// The workers the asker may send to (healthy there, with a free slot), by URL.
+    pub candidates: Vec<String>,
+    /// The prompt's block keys; absent when the request has no routing tokens.
+    #[serde(default)]
+    pub keys: Option<Vec<u64>>,
+    pub prompt_tokens: u32,
+    #[serde(default)]
+    pub expected_output_tokens: Option<u32>,
+    #[serde(default)]
+    pub session_key: Option<String>,
+    /// A decode leg whose prompt's KV arrives from its prefill worker: booked as
+    /// cached.
+    #[serde(default)]
+    pub kv_transferred: bool,
+}
+
+/// The leader's choice: the worker and what the asker's booking of it should predict.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DecideAnswer {
+    pub worker: String,
+    pub predicted_cached_tokens: u32,
+    pub indexed_cached_tokens: u32,
+    pub credited_tokens: u32,
+}
+
+/// A choice made at the leader, for this replica to book.
+pub struct LeaderChoice {
+    /// Book it through [`PeerHub::settle`].
+    pub id: u64,
+    pub decision: Decision,
+    pub worker: Arc<Worker>,
+}
+
+/// Whether requests for `model` (in `pool`) are decided at a leader: when replicas
+/// follow each other with `decisions: leader` and the policy scores the fleet's load.
+pub fn decides_at_leader(gw: &Gateway, model: &ModelState) -> bool {
+    use kvgate_core::PolicyKind;
+    gw.config.peers.enabled()
+        && gw.config.peers.decisions == PeerDecisions::Leader
+        && matches!(
+            model.kind(),
+            PolicyKind::KvAware | PolicyKind::LeastLoaded | PolicyKind::PrefixAffinity
+        )
+}
+
+/// Asks the leader to choose among `candidates` for request `p`. `None` (after
+/// counting why) when this replica leads, or the leader did not answer in time or
+/// refused: the caller then chooses itself.
+pub async fn choose_at_leader(
+    gw: &Gateway,
+    p: &Prepared,
+    candidates: &[Arc<Worker>],
+    session_key: Option<&str>,
+) -> Option<LeaderChoice> {
+    let model = &*p.model;
+    let (url, leader) = gw.peers.leader()?;
+    let identity = gw.peers.identity()?;
+    let pool = gw
+        .pools_named()
+        .find(|(m, _)| std::ptr::eq(m.as_ref(), model))
+        .map_or("", |(_, pool)| pool);
+    let id = gw.peers.next_choice.fetch_add(1, Ordering::Relaxed);
+    let request = DecideRequest {
+        model: model.name.to_string(),
+        pool: pool.to_owned(),
+        incarnation: identity.incarnation,
+        id,
+        candidates: candidates.iter().map(|w| w.url.to_string()).collect(),
+        keys: p.keys.as_ref().map(|k| k.iter().map(|k| k.0).collect()),
+        prompt_tokens: p.prompt_tokens,
+        expected_output_tokens: p.max_tokens,
+        kv_transferred: p.kv_transferred,
+        session_key: session_key.map(str::to_owned),
+    };
+    let outcome = |o: &str| {
+        gw.metrics
+            .peer_decisions
+            .with_label_values(&[&*model.name, o])
+            .inc()
+    };
+    let timeout = Duration::from_millis(gw.config.peers.decide_timeout_ms);
+    let answer = tokio::time::timeout(timeout, ask_leader(gw, &url, &request)).await;
+    let answer = match answer {
+        Ok(Ok(a)) => a,
+        Ok(Err(LeaderRefused::NotFollowing(why))) => {
+            // A leader that does not follow this replica yet (it just started, or the
+            // links are one-sided): ask again in a while.
+            if gw.peers.skip_leader() {
+                tracing::info!(%leader, peer = %url, %why, "the leader does not follow this replica yet; choosing here for a while");
+            }
+            outcome("fallback");
+            return None;
+        }
+        Ok(Err(LeaderRefused::ThisRequest(why))) => {
+            tracing::debug!(%leader, peer = %url, %why, "the leader could not choose for this request; choosing here");
+            outcome("fallback");
+            return None;
+        }
+        Ok(Err(LeaderRefused::Failed(why))) => {
+            if gw.peers.skip_leader() {
+                tracing::warn!(%leader, peer = %url, %why, "the leader did not choose; choosing here for a while");
+            }
+            outcome("fallback");
+            return None;
+        }
+        Err(_) => {
+            if gw.peers.skip_leader() {
+                tracing::warn!(%leader, peer = %url, ?timeout, "the leader did not answer in time; choosing here for a while");
+            }
+            outcome("fallback");
+            return None;
+        }
+    };
+    let url_answered = crate::config::normalize_url(&answer.worker);
+    let Some(worker) = candidates.iter().find(|w| *w.url == *url_answered).cloned() else {
+        // Settled at once: nothing here will book it.
+        gw.peers.settle(id, || ());
+        tracing::warn!(%leader, worker = %answer.worker, "the leader chose a worker that was not a candidate; choosing here");
+        outcome("fallback");
+        return None;
+    };
+    outcome("asked");
+    Some(LeaderChoice {
+        id,
+        decision: Decision {
+            worker: worker.id,
+            policy: model.kind(),
+            predicted_cached_tokens: answer.predicted_cached_tokens,
+            indexed_cached_tokens: answer.indexed_cached_tokens,
+            credited_tokens: answer.credited_tokens,
+            reason: "chosen by the leader replica",
+            scores: Vec::new(),
+        },
+        worker,
+    })
+}
+
+/// Why the leader gave no choice.
+enum LeaderRefused {
+    /// It does not follow this replica's reports (409 `not_following`).
+    NotFollowing(String),
+    /// It could not choose for this request (another 409: no candidate healthy there).
+    ThisRequest(String),
+    /// No usable answer.
+    Failed(String),
+}
+
+async fn ask_leader(
+    gw: &Gateway,
+    url: &str,
+    request: &DecideRequest,
+) -> Result<DecideAnswer, LeaderRefused> {
+    let failed = |e: &dyn std::fmt::Display| LeaderRefused::Failed(e.to_string());
+    let body = serde_json::to_vec(request).map_err(|e| failed(&e))?;
+    let mut req = peer_request(
+        http::Method::POST,
+        format!("{url}{DECIDE_PATH}"),
+        Bytes::from(body),
+        &gw.peers,
+        gw.config.admin_token.as_deref(),
+    )
+    .map_err(LeaderRefused::Failed)?;
+    req.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    let resp = gw.client.request(req).await.map_err(|e| failed(&e))?;
+    let status = resp.status();
+    let body = http_body_util::Limited::new(resp.into_body(), MAX_DECIDE_BYTES)
+        .collect()
+        .await
+        .map_err(|e| failed(&e))?
+        .to_bytes();
+    if status != StatusCode::OK {
+        let why = format!(
+            "answered {status}: {}",
+            String::from_utf8_lossy(&body[..body.len().min(200)])
+        );
+        return Err(match status {
+            StatusCode::CONFLICT if why.contains("\"not_following\"") => {
+                LeaderRefused::NotFollowing(why)
+            }
+            StatusCode::CONFLICT => LeaderRefused::ThisRequest(why),
+            _ => LeaderRefused::Failed(why),
+        });
+    }
+    serde_json::from_slice(&body).map_err(|e| failed(&e))
+}
+
+/// `POST /peer/v1/decide`: chooses a worker for a peer replica's request, among the
+/// candidates it named that are healthy here too, and holds the choice as that
+/// replica's booking until its reports settle it. 409 when this replica does not
+/// follow the asker (it would never learn the choice was booked) or no candidate is
+/// healthy here; the asker then chooses itself.
+pub async fn serve_decide(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Err(e) = admit_peer(&gw, &headers) {
+        return e.into_response();
+    }
+    let Some(asker) = headers
+        .get(&REPLICA_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+    else {
+        return ApiError::bad_request(
+            "missing_replica",
+            format!("a decide request names its replica in {REPLICA_HEADER}"),
+        )
+        .into_response();
+    };
+    if body.len() > MAX_DECIDE_BYTES {
+        return ApiError::body_too_large(MAX_DECIDE_BYTES).into_response();
+    }
+    let req: DecideRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return ApiError::malformed_json(e).into_response(),
+    };
+    match decide_for_peer(&gw, &asker, &req) {
+        Ok(answer) => {
+            gw.metrics
+                .peer_decisions
+                .with_label_values(&[req.model.as_str(), "served"])
+                .inc();
+            Json(answer).into_response()
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+fn decide_for_peer(
+    gw: &Gateway,
+    asker: &str,
+    req: &DecideRequest,
+) -> Result<DecideAnswer, ApiError> {
+    let Some((model, _)) = gw
+        .pools_named()
+        .find(|(m, pool)| *m.name == *req.model && *pool == req.pool)
+    else {
+        return Err(ApiError::not_found(format!(
+            "unknown model {:?} (pool {:?})",
+            req.model, req.pool
+        )));
+    };
+    let refuse = |code: &'static str, msg: String| {
+        ApiError::new(StatusCode::CONFLICT, "invalid_request_error", code, msg)
+    };
+    let passive = gw.passive_open_ms();
+    let workers = model.workers();
+    let ids: Vec<_> = req
+        .candidates
+        .iter()
+        .filter_map(|url| {
+            let url = crate::config::normalize_url(url);
+            workers.iter().find(|w| *w.url == *url)
+        })
+        .filter(|w| w.breaker.available(passive))
+        .map(|w| w.id)
+        .collect();
+    if ids.is_empty() {
+        return Err(refuse(
+            "no_candidate",
+            "none of the candidates is a healthy worker here".into(),
+        ));
+    }
+    let keys: Option<Vec<BlockKey>> = req
+        .keys
+        .as_ref()
+        .map(|k| k.iter().map(|k| BlockKey(*k)).collect());
+    let now = Instant::now();
+    let select = kvgate_selection::SelectRequest {
+        block_keys: keys.as_deref(),
+        prompt_tokens: req.prompt_tokens,
+        session_key: req.session_key.as_deref(),
+        now,
+    };
+    // In order with this replica's own choices (routing::pick holds it too).
+    let _choosing = model.choosing.lock();
+    let decision = match model.selection.select(&select, &ids) {
+        Ok(d) => d,
+        Err(SelectError::NoCandidates) => {
+            return Err(refuse("no_candidate", "no candidate can be chosen".into()))
+        }
+        Err(e) => return Err(refuse("cannot_choose", e.to_string())),
+    };
+    // Booked as the asker's lease will book it.
+    let mut spec = decision.booking(req.prompt_tokens, req.expected_output_tokens);
+    if req.kv_transferred {
+        spec.cached_tokens = spec.prompt_tokens;
+    }
+    let held = model.ledger().book_for_peer(
+        asker,
+        req.incarnation,
+        req.id,
+        decision.worker,
+        spec,
+        keys.as_deref().unwrap_or_default(),
+        now,
+    );
+    if !held {
+        return Err(refuse(
+            "not_following",
+            format!("this replica does not follow {asker:?}'s reports (yet)"),
+        ));
+    }
+    let Some(worker) = workers.iter().find(|w| w.id == decision.worker) else {
+        return Err(ApiError::internal("the policy chose an unknown worker"));
+    };
+    Ok(DecideAnswer {
+        worker: worker.url.to_string(),
+        predicted_cached_tokens: decision.predicted_cached_tokens,
+        indexed_cached_tokens: decision.indexed_cached_tokens,
+        credited_tokens: decision.credited_tokens,
+    })
 }

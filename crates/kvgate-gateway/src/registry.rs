@@ -159,6 +159,10 @@ pub struct ModelState {
     pub(crate) capacity: Notify,
     pub(crate) waiting: AtomicUsize,
     tokenize_cursor: AtomicUsize,
+    /// Held while a worker is chosen and booked (for this replica's requests, and at
+    /// the leader for its peers'), so that requests arriving together see each other's
+    /// bookings instead of all choosing the worker that looked idle.
+    pub(crate) choosing: parking_lot::Mutex<()>,
 }
 
 impl std::fmt::Debug for ModelState {
@@ -189,6 +193,7 @@ impl ModelState {
             capacity: Notify::new(),
             waiting: AtomicUsize::new(0),
             tokenize_cursor: AtomicUsize::new(0),
+            choosing: parking_lot::Mutex::new(()),
         }
     }
 

@@ -4,7 +4,9 @@
 //! free slots.
 //!
 //! Owns request preparation and selection, and taking the chosen worker's lease
-//! (lease.rs books it) including waiting for a worker slot. It must not talk to
+//! (lease.rs books it) including waiting for a worker slot; with replicas that decide at
+//! a leader, the choice comes from the leader (peers.rs carries the question) and is
+//! booked here the same way. It must not talk to
 //! workers about the request itself (failover.rs and proxy.rs do), and never holds the
 //! index lock across an `.await`.
 
@@ -408,6 +410,32 @@ pub fn session_key<'h>(model: &ModelState, headers: &'h HeaderMap) -> Option<&'h
         .and_then(|v| v.to_str().ok())
 }
 
+/// The leader replica's choice among this replica's candidates (healthy, with a free
+/// slot here), when replicas decide at a leader ([`crate::peers`]) and this one does
+/// not lead; `None` to choose here.
+async fn pick_at_leader(
+    gw: &Gateway,
+    p: &Prepared,
+    session: Option<&str>,
+    excluded: &[WorkerId],
+) -> Option<crate::peers::LeaderChoice> {
+    if !crate::peers::decides_at_leader(gw, &p.model) {
+        return None;
+    }
+    let workers = p.model.workers();
+    let found = candidates(gw, &p.model, &workers, excluded, Candidates::WithFreeSlot);
+    if found.ids.len() < 2 {
+        // Nothing to choose (or nothing to choose from: the local path says why).
+        return None;
+    }
+    let candidates: Vec<Arc<Worker>> = workers
+        .iter()
+        .filter(|w| found.ids.contains(&w.id))
+        .cloned()
+        .collect();
+    crate::peers::choose_at_leader(gw, p, &candidates, session).await
+}
+
 /// Selects a worker and takes a lease on it (admission plus booking, in one step on
 /// the worker's in-flight count), waiting (bounded) when every healthy worker is full.
 pub async fn pick(
@@ -419,18 +447,32 @@ pub async fn pick(
 ) -> Result<(Decision, Lease), ApiError> {
     let session = session_key(&p.model, headers);
     let limit = gw.config.limits.max_in_flight_per_worker;
-    // `None`: every candidate is full (or the chosen one filled up meanwhile): wait.
-    let attempt = || match try_pick(gw, p, session, excluded, Candidates::WithFreeSlot) {
-        Err(e) => Some(Err(e)),
-        Ok(Pick::Chosen { decision, worker }) => {
-            Lease::try_take(p, &worker, &decision, admission, limit)
-                .map(|lease| Ok((decision, lease)))
+    if let Some(choice) = pick_at_leader(gw, p, session, excluded).await {
+        let lease = gw.peers.settle(choice.id, || {
+            Lease::try_take(p, &choice.worker, &choice.decision, admission, limit)
+        });
+        if let Some(lease) = lease {
+            return Ok((choice.decision, lease));
         }
-        Ok(Pick::Full) => None,
-        Ok(Pick::NoneHealthy) => Some(Err(ApiError::no_healthy_worker(
-            &p.model.name,
-            gw.config.health.open_ms.div_ceil(1000),
-        ))),
+        // The worker filled up meanwhile: choose here.
+    }
+    // `None`: every candidate is full (or the chosen one filled up meanwhile): wait.
+    let attempt = || {
+        // Choice and booking under the model's lock: requests arriving together each
+        // see the bookings of those chosen before them.
+        let _choosing = p.model.choosing.lock();
+        match try_pick(gw, p, session, excluded, Candidates::WithFreeSlot) {
+            Err(e) => Some(Err(e)),
+            Ok(Pick::Chosen { decision, worker }) => {
+                Lease::try_take(p, &worker, &decision, admission, limit)
+                    .map(|lease| Ok((decision, lease)))
+            }
+            Ok(Pick::Full) => None,
+            Ok(Pick::NoneHealthy) => Some(Err(ApiError::no_healthy_worker(
+                &p.model.name,
+                gw.config.health.open_ms.div_ceil(1000),
+            ))),
+        }
     };
     if let Some(r) = attempt() {
         return r;

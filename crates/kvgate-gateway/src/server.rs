@@ -56,6 +56,7 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .route("/admin/workers/{id}", delete(crate::admin::remove_id))
         .route(crate::peers::LOADS_PATH, get(crate::peers::serve_loads))
         .route(crate::peers::INDEX_PATH, post(crate::peers::serve_snapshot))
+        .route(crate::peers::DECIDE_PATH, post(crate::peers::serve_decide))
         .fallback(not_found)
         .method_not_allowed_fallback(crate::front_door::method_not_allowed)
         .with_state(gw)
@@ -274,6 +275,12 @@ fn explain_pool(
         "block_size": p.model.selection.block_size(),
         "predicted_cached_tokens": decision.predicted_cached_tokens,
         "peer_replicas": p.model.ledger().peer_replicas(),
+        // The replica that chooses this replica's workers (`peers.decisions: leader`;
+        // null: this one), and the choices made here for peers not yet in their reports.
+        "leader": crate::peers::decides_at_leader(gw, &p.model)
+            .then(|| gw.peers.leader().map(|(_, name)| name))
+            .flatten(),
+        "held_for_peers": p.model.ledger().booked_for_peers(),
         "scores": scores,
     }))
 }

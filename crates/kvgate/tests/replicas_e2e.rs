@@ -627,3 +627,126 @@ async fn workers_found_through_dns_join_with_their_kv_events() {
     assert!(served.iter().all(|w| *w == engine.url), "{served:?}");
     until_indexed(&url, &served).await;
 }
+
+/// A labelled counter: the sum of `name`'s series whose labels contain `label`.
+async fn labelled(url: &str, name: &str, label: &str) -> f64 {
+    let text = http()
+        .get(format!("{url}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")) && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Starts `n` held requests at once, request `k` through `urls[k % len]`; the workers
+/// that serve them.
+async fn burst(urls: &[String], n: usize) -> Vec<(reqwest::Response, String)> {
+    futures::future::join_all((0..n).map(|k| hold_request(&urls[k % urls.len()]))).await
+}
+
+fn per_worker(held: &[(reqwest::Response, String)]) -> std::collections::BTreeMap<String, usize> {
+    let mut counts = std::collections::BTreeMap::new();
+    for (_, w) in held {
+        *counts.entry(w.clone()).or_insert(0) += 1;
+    }
+    counts
+}
+
+/// Requests that reach three replicas at the same instant are chosen in one place (the
+/// leader: the connected replica with the smallest name), so they spread as one
+/// router would spread them, not onto the worker each replica thought idle. When the
+/// leader hangs, the others choose alone after the decide timeout; when it dies, the
+/// next smallest name leads. Two workers: least_loaded's two random candidates are then
+/// both of them, so a choice that sees every booking before it is exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_choose_at_one_leader_and_carry_on_without_it() {
+    let logs = tempfile::tempdir().unwrap();
+    let fleet = engines(2, logs.path()).await;
+    let ports = free_ports(3).unwrap();
+    let url = |i: usize| format!("http://127.0.0.1:{}", ports[i]);
+    let mut a = mesh_replica("a", "a", 0, &ports, &fleet, logs.path()).await;
+    let _b = mesh_replica("b", "b", 1, &ports, &fleet, logs.path()).await;
+    let _c = mesh_replica("c", "c", 2, &ports, &fleet, logs.path()).await;
+    for i in 0..3 {
+        until_metric(&url(i), "kvgate_peers_connected", 2.0).await;
+    }
+    let decisions = "kvgate_peer_decisions_total";
+    let count = async |i: usize, outcome: &str| {
+        labelled(&url(i), decisions, &format!("outcome=\"{outcome}\"")).await
+    };
+    for i in 0..3 {
+        let leader = if i == 0 { json!(null) } else { json!("a") };
+        assert_eq!(explain(&url(i)).await["leader"], leader);
+    }
+
+    // Eight at once, spread over the replicas: four per worker.
+    let urls: Vec<String> = (0..3).map(url).collect();
+    let held = burst(&urls, 8).await;
+    let counts = per_worker(&held);
+    assert_eq!(counts.len(), 2, "{counts:?}");
+    assert!(counts.values().all(|&n| n == 4), "{counts:?}");
+    // a chose for b's three and c's two; they asked; nobody fell back.
+    assert_eq!(count(0, "served").await, 5.0);
+    for (i, asked) in [(1, 3.0), (2, 2.0)] {
+        assert_eq!(count(i, "asked").await, asked);
+        assert_eq!(count(i, "fallback").await, 0.0);
+    }
+    // The choices a held for its peers are settled by their reports: the load a sees
+    // is the eight requests, not more.
+    poll(
+        Duration::from_secs(2),
+        Duration::from_millis(10),
+        async || {
+            let e = explain(&url(0)).await;
+            let total: u64 = e["scores"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|s| {
+                    s["peer"]["in_flight"].as_u64().unwrap()
+                        + s["local"]["in_flight"].as_u64().unwrap()
+                })
+                .sum();
+            if total == 8 && e["held_for_peers"] == 0 {
+                return Ok(());
+            }
+            Err(format!("a counts {total} requests in flight: {e}"))
+        },
+    )
+    .await;
+    drop(held);
+
+    // a hangs: b and c wait for it no longer than the decide timeout, then choose
+    // themselves for a while.
+    a.signal(libc::SIGSTOP).unwrap();
+    let start = Instant::now();
+    let alone = hold_request(&url(1)).await;
+    assert!(
+        start.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        start.elapsed()
+    );
+    assert_eq!(count(1, "fallback").await, 1.0);
+    drop(alone);
+
+    // a dies: b (the next name) leads, and c asks it.
+    a.kill().await;
+    until_metric(&url(1), "kvgate_peers_connected", 1.0).await;
+    until_metric(&url(2), "kvgate_peers_connected", 1.0).await;
+    // Past the back-off after the hung leader.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert_eq!(explain(&url(2)).await["leader"], json!("b"));
+    let asked_before = count(2, "asked").await;
+    // Six at once through b and c: three per worker.
+    let held = burst(&[url(2), url(1)], 6).await;
+    assert_eq!(count(2, "asked").await, asked_before + 3.0);
+    assert_eq!(count(1, "served").await, 3.0);
+    let counts = per_worker(&held);
+    assert!(counts.values().all(|&n| n == 3), "{counts:?}");
+}
