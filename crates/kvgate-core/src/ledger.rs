@@ -272,24 +272,8 @@ impl Ledger {
         now: Instant,
         max_in_flight: u32,
     ) -> Option<BookingGuard> {
-        let cached_tokens = spec.cached_tokens.min(spec.prompt_tokens);
-        let spec = BookingSpec {
-            cached_tokens,
-            indexed_tokens: spec.indexed_tokens.min(cached_tokens),
-            credited_tokens: spec.credited_tokens.min(spec.prompt_tokens),
-            ..spec
-        };
-        let checkpoints = prefill_checkpoints(prompt_keys);
-        let mut booking = Booking {
-            worker,
-            spec,
-            prefill_pending: true,
-            output_tokens: 0,
-            decode_blocks: 0.0,
-            booked_at: now,
-            prefilling: checkpoints,
-        };
-        booking.decode_blocks = self.decode_blocks(&booking);
+        let booking = self.new_booking(worker, spec, prefill_checkpoints(prompt_keys), now);
+        let spec = booking.spec;
         let mut inner = self.inner.lock();
         if max_in_flight > 0
             && inner
@@ -317,6 +301,35 @@ impl Ledger {
             id,
             worker,
         })
+    }
+
+    /// A booking of `spec` (its predictions bounded by the prompt) made at `now`, with
+    /// its decode weight.
+    fn new_booking(
+        &self,
+        worker: WorkerId,
+        spec: BookingSpec,
+        prefilling: Box<[BlockKey]>,
+        now: Instant,
+    ) -> Booking {
+        let cached_tokens = spec.cached_tokens.min(spec.prompt_tokens);
+        let spec = BookingSpec {
+            cached_tokens,
+            indexed_tokens: spec.indexed_tokens.min(cached_tokens),
+            credited_tokens: spec.credited_tokens.min(spec.prompt_tokens),
+            ..spec
+        };
+        let mut booking = Booking {
+            worker,
+            spec,
+            prefill_pending: true,
+            output_tokens: 0,
+            decode_blocks: 0.0,
+            booked_at: now,
+            prefilling,
+        };
+        booking.decode_blocks = self.decode_blocks(&booking);
+        booking
     }
 
     fn decode_blocks(&self, b: &Booking) -> f64 {
@@ -476,22 +489,13 @@ impl Ledger {
         prompt_keys: &[BlockKey],
         now: Instant,
     ) -> bool {
-        let cached = spec.cached_tokens.min(spec.prompt_tokens);
-        let booking = Booking {
-            worker,
-            spec,
-            prefill_pending: true,
-            output_tokens: 0,
-            decode_blocks: 0.0,
-            booked_at: now,
-            prefilling: Box::default(),
-        };
+        let booking = self.new_booking(worker, spec, prefill_checkpoints(prompt_keys), now);
         let load = WorkerLoad {
             in_flight: 1,
-            prefill_tokens: u64::from(spec.prompt_tokens - cached),
-            decode_blocks: self.decode_blocks(&booking),
+            prefill_tokens: u64::from(booking.spec.prompt_tokens - booking.spec.cached_tokens),
+            decode_blocks: booking.decode_blocks,
         };
-        let checkpoints = prefill_checkpoints(prompt_keys).into_vec();
+        let checkpoints = booking.prefilling.into_vec();
         self.inner
             .lock()
             .peers

@@ -187,16 +187,19 @@ async fn hold_request(url: &str) -> (reqwest::Response, String) {
     (resp, worker)
 }
 
-async fn metric(url: &str, name: &str) -> f64 {
-    let text = http()
+async fn metrics_text(url: &str) -> String {
+    http()
         .get(format!("{url}/metrics"))
         .send()
         .await
         .unwrap()
         .text()
         .await
-        .unwrap();
-    kvgate_bench::compare::parse_counter_sum(&text, name).unwrap_or(0.0)
+        .unwrap()
+}
+
+async fn metric(url: &str, name: &str) -> f64 {
+    kvgate_bench::compare::parse_counter_sum(&metrics_text(url).await, name).unwrap_or(0.0)
 }
 
 async fn until_metric(url: &str, name: &str, want: f64) {
@@ -630,15 +633,9 @@ async fn workers_found_through_dns_join_with_their_kv_events() {
 
 /// A labelled counter: the sum of `name`'s series whose labels contain `label`.
 async fn labelled(url: &str, name: &str, label: &str) -> f64 {
-    let text = http()
-        .get(format!("{url}/metrics"))
-        .send()
+    metrics_text(url)
         .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
+        .lines()
         .filter(|l| l.starts_with(&format!("{name}{{")) && l.contains(label))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
