@@ -87,6 +87,9 @@ pub const DECISION_OUTCOMES: [&str; 3] = ["asked", "fallback", "served"];
 const SETTLED_MAX_AGE: Duration = Duration::from_secs(10);
 /// How long a leader that did not answer is passed over.
 const LEADER_BACKOFF: Duration = Duration::from_secs(1);
+/// How long a leader that does not decide for peers (a kvgate from before
+/// `/peer/v1/decide`, during a rolling update) is passed over.
+const LEADER_UNSUPPORTED_BACKOFF: Duration = Duration::from_secs(60);
 /// Largest snapshot accepted from a peer.
 const MAX_SNAPSHOT_BYTES: usize = 1 << 30;
 /// How long one peer may take to answer a snapshot request. The subscriber waits for
@@ -209,13 +212,13 @@ impl PeerHub {
         (name.as_str() < own.replica.as_str()).then(|| (url.clone(), name.clone()))
     }
 
-    /// Passes the leader over for [`LEADER_BACKOFF`]; true when it was not being
+    /// Passes the leader over for `how_long`; true when it was not being
     /// passed over already (so one warning is logged per back-off, not per request).
-    fn skip_leader(&self) -> bool {
+    fn skip_leader(&self, how_long: Duration) -> bool {
         let now = Instant::now();
         let mut until = self.leader_skipped_until.lock();
         let fresh = until.is_none_or(|u| u <= now);
-        *until = Some(now + LEADER_BACKOFF);
+        *until = Some(now + how_long);
         fresh
     }
 
@@ -1026,7 +1029,7 @@ pub async fn choose_at_leader(
         Ok(Err(LeaderRefused::NotFollowing(why))) => {
             // A leader that does not follow this replica yet (it just started, or the
             // links are one-sided): ask again in a while.
-            if gw.peers.skip_leader() {
+            if gw.peers.skip_leader(LEADER_BACKOFF) {
                 tracing::info!(%leader, peer = %url, %why, "the leader does not follow this replica yet; choosing here for a while");
             }
             outcome("fallback");
@@ -1037,15 +1040,22 @@ pub async fn choose_at_leader(
             outcome("fallback");
             return None;
         }
+        Ok(Err(LeaderRefused::Unsupported(why))) => {
+            if gw.peers.skip_leader(LEADER_UNSUPPORTED_BACKOFF) {
+                tracing::info!(%leader, peer = %url, %why, backoff = ?LEADER_UNSUPPORTED_BACKOFF, "the leader does not decide for peers (an older kvgate?); choosing here");
+            }
+            outcome("fallback");
+            return None;
+        }
         Ok(Err(LeaderRefused::Failed(why))) => {
-            if gw.peers.skip_leader() {
+            if gw.peers.skip_leader(LEADER_BACKOFF) {
                 tracing::warn!(%leader, peer = %url, %why, "the leader did not choose; choosing here for a while");
             }
             outcome("fallback");
             return None;
         }
         Err(_) => {
-            if gw.peers.skip_leader() {
+            if gw.peers.skip_leader(LEADER_BACKOFF) {
                 tracing::warn!(%leader, peer = %url, ?timeout, "the leader did not answer in time; choosing here for a while");
             }
             outcome("fallback");
@@ -1077,9 +1087,12 @@ pub async fn choose_at_leader(
 }
 
 /// Why the leader gave no choice.
+#[derive(Debug, PartialEq, Eq)]
 enum LeaderRefused {
     /// It does not follow this replica's reports (409 `not_following`).
     NotFollowing(String),
+    /// It has no decide endpoint (404, 405: an older kvgate).
+    Unsupported(String),
     /// It could not choose for this request (another 409: no candidate healthy there).
     ThisRequest(String),
     /// No usable answer.
@@ -1113,19 +1126,31 @@ async fn ask_leader(
         .map_err(|e| failed(&e))?
         .to_bytes();
     if status != StatusCode::OK {
-        let why = format!(
-            "answered {status}: {}",
-            String::from_utf8_lossy(&body[..body.len().min(200)])
-        );
-        return Err(match status {
-            StatusCode::CONFLICT if why.contains("\"not_following\"") => {
-                LeaderRefused::NotFollowing(why)
-            }
-            StatusCode::CONFLICT => LeaderRefused::ThisRequest(why),
-            _ => LeaderRefused::Failed(why),
-        });
+        return Err(refusal(status, &body));
     }
     serde_json::from_slice(&body).map_err(|e| failed(&e))
+}
+
+/// Why a leader's answer other than 200 gave no choice.
+fn refusal(status: StatusCode, body: &[u8]) -> LeaderRefused {
+    let why = format!(
+        "answered {status}: {}",
+        String::from_utf8_lossy(&body[..body.len().min(200)])
+    );
+    let code = serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v["error"]["code"].as_str().map(str::to_owned));
+    match status {
+        StatusCode::CONFLICT if code.as_deref() == Some("not_following") => {
+            LeaderRefused::NotFollowing(why)
+        }
+        StatusCode::CONFLICT => LeaderRefused::ThisRequest(why),
+        StatusCode::NOT_FOUND if code.as_deref() != Some("model_not_found") => {
+            LeaderRefused::Unsupported(why)
+        }
+        StatusCode::METHOD_NOT_ALLOWED => LeaderRefused::Unsupported(why),
+        _ => LeaderRefused::Failed(why),
+    }
 }
 
 /// `POST /peer/v1/decide`: chooses a worker for a peer replica's request, among the
@@ -1180,10 +1205,17 @@ fn decide_for_peer(
         .pools_named()
         .find(|(m, pool)| *m.name == *req.model && *pool == req.pool)
     else {
-        return Err(ApiError::not_found(format!(
-            "unknown model {:?} (pool {:?})",
-            req.model, req.pool
-        )));
+        // model_not_found, not a plain 404: the asker tells it from a kvgate without
+        // this endpoint.
+        let pools: Vec<String> = gw
+            .pools_named()
+            .map(|(m, pool)| format!("{}{}{pool}", m.name, if pool.is_empty() { "" } else { "/" }))
+            .collect();
+        let pools: Vec<&str> = pools.iter().map(String::as_str).collect();
+        return Err(ApiError::unknown_model(
+            &format!("{} (pool {:?})", req.model, req.pool),
+            &pools,
+        ));
     };
     let refuse = |code: &'static str, msg: String| {
         ApiError::new(StatusCode::CONFLICT, "invalid_request_error", code, msg)
@@ -1255,4 +1287,43 @@ fn decide_for_peer(
         indexed_cached_tokens: decision.indexed_cached_tokens,
         credited_tokens: decision.credited_tokens,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn error(status: StatusCode, code: &str) -> LeaderRefused {
+        let body = serde_json::json!({"error": {"message": "m", "type": "t", "code": code}});
+        refusal(status, body.to_string().as_bytes())
+    }
+
+    #[test]
+    fn a_leaders_refusal_says_whether_to_ask_it_again_soon() {
+        assert!(matches!(
+            error(StatusCode::CONFLICT, "not_following"),
+            LeaderRefused::NotFollowing(_)
+        ));
+        assert!(matches!(
+            error(StatusCode::CONFLICT, "no_candidate"),
+            LeaderRefused::ThisRequest(_)
+        ));
+        // A kvgate without the endpoint (its route fallback) against an unknown model.
+        assert!(matches!(
+            error(StatusCode::NOT_FOUND, "not_found"),
+            LeaderRefused::Unsupported(_)
+        ));
+        assert!(matches!(
+            refusal(StatusCode::METHOD_NOT_ALLOWED, b""),
+            LeaderRefused::Unsupported(_)
+        ));
+        assert!(matches!(
+            error(StatusCode::NOT_FOUND, "model_not_found"),
+            LeaderRefused::Failed(_)
+        ));
+        assert!(matches!(
+            refusal(StatusCode::SERVICE_UNAVAILABLE, b"starting"),
+            LeaderRefused::Failed(_)
+        ));
+    }
 }
