@@ -1023,7 +1023,15 @@ pub async fn choose_at_leader(
             .inc()
     };
     let timeout = Duration::from_millis(gw.config.peers.decide_timeout_ms);
+    let asked = Instant::now();
     let answer = tokio::time::timeout(timeout, ask_leader(gw, &url, &request)).await;
+    if matches!(answer, Ok(Ok(_))) {
+        // A choice made at the leader takes its round trip.
+        gw.metrics
+            .decision_seconds
+            .with_label_values(&[&*model.name, model.kind().as_str()])
+            .observe(asked.elapsed().as_secs_f64());
+    }
     let answer = match answer {
         Ok(Ok(a)) => a,
         Ok(Err(LeaderRefused::NotFollowing(why))) => {
