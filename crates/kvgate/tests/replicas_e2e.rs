@@ -682,6 +682,10 @@ async fn replicas_choose_at_one_leader_and_carry_on_without_it() {
         assert_eq!(explain(&url(i)).await["leader"], leader);
     }
 
+    let mut timed_before = Vec::new();
+    for i in 0..3 {
+        timed_before.push(labelled(&url(i), "kvgate_routing_decision_seconds_count", "").await);
+    }
     // Eight at once, spread over the replicas: four per worker.
     let urls: Vec<String> = (0..3).map(url).collect();
     let held = burst(&urls, 8).await;
@@ -693,6 +697,9 @@ async fn replicas_choose_at_one_leader_and_carry_on_without_it() {
     for (i, asked) in [(1, 3.0), (2, 2.0)] {
         assert_eq!(count(i, "asked").await, asked);
         assert_eq!(count(i, "fallback").await, 0.0);
+        // The choices made at the leader are timed where they were asked for.
+        let timed = labelled(&url(i), "kvgate_routing_decision_seconds_count", "").await;
+        assert_eq!(timed - timed_before[i], asked);
     }
     // The choices a held for its peers are settled by their reports: the load a sees
     // is the eight requests, not more.
