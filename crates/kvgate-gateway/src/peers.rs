@@ -1301,37 +1301,50 @@ fn decide_for_peer(
 mod tests {
     use super::*;
 
-    fn error(status: StatusCode, code: &str) -> LeaderRefused {
-        let body = serde_json::json!({"error": {"message": "m", "type": "t", "code": code}});
-        refusal(status, body.to_string().as_bytes())
-    }
-
     #[test]
     fn a_leaders_refusal_says_whether_to_ask_it_again_soon() {
-        assert!(matches!(
-            error(StatusCode::CONFLICT, "not_following"),
-            LeaderRefused::NotFollowing(_)
-        ));
-        assert!(matches!(
-            error(StatusCode::CONFLICT, "no_candidate"),
-            LeaderRefused::ThisRequest(_)
-        ));
-        // A kvgate without the endpoint (its route fallback) against an unknown model.
-        assert!(matches!(
-            error(StatusCode::NOT_FOUND, "not_found"),
-            LeaderRefused::Unsupported(_)
-        ));
-        assert!(matches!(
-            refusal(StatusCode::METHOD_NOT_ALLOWED, b""),
-            LeaderRefused::Unsupported(_)
-        ));
-        assert!(matches!(
-            error(StatusCode::NOT_FOUND, "model_not_found"),
-            LeaderRefused::Failed(_)
-        ));
-        assert!(matches!(
-            refusal(StatusCode::SERVICE_UNAVAILABLE, b"starting"),
-            LeaderRefused::Failed(_)
-        ));
+        let json = |code: &str| {
+            serde_json::json!({"error": {"message": "m", "type": "t", "code": code}}).to_string()
+        };
+        let is = |status, body: &str, expected: fn(String) -> LeaderRefused| {
+            let got = refusal(status, body.as_bytes());
+            let want = expected(String::new());
+            assert_eq!(
+                std::mem::discriminant(&got),
+                std::mem::discriminant(&want),
+                "{status} {body}: {got:?}"
+            );
+        };
+        is(
+            StatusCode::CONFLICT,
+            &json("not_following"),
+            LeaderRefused::NotFollowing,
+        );
+        is(
+            StatusCode::CONFLICT,
+            &json("no_candidate"),
+            LeaderRefused::ThisRequest,
+        );
+        // A kvgate without the endpoint (its route fallback), and an unknown model there.
+        is(
+            StatusCode::NOT_FOUND,
+            &json("not_found"),
+            LeaderRefused::Unsupported,
+        );
+        is(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "",
+            LeaderRefused::Unsupported,
+        );
+        is(
+            StatusCode::NOT_FOUND,
+            &json("model_not_found"),
+            LeaderRefused::Failed,
+        );
+        is(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "starting",
+            LeaderRefused::Failed,
+        );
     }
 }

@@ -222,16 +222,9 @@ async fn three_replicas_share_their_bookings_and_drop_a_dead_or_silent_ones() {
     let fleet = engines(2, logs.path()).await;
     let ports = free_ports(4).unwrap();
     let url = |i: usize| format!("http://127.0.0.1:{}", ports[i]);
-    // a, b, c follow each other; a2 (port 3) is where "a" comes back after a restart,
-    // so b and c follow that address too (a Kubernetes pod comes back on a new IP).
     // a, b, c follow each other; port 3 is where "a" comes back after a restart (a2),
     // so each follows that address too (a Kubernetes pod comes back on a new IP).
-    let mut a = mesh_replica("a", "a", 0, &ports, &fleet, logs.path()).await;
-    let _b = mesh_replica("b", "b", 1, &ports, &fleet, logs.path()).await;
-    let _c = mesh_replica("c", "c", 2, &ports, &fleet, logs.path()).await;
-    for i in 0..3 {
-        until_metric(&url(i), "kvgate_peers_connected", 2.0).await;
-    }
+    let [mut a, _b, _c] = mesh_of_three(&ports, &fleet, logs.path()).await;
 
     // A booking on a shows at b and c within 100 ms (median of six; each within 1 s).
     let mut seen = Vec::new();
@@ -382,6 +375,23 @@ async fn two_replicas_found_through_dns_skip_themselves_and_drop_a_killed_one_at
         "a closed stream drops the bookings at once, not after the expiry: {:?}",
         killed.elapsed()
     );
+}
+
+/// Replicas a, b and c on the first three of `ports`, each following every other
+/// port, once each follows the other two.
+async fn mesh_of_three(ports: &[u16], fleet: &Fleet, logs: &std::path::Path) -> [ManagedChild; 3] {
+    let a = mesh_replica("a", "a", 0, ports, fleet, logs).await;
+    let b = mesh_replica("b", "b", 1, ports, fleet, logs).await;
+    let c = mesh_replica("c", "c", 2, ports, fleet, logs).await;
+    for port in &ports[..3] {
+        until_metric(
+            &format!("http://127.0.0.1:{port}"),
+            "kvgate_peers_connected",
+            2.0,
+        )
+        .await;
+    }
+    [a, b, c]
 }
 
 /// Replica `id` (process `name`) on `ports[i]`, following every other port as a peer.
@@ -667,12 +677,7 @@ async fn replicas_choose_at_one_leader_and_carry_on_without_it() {
     let fleet = engines(2, logs.path()).await;
     let ports = free_ports(3).unwrap();
     let url = |i: usize| format!("http://127.0.0.1:{}", ports[i]);
-    let mut a = mesh_replica("a", "a", 0, &ports, &fleet, logs.path()).await;
-    let _b = mesh_replica("b", "b", 1, &ports, &fleet, logs.path()).await;
-    let _c = mesh_replica("c", "c", 2, &ports, &fleet, logs.path()).await;
-    for i in 0..3 {
-        until_metric(&url(i), "kvgate_peers_connected", 2.0).await;
-    }
+    let [mut a, _b, _c] = mesh_of_three(&ports, &fleet, logs.path()).await;
     let decisions = "kvgate_peer_decisions_total";
     let count = async |i: usize, outcome: &str| {
         labelled(&url(i), decisions, &format!("outcome=\"{outcome}\"")).await
