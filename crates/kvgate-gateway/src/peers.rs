@@ -987,17 +987,17 @@ pub fn decides_at_leader(gw: &Gateway, model: &ModelState) -> bool {
         )
 }
 
-/// Asks the leader to choose among `candidates` for request `p`. `None` (after
-/// counting why) when this replica leads, or the leader did not answer in time or
-/// refused: the caller then chooses itself.
+/// Asks `leader` ([`PeerHub::leader`]: its address and name) to choose among
+/// `candidates` for request `p`. `None` (after counting why) when the leader did not
+/// answer in time or refused: the caller then chooses itself.
 pub async fn choose_at_leader(
     gw: &Gateway,
+    (url, leader): (String, String),
     p: &Prepared,
     candidates: &[Arc<Worker>],
     session_key: Option<&str>,
 ) -> Option<LeaderChoice> {
     let model = &*p.model;
-    let (url, leader) = gw.peers.leader()?;
     let identity = gw.peers.identity()?;
     let pool = gw
         .pools_named()

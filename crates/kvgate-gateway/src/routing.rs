@@ -422,6 +422,9 @@ async fn pick_at_leader(
     if !crate::peers::decides_at_leader(gw, &p.model) {
         return None;
     }
+    // Before any other work: the leader itself (and a replica without peers connected)
+    // chooses here.
+    let leader = gw.peers.leader()?;
     let workers = p.model.workers();
     let found = candidates(gw, &p.model, &workers, excluded, Candidates::WithFreeSlot);
     if found.ids.len() < 2 {
@@ -433,7 +436,7 @@ async fn pick_at_leader(
         .filter(|w| found.ids.contains(&w.id))
         .cloned()
         .collect();
-    crate::peers::choose_at_leader(gw, p, &candidates, session).await
+    crate::peers::choose_at_leader(gw, leader, p, &candidates, session).await
 }
 
 /// Selects a worker and takes a lease on it (admission plus booking, in one step on
