@@ -271,15 +271,7 @@ async fn repeated_prompts_prefill_where_their_kv_is() {
             .unwrap();
         assert_eq!(header(&again, "x-kvgate-prefill-worker"), holder, "{tag}");
         // /v1/route/explain shows both choices, the prefill one with its overlap.
-        let ex: Value = c
-            .post(format!("{}/v1/route/explain", gw.url()))
-            .json(&body)
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let ex = explain(&c, &gw.url(), &body).await;
         assert_eq!(ex["prefill"]["worker"], holder.as_str(), "{tag}: {ex}");
         assert!(
             ex["prefill"]["predicted_cached_tokens"].as_u64().unwrap() > 0,

@@ -920,27 +920,15 @@ async fn load_only_policies_book_an_estimate_of_the_prompt() {
         .await
         .unwrap();
     let c = client();
-    let explain = |body: Value| {
-        let c = c.clone();
-        let url = format!("{}/v1/route/explain", gw.url());
-        async move {
-            c.post(url)
-                .json(&body)
-                .send()
-                .await
-                .unwrap()
-                .json::<Value>()
-                .await
-                .unwrap()
-        }
-    };
+    let url = gw.url();
+    let explained = async |body: Value| explain(&c, &url, &body).await;
     let ids: Vec<u32> = (0..300).collect();
-    let ex = explain(json!({"model": "m", "prompt": ids})).await;
+    let ex = explained(json!({"model": "m", "prompt": ids})).await;
     assert_eq!(ex["prompt_tokens"], 300, "{ex}");
     assert_eq!(ex["prompt_tokens_estimated"], true);
-    let ex = explain(json!({"model": "m", "prompt": "x".repeat(4000)})).await;
+    let ex = explained(json!({"model": "m", "prompt": "x".repeat(4000)})).await;
     assert_eq!(ex["prompt_tokens"], 1000, "{ex}");
-    let ex = explain(json!({"model": "m", "messages": [
+    let ex = explained(json!({"model": "m", "messages": [
         {"role": "system", "content": "y".repeat(800)},
         {"role": "user", "content": [{"type": "text", "text": "z".repeat(400)}]}
     ]}))
@@ -955,7 +943,7 @@ async fn load_only_policies_book_an_estimate_of_the_prompt() {
         .send()
         .await
         .unwrap();
-    let ex = explain(json!({"model": "m", "prompt": "short"})).await;
+    let ex = explained(json!({"model": "m", "prompt": "short"})).await;
     let blocks = ex["scores"][0]["decode_blocks"].as_f64().unwrap();
     assert!(blocks >= 16_000.0 / 16.0, "{ex}");
     drop(held);
@@ -1002,15 +990,12 @@ async fn models_tokenize_explain_and_graceful_shutdown() {
         .await
         .unwrap();
     assert!(tok["count"].as_u64().unwrap() >= 2, "{tok}");
-    let ex: Value = c
-        .post(format!("{}/v1/route/explain", gw.url()))
-        .json(&json!({"model": "m-sql", "prompt": "hello world"}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let ex = explain(
+        &c,
+        &gw.url(),
+        &json!({"model": "m-sql", "prompt": "hello world"}),
+    )
+    .await;
     assert_eq!(ex["worker"], a.url.as_str(), "{ex}");
     assert_eq!(ex["lora"], "m-sql");
     assert_eq!(ex["scores"].as_array().unwrap().len(), 1);

@@ -71,15 +71,7 @@ async fn repeated_prompt_follows_its_cached_prefix() {
     .await;
 
     for _ in 0..3 {
-        let ex: Value = c
-            .post(format!("{}/v1/route/explain", gw.url()))
-            .json(&body)
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let ex = explain(&c, &gw.url(), &body).await;
         assert_eq!(ex["worker"], first.as_str(), "{ex}");
         assert!(
             ex["predicted_cached_tokens"].as_u64().unwrap() >= 16 * 10,

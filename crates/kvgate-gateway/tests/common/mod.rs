@@ -335,6 +335,22 @@ pub async fn metrics_text(c: &reqwest::Client, gateway_url: &str) -> String {
         .unwrap()
 }
 
+/// The gateway's `/v1/route/explain` answer for a request body.
+pub async fn explain(
+    c: &reqwest::Client,
+    gateway_url: &str,
+    body: &serde_json::Value,
+) -> serde_json::Value {
+    c.post(format!("{gateway_url}/v1/route/explain"))
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
 pub fn fixtures() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures")
 }
