@@ -127,6 +127,8 @@ pub struct ServeArgs {
     pub warmup_fraction: Option<f64>,
     #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: send a prompt cached nowhere to its home worker (a hash of its first block; the next in that order when the home's queue is a prefill longer than the shortest) rather than the cheapest one", KvAwareConfig::default().cold_homing))]
     pub cold_homing: Option<bool>,
+    #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: cold homing passes over a worker whose cache hit ratio (prompt tokens its engine served from cache lately) is more than this below the best candidate's (1 disables)", KvAwareConfig::default().home_hit_ratio_slack))]
+    pub home_hit_ratio_slack: Option<f64>,
     #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: softmax temperature (0 = pick the lowest cost)", KvAwareConfig::default().temperature))]
     pub temperature: Option<f64>,
     /// Seed for the policy's random choices (unset: seeded from the OS).
@@ -343,6 +345,9 @@ impl ServeArgs {
         }
         if let Some(h) = self.cold_homing {
             m.kv_aware.cold_homing = h;
+        }
+        if let Some(s) = self.home_hit_ratio_slack {
+            m.kv_aware.home_hit_ratio_slack = s;
         }
         if let Some(t) = self.temperature {
             m.kv_aware.temperature = t;

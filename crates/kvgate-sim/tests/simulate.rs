@@ -307,3 +307,50 @@ fn plan_finds_the_smallest_fleet_that_meets_the_target() {
     );
     assert!(result.render_markdown().contains(&format!("{n} engines")));
 }
+
+/// Under cache pressure (the steady scenario's 8 tenants on two engines that hold
+/// about four each), kv_aware must not pile tenants on one engine: with seed 6 the
+/// tenants' rendezvous homes put most of them on one engine, and cold homing without
+/// its cache-pressure bound kept sending them there (hit rate 79% against
+/// prefix_affinity's 90%, docs/BENCHMARKS.md). With the bound the thrashing engine's
+/// evicted tenants find a home on the other, and kv_aware comes within a point or two
+/// of prefix_affinity's partition (which for this seed happens to be an even split).
+#[test]
+fn kv_aware_spreads_tenants_that_one_cache_cannot_hold() {
+    let seed = 6;
+    let shape = kvgate_bench::scenario::Shape {
+        num_blocks: 400,
+        ..ScenarioKind::Steady.shape()
+    };
+    let w = Arc::new(TenantWorkload::new(&shape, seed));
+    let load = Load {
+        open: Vec::new(),
+        closed: vec![ClosedLoop {
+            target: Target::Router,
+            clients: 4,
+            until_ms: 120_000.0,
+            first_id: 0,
+            source: Arc::new(move |k| w.request(k)),
+        }],
+    };
+    let f = FleetConfig {
+        engines: 2,
+        engine: engine_config(16, 400, 1.0, seed, &[]).unwrap(),
+        event_delay_ms: 1.0,
+        restart_downtime_ms: 5_000.0,
+        changes: Vec::new(),
+    };
+    let hit = |spec: &str| {
+        let r = parse_rows(spec, &[], 16, seed).unwrap().remove(0);
+        let run = simulate(&r.model, &f, &load).unwrap();
+        report(spec, &run).prefix_hit_rate.unwrap()
+    };
+    let kv = hit("kv_aware");
+    let pa = hit("prefix_affinity");
+    let unbounded = hit("kv_aware@home-hit-ratio-slack=1");
+    assert!(
+        kv >= pa - 0.02,
+        "kv_aware {kv} against prefix_affinity {pa}"
+    );
+    assert!(kv > unbounded + 0.05, "bounded {kv}, unbounded {unbounded}");
+}

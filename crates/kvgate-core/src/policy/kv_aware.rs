@@ -53,6 +53,22 @@
 //! fallback is the next worker in the same order, so a prefix pushed off its home
 //! still has one place to come back to.
 //!
+//! Homing is bounded by cache pressure too: a candidate whose engine lately served a
+//! share of its prompt tokens from cache more than `home_hit_ratio_slack` below the
+//! best candidate's ([`WorkerAccuracy::cache_hit_ratio`]) is no home. Why: a rendezvous
+//! hash splits a handful of prefixes unevenly (with 8 tenants over 2 workers, 6 and 2
+//! is common), and when the tenants homed on one worker need more cache than it has,
+//! that worker evicts them in turn, each comes back cold, and homing sends it back to
+//! the same thrashing cache, for good, while the other worker has room. A low cache-hit
+//! ratio beside a higher one elsewhere is the engines' own report of that: the evicted
+//! prefix goes to the next worker in its order whose cache works, so homes shift until
+//! the hit ratios are within the slack of each other. Measured in `kvgate simulate
+//! scenarios` with caches holding half the tenants: the bound lifted kv_aware's hit
+//! rate on the seed that split the tenants 6:2 from 79% to 88% (prefix_affinity 90%)
+//! and changes nothing where the split is even. The slack is wide (0.2) because hit
+//! ratios also differ with the mix of prompts a worker gets: 0.1 cost half a point on
+//! the synthetic Mooncake trace, 0.2 nothing (docs/BENCHMARKS.md).
+//!
 //! Why the locality term: with the DESIGN cost alone, a request leaves its prefix holder
 //! as soon as the holder's queued prefill outweighs the cached prefix. That is the
 //! earliest start for this request, but the fleet then recomputes the prefix, and a
@@ -96,6 +112,7 @@
 //! [`Ledger::prefill_credits`]: crate::ledger::Ledger::prefill_credits
 //! [`WorkerAccuracy::credit_trust`]: crate::ledger::WorkerAccuracy::credit_trust
 //! [`WorkerAccuracy::index_trust`]: crate::ledger::WorkerAccuracy::index_trust
+//! [`WorkerAccuracy::cache_hit_ratio`]: crate::ledger::WorkerAccuracy::cache_hit_ratio
 
 use std::time::Duration;
 
@@ -146,6 +163,11 @@ pub struct KvAwareConfig {
     /// block key over the eligible candidates) instead of the cheapest one, so a prefix
     /// that every cache evicted comes back to the same worker rather than scattering.
     pub cold_homing: bool,
+    /// Cold homing skips a candidate whose cache hit ratio (the share of prompt tokens
+    /// its engine served from cache lately) is more than this below the best eligible
+    /// candidate's: a worker whose cache thrashes is no home for one more prefix. 1
+    /// or more disables the bound.
+    pub home_hit_ratio_slack: f64,
     /// 0 = argmin; > 0 samples with a softmax at this temperature.
     pub temperature: f64,
     /// Credit for a block held in host memory (1.0 = as good as device).
@@ -165,6 +187,7 @@ impl Default for KvAwareConfig {
             balance_rel_threshold: 1.5,
             warmup_fraction: 0.5,
             cold_homing: true,
+            home_hit_ratio_slack: 0.2,
             temperature: 0.0,
             host_credit: 0.5,
             disk_credit: 0.25,
@@ -253,6 +276,7 @@ impl RoutingPolicy for KvAwarePolicy {
             &costs,
             keys,
             &entries,
+            &credits,
             prompt_blocks,
         );
         let i = choice.index;
@@ -402,6 +426,7 @@ impl KvAwarePolicy {
     /// The candidate to route to: among the eligible ones (load bound, warm-up), the
     /// prompt's home when it is cached nowhere (cold homing), else the cheapest (or a
     /// softmax sample at a temperature), ties broken at random.
+    #[allow(clippy::too_many_arguments)]
     fn choose(
         &self,
         lines: &[WorkerScore],
@@ -409,6 +434,7 @@ impl KvAwarePolicy {
         costs: &[f64],
         keys: &[crate::BlockKey],
         entries: &[usize],
+        credits: &[PrefillCredit],
         prompt_blocks: f64,
     ) -> Choice {
         let c = &self.config;
@@ -422,10 +448,15 @@ impl KvAwarePolicy {
                 .map(|&i| costs[i])
                 .fold(f64::INFINITY, f64::min);
             let slack = c.overlap_weight * prompt_blocks;
+            let best_hit_ratio = eligible
+                .iter()
+                .map(|&i| credits[i].cache_hit_ratio)
+                .fold(0.0, f64::max);
             eligible
                 .iter()
                 .copied()
                 .filter(|&i| costs[i] <= cheapest + slack)
+                .filter(|&i| credits[i].cache_hit_ratio >= best_hit_ratio - c.home_hit_ratio_slack)
                 .max_by_key(|&i| {
                     xxh3_64_with_seed(&first.0.to_le_bytes(), u64::from(lines[i].worker.0))
                 })

@@ -764,6 +764,58 @@ fn kv_aware_cold_homing_yields_when_the_home_is_a_prompt_behind() {
     );
 }
 
+/// Cold homing is bounded by cache pressure: a worker whose engine lately served much
+/// less of its prompts from cache than another candidate's (its cache thrashes) is
+/// passed over as a home, for the next worker in the prompt's rendezvous order; with
+/// the bound off (`home_hit_ratio_slack` 1) the prompt goes home all the same.
+#[test]
+fn kv_aware_cold_homing_passes_over_a_worker_whose_cache_thrashes() {
+    let ledger = Ledger::new(BS);
+    let index = new_index();
+    let ws = workers(2);
+    let bounded = KvAwarePolicy::new(KvAwareConfig::default(), None);
+    let unbounded = KvAwarePolicy::new(
+        KvAwareConfig {
+            home_hit_ratio_slack: 1.0,
+            ..Default::default()
+        },
+        None,
+    );
+    let prompt: Vec<u32> = (0..1024).map(|t| 555_000 + t).collect();
+    let keys = index.hasher().block_keys(&prompt);
+    let route = |policy: &KvAwarePolicy| {
+        select(policy, Some(&keys), 1024, None, &ws, &ledger, Some(&index)).unwrap()
+    };
+    let home = route(&bounded).worker;
+    let other = ws.iter().copied().find(|w| *w != home).unwrap();
+    // The home's engine served a quarter of its prompts from cache, the other all.
+    let served = |worker: WorkerId, cached: u32| {
+        for _ in 0..32 {
+            let spec = BookingSpec {
+                prompt_tokens: 2048,
+                cached_tokens: cached,
+                indexed_tokens: cached,
+                ..Default::default()
+            };
+            ledger
+                .book(worker, spec, &[], Instant::now())
+                .engine_reported_cached(cached);
+        }
+    };
+    served(home, 512);
+    served(other, 2048);
+    let moved = route(&bounded);
+    assert_eq!(moved.worker, other, "{moved:?}");
+    assert!(moved.reason.starts_with("cold miss"), "{}", moved.reason);
+    assert_eq!(route(&unbounded).worker, home);
+    // Once the home's cache serves its prompts again (the sums forget the thrashing
+    // over a few windows), both are homes: the prompt goes to its own.
+    for _ in 0..6 {
+        served(home, 2048);
+    }
+    assert_eq!(route(&bounded).worker, home);
+}
+
 /// Four workers; worker 0 caches a conversation's history and has prompts of the given
 /// sizes queued (booked, prefill not done); the next turn adds 512 new tokens.
 struct QueuedHolder {
