@@ -99,6 +99,12 @@ def dashboard():
     d.series("Prefix index",
              [(f"kvgate_index_entries{MODEL}", "entries"),
               (f"rate(kvgate_index_purged_entries_total{MODEL}[5m])", "purged per second")])
+    d.newline()
+    d.series("Requests engines hold that nobody booked",
+             [(f"kvgate_worker_unseen_requests{MODEL}", "{{worker}}")],
+             "short", "From the engines' own metrics: requests beyond the bookings of every "
+             "kvgate replica (clients calling an engine directly, another router). Counted "
+             "as the worker's load.")
     d.row("Health and failover")
     d.series("Worker healthy (breaker closed)", [(f"kvgate_worker_healthy{MODEL}", "{{worker}}")])
     d.series("Breaker transitions",

@@ -24,6 +24,15 @@
 //!   [`Ledger::loads_of`] and [`Ledger::load`] are this router's bookings (its limits,
 //!   metrics and admin API), [`Ledger::fleet_loads_of`] adds the peers' (what policies
 //!   score).
+//! * **Load nobody booked.** An engine's own report of its queue (requests running and
+//!   waiting, from its metrics) counts every request it holds, including those that
+//!   reached it without this router or its peers: clients sending to the engine
+//!   directly, another router in front of the same engines, requests whose bookings a
+//!   restart lost. [`Ledger::engine_reported`] keeps, per worker, what the report shows
+//!   beyond the fleet's bookings as that worker's unseen load, priced as the requests
+//!   this router books typically are, until the next report; [`Ledger::fleet_loads_of`]
+//!   adds it. Never more than the report: bookings whose requests have not reached the
+//!   engine yet (or have left it) make the difference smaller, not larger.
 //! * **Prediction accuracy.** When the engine reports how many prompt tokens it served
 //!   from cache, the guard passes that on and the ledger keeps, per worker, decayed sums
 //!   of predicted and reported cached tokens, and how much of the credited part and of
@@ -162,6 +171,44 @@ impl WorkerAccuracy {
     }
 }
 
+/// What an engine reports of its own queue (vLLM's `vllm:num_requests_running` and
+/// `vllm:num_requests_waiting`, SGLang's `sglang:num_running_reqs` and
+/// `sglang:num_queue_reqs`): every request it holds, whoever sent it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct EngineQueue {
+    pub running: u32,
+    pub waiting: u32,
+}
+
+/// A typical booking's load, averaged over about the last [`ACCURACY_WINDOW`]
+/// bookings: what one request the engine reports and nobody booked is assumed to weigh.
+#[derive(Clone, Copy, Debug, Default)]
+struct TypicalRequest {
+    samples: u64,
+    /// Uncached prompt tokens.
+    prefill_tokens: f64,
+    /// Decode blocks at booking.
+    decode_blocks: f64,
+}
+
+impl TypicalRequest {
+    fn record(&mut self, prefill_tokens: u32, decode_blocks: f64) {
+        self.samples += 1;
+        let weight = 1.0 / (self.samples as f64).min(ACCURACY_WINDOW);
+        self.prefill_tokens += (f64::from(prefill_tokens) - self.prefill_tokens) * weight;
+        self.decode_blocks += (decode_blocks - self.decode_blocks) * weight;
+    }
+
+    /// The load of `requests` such requests, `waiting` of them not started.
+    fn load(&self, requests: u32, waiting: u32) -> WorkerLoad {
+        WorkerLoad {
+            in_flight: requests,
+            prefill_tokens: (f64::from(waiting.min(requests)) * self.prefill_tokens).round() as u64,
+            decode_blocks: f64::from(requests) * self.decode_blocks,
+        }
+    }
+}
+
 /// What [`Ledger::prefill_credits`] says of one candidate.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PrefillCredit {
@@ -209,6 +256,9 @@ struct Inner {
     accuracy: FxHashMap<WorkerId, WorkerAccuracy>,
     stats: LedgerStats,
     peers: PeerLoads,
+    /// Per worker, the load its engine last reported beyond the fleet's bookings.
+    unseen: FxHashMap<WorkerId, WorkerLoad>,
+    typical: TypicalRequest,
 }
 
 impl Inner {
@@ -304,6 +354,10 @@ impl Ledger {
         load.in_flight += 1;
         load.prefill_tokens += u64::from(spec.prompt_tokens - spec.cached_tokens);
         load.decode_blocks += booking.decode_blocks;
+        inner.typical.record(
+            spec.prompt_tokens - spec.cached_tokens,
+            booking.decode_blocks,
+        );
         inner.bookings.insert(id, booking);
         inner.stats.booked += 1;
         inner.stats.active += 1;
@@ -474,12 +528,46 @@ impl Ledger {
             .unwrap_or_default()
     }
 
-    /// Forgets a removed worker's accuracy record and peer load (its bookings end with
-    /// their guards).
+    /// Forgets a removed worker's accuracy record, peer load and unseen load (its
+    /// bookings end with their guards).
     pub fn forget_worker(&self, worker: WorkerId) {
         let mut inner = self.inner.lock();
         inner.accuracy.remove(&worker);
         inner.peers.forget_worker(worker);
+        inner.unseen.remove(&worker);
+    }
+
+    /// Takes `worker`'s engine's report of its queue: the requests it holds beyond those
+    /// this router and its peers booked there are its unseen load until the next report
+    /// (module comment), priced as a typical booking here (the waiting ones with their
+    /// prefill). Returns that load.
+    pub fn engine_reported(&self, worker: WorkerId, queue: EngineQueue) -> WorkerLoad {
+        let mut inner = self.inner.lock();
+        let booked = inner.loads.get(&worker).map_or(0, |l| l.in_flight)
+            + inner.peers.load(worker).in_flight;
+        let unseen_requests = (queue.running + queue.waiting).saturating_sub(booked);
+        let unseen = inner.typical.load(unseen_requests, queue.waiting);
+        if unseen_requests == 0 {
+            inner.unseen.remove(&worker);
+        } else {
+            inner.unseen.insert(worker, unseen);
+        }
+        unseen
+    }
+
+    /// Forgets `worker`'s unseen load (its engine's report could not be read).
+    pub fn engine_queue_unknown(&self, worker: WorkerId) {
+        self.inner.lock().unseen.remove(&worker);
+    }
+
+    /// The load `worker`'s engine last reported beyond the fleet's bookings.
+    pub fn unseen_load(&self, worker: WorkerId) -> WorkerLoad {
+        self.inner
+            .lock()
+            .unseen
+            .get(&worker)
+            .copied()
+            .unwrap_or_default()
     }
 
     /// Applies another replica's report of its bookings ([`PeerLoads::apply`]).
@@ -631,17 +719,19 @@ impl Ledger {
             .collect()
     }
 
-    /// The whole fleet's load on each of `workers`, in order: this router's bookings
-    /// plus what the other replicas reported. What policies score.
+    /// The whole fleet's load on each of `workers`, in order: this router's bookings,
+    /// what the other replicas reported, and what the engine reported beyond both.
+    /// What policies score.
     pub fn fleet_loads_of(&self, workers: &[WorkerId]) -> Vec<WorkerLoad> {
         let inner = self.inner.lock();
         workers
             .iter()
             .map(|w| {
-                peer_loads::sum(
+                let booked = peer_loads::sum(
                     inner.loads.get(w).copied().unwrap_or_default(),
                     inner.peers.load(*w),
-                )
+                );
+                peer_loads::sum(booked, inner.unseen.get(w).copied().unwrap_or_default())
             })
             .collect()
     }
@@ -762,6 +852,55 @@ mod tests {
         drop(g);
         assert_eq!(ledger.load(WorkerId(1)), WorkerLoad::default());
         assert_eq!(ledger.stats().freed, 1);
+    }
+
+    /// An engine reporting more requests than the fleet booked on it carries the rest as
+    /// unseen load, priced as a typical booking, in what policies score (not in this
+    /// router's own load); a report at or below the bookings, an unreadable report, or
+    /// the worker's removal clears it.
+    #[test]
+    fn an_engine_reporting_more_than_was_booked_carries_unseen_load() {
+        let ledger = Ledger::new(16);
+        let now = Instant::now();
+        let ws = [WorkerId(0), WorkerId(1)];
+        // Two bookings of 320 tokens, 160 of them cached, 100 output: 160 prefill
+        // tokens and 20 decode blocks each.
+        let _a = ledger.book(WorkerId(0), spec(320, 160, Some(100)), &[], now);
+        let _b = ledger.book(WorkerId(1), spec(320, 160, Some(100)), &[], now);
+        // Engine 1 holds 4 requests, 1 waiting: 3 nobody here booked, 1 not started.
+        let queue = EngineQueue {
+            running: 3,
+            waiting: 1,
+        };
+        let unseen = ledger.engine_reported(WorkerId(1), queue);
+        assert_eq!(unseen.in_flight, 3);
+        assert_eq!(unseen.prefill_tokens, 160);
+        assert!(
+            (unseen.decode_blocks - 3.0 * 20.0).abs() < 1e-9,
+            "{unseen:?}"
+        );
+        let loads = ledger.fleet_loads_of(&ws);
+        assert_eq!(loads[1].in_flight, 4);
+        assert_eq!(loads[1].prefill_tokens, 320);
+        assert_eq!(loads[0].in_flight, 1);
+        assert_eq!(
+            ledger.load(WorkerId(1)).in_flight,
+            1,
+            "own load is bookings"
+        );
+        // Fewer than booked (requests not at the engine yet): no unseen load.
+        let idle = EngineQueue::default();
+        assert_eq!(
+            ledger.engine_reported(WorkerId(1), idle),
+            WorkerLoad::default()
+        );
+        assert_eq!(ledger.fleet_loads_of(&ws)[1].in_flight, 1);
+        ledger.engine_reported(WorkerId(1), queue);
+        ledger.engine_queue_unknown(WorkerId(1));
+        assert_eq!(ledger.unseen_load(WorkerId(1)), WorkerLoad::default());
+        ledger.engine_reported(WorkerId(1), queue);
+        ledger.forget_worker(WorkerId(1));
+        assert_eq!(ledger.fleet_loads_of(&ws)[1].in_flight, 1);
     }
 
     #[test]

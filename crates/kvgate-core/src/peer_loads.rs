@@ -315,7 +315,7 @@ impl PeerLoads {
     }
 }
 
-/// Adds two loads (this router's and the peers').
+/// Adds two loads (this router's and the peers', or those and the unseen).
 pub fn sum(a: WorkerLoad, b: WorkerLoad) -> WorkerLoad {
     WorkerLoad {
         in_flight: a.in_flight + b.in_flight,

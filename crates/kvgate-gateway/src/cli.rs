@@ -96,6 +96,11 @@ pub struct ServeArgs {
     /// ZeroMQ topic prefix to subscribe to ("" = all).
     #[arg(long, default_value = "", help_heading = MODEL)]
     pub kv_topic: String,
+    /// How often each worker's queue is read from its metrics (GET /metrics: requests
+    /// running and waiting), so requests nobody booked through kvgate count as load
+    /// (0 = never).
+    #[arg(long, value_name = "MS", default_value_t = ModelConfig::default().engine_metrics_interval_ms, help_heading = MODEL)]
+    pub engine_metrics_interval_ms: u64,
     /// Data-parallel ranks per worker (rank r publishes events on port + r).
     #[arg(long, default_value_t = 1, help_heading = MODEL)]
     pub dp_size: u32,
@@ -312,6 +317,7 @@ impl ServeArgs {
             session_header: self.session_header.clone(),
             lora_adapters: self.lora_adapters.clone(),
             kv_topic: self.kv_topic.clone(),
+            engine_metrics_interval_ms: self.engine_metrics_interval_ms,
             workers_dns: self.workers_dns.as_ref().map(|name| WorkersDnsConfig {
                 name: name.clone(),
                 kv_events_port: self.workers_dns_kv_events_port,

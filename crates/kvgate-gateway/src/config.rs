@@ -207,6 +207,12 @@ pub struct ModelConfig {
     pub kv_topic: String,
     /// Cap on prefix-index entries for this model.
     pub index_max_blocks: usize,
+    /// How often each worker's queue is read from its Prometheus metrics (`GET
+    /// {worker}/metrics`: vLLM's `vllm:num_requests_running`/`_waiting`, SGLang's
+    /// `sglang:num_running_reqs`/`_queue_reqs`), so requests the engine holds that no
+    /// kvgate replica booked (clients calling it directly, another router) count as its
+    /// load. 0 = never.
+    pub engine_metrics_interval_ms: u64,
     /// Workers found through a DNS name, in addition to `workers`.
     pub workers_dns: Option<WorkersDnsConfig>,
     /// Workers found through the Kubernetes API (pods by label selector), in addition
@@ -500,6 +506,7 @@ impl Default for ModelConfig {
             kv_fallback: None,
             kv_topic: String::new(),
             index_max_blocks: kvgate_core::IndexConfig::default().max_blocks,
+            engine_metrics_interval_ms: 500,
             workers_dns: None,
             workers_kubernetes: None,
             pd: None,

@@ -21,6 +21,7 @@ pub mod cli;
 pub mod config;
 pub mod disaggregation;
 pub mod discovery;
+pub mod engine_load;
 pub mod errors;
 pub mod failover;
 pub mod front_door;

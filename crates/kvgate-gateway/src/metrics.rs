@@ -37,6 +37,7 @@ pub struct Metrics {
     worker_prefill_tokens: IntGaugeVec,
     worker_decode_blocks: GaugeVec,
     worker_healthy: IntGaugeVec,
+    worker_unseen_requests: IntGaugeVec,
     worker_prediction_ratio: GaugeVec,
     worker_credit_trust: GaugeVec,
     ledger_active: IntGaugeVec,
@@ -141,6 +142,7 @@ impl Metrics {
             worker_prefill_tokens: igauge(&r, "kvgate_worker_prefill_tokens", "Uncached prompt tokens waiting for prefill per worker (ledger)", mw)?,
             worker_decode_blocks: gauge(&r, "kvgate_worker_decode_blocks", "Weighted decode KV blocks per worker (ledger)", mw)?,
             worker_healthy: igauge(&r, "kvgate_worker_healthy", "1 when the worker's circuit breaker is closed", mw)?,
+            worker_unseen_requests: igauge(&r, "kvgate_worker_unseen_requests", "Requests the worker's engine last reported holding beyond those kvgate replicas booked there (clients calling it directly, other routers); counted as its load", mw)?,
             worker_prediction_ratio: gauge(&r, "kvgate_worker_cached_tokens_prediction_ratio", "Predicted over engine-reported cached prompt tokens per worker, over about the last 64 reports (1 = honest, above 1 = over-predicting)", mw)?,
             worker_credit_trust: gauge(&r, "kvgate_worker_credit_trust", "Share of tokens credited to a worker for prompts in prefill that its engine then served from cache (kv_aware weighs its credit by this)", mw)?,
             ledger_active: igauge(&r, "kvgate_ledger_active_bookings", "Bookings currently held", &["model"])?,
@@ -213,6 +215,7 @@ impl Metrics {
             &self.worker_in_flight,
             &self.worker_prefill_tokens,
             &self.worker_healthy,
+            &self.worker_unseen_requests,
             &self.ledger_active,
             &self.ledger_booked,
             &self.ledger_swept,
@@ -246,8 +249,21 @@ pub struct ScrapeGauges<'a> {
 }
 
 impl ScrapeGauges<'_> {
-    pub fn worker(&self, model: &str, worker: &str, load: &kvgate_core::WorkerLoad, healthy: bool) {
+    /// One worker's booked load, its health, and the requests its engine reported
+    /// beyond the bookings (`unseen`).
+    pub fn worker(
+        &self,
+        model: &str,
+        worker: &str,
+        load: &kvgate_core::WorkerLoad,
+        healthy: bool,
+        unseen: u32,
+    ) {
         let l = [model, worker];
+        self.m
+            .worker_unseen_requests
+            .with_label_values(&l)
+            .set(i64::from(unseen));
         self.m
             .worker_in_flight
             .with_label_values(&l)

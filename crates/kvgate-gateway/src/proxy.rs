@@ -144,6 +144,33 @@ pub async fn get_status(
     }
 }
 
+/// `GET` of an endpoint's body, within `timeout`; a body past `max_bytes` is an error.
+pub async fn get_body(
+    client: &HttpClient,
+    worker: &Worker,
+    endpoint: Endpoint,
+    timeout: Duration,
+    max_bytes: usize,
+) -> Result<(http::StatusCode, Bytes), SendError> {
+    let mut req = Request::new(Full::new(Bytes::new()));
+    *req.uri_mut() = worker.uri(endpoint);
+    let fut = async {
+        let resp = client.request(req).await.map_err(|e| error_chain(&e))?;
+        let status = resp.status();
+        let body = http_body_util::Limited::new(resp.into_body(), max_bytes);
+        let bytes = http_body_util::BodyExt::collect(body)
+            .await
+            .map_err(|e| e.to_string())?
+            .to_bytes();
+        Ok::<_, String>((status, bytes))
+    };
+    match tokio::time::timeout(timeout, fut).await {
+        Err(_) => Err(SendError::Timeout),
+        Ok(Err(e)) => Err(SendError::Transport(e)),
+        Ok(Ok(r)) => Ok(r),
+    }
+}
+
 fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut src = e.source();

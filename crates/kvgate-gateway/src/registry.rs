@@ -31,6 +31,7 @@ pub enum Endpoint {
     Completions = 1,
     Tokenize = 2,
     Health = 3,
+    Metrics = 4,
 }
 
 impl Endpoint {
@@ -40,6 +41,7 @@ impl Endpoint {
             Endpoint::Completions => "/v1/completions",
             Endpoint::Tokenize => "/tokenize",
             Endpoint::Health => "/health",
+            Endpoint::Metrics => "/metrics",
         }
     }
 }
@@ -54,7 +56,7 @@ pub struct Worker {
     pub header_value: HeaderValue,
     scheme: Scheme,
     authority: Authority,
-    paths: [PathAndQuery; 4],
+    paths: [PathAndQuery; 5],
     pub breaker: Breaker,
     pub config: WorkerConfig,
     /// Cancelled (and replaced) when health checks declare the worker dead, so requests
@@ -96,6 +98,7 @@ impl Worker {
                 path(Endpoint::Completions.path())?,
                 path(Endpoint::Tokenize.path())?,
                 path(&health)?,
+                path(Endpoint::Metrics.path())?,
             ],
             breaker: Breaker::new(),
             config,

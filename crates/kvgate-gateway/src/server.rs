@@ -342,6 +342,7 @@ async fn metrics(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Response
                         &w.url,
                         &m.ledger().load(w.id),
                         !w.breaker.is_open(),
+                        m.ledger().unseen_load(w.id).in_flight,
                     );
                     g.accuracy(&m.name, &w.url, &m.ledger().accuracy(w.id));
                 }
@@ -415,6 +416,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
     let tasks = vec![
         tokio::spawn(crate::health::run_health_checks(gw.clone())),
         tokio::spawn(crate::health::run_ledger_sweep(gw.clone())),
+        tokio::spawn(crate::engine_load::run_engine_queue_reads(gw.clone())),
         tokio::spawn(crate::peers::run_publisher(gw.clone())),
         tokio::spawn(crate::peers::run_followers(gw.clone())),
         tokio::spawn(crate::discovery::run_worker_discovery(gw.clone())),

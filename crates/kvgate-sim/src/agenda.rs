@@ -80,6 +80,11 @@ impl<T> Agenda<T> {
         });
     }
 
+    /// Whether nothing is left to happen.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.heap.is_empty()
+    }
+
     /// The earliest entry and its time.
     pub(crate) fn pop(&mut self) -> Option<(f64, T)> {
         self.heap.pop().map(|e| (e.at_ms, e.what))

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use kvgate_bench::request::Request;
-use kvgate_core::{BookingGuard, PolicyKind, SelectError, WorkerId, PROGRESS_EVERY};
+use kvgate_core::{BookingGuard, EngineQueue, PolicyKind, SelectError, WorkerId, PROGRESS_EVERY};
 use kvgate_events::{EventFeed, EventMetrics};
 use kvgate_gateway::config::ModelConfig;
 use kvgate_mock_engine::scheduler::{RequestId, StepOutput};
@@ -171,6 +171,8 @@ enum Happening {
         payload: Vec<u8>,
     },
     Change(usize),
+    /// The router reads every engine's queue.
+    ReadQueues,
     BackUp {
         engine: usize,
         generation: u32,
@@ -222,6 +224,8 @@ struct Simulation<'a> {
     steps: u64,
     /// The virtual clock's origin as an `Instant`, for the service's `now`.
     origin: Instant,
+    /// How often the router reads the engines' queues.
+    metrics_interval_ms: f64,
     now_ms: f64,
     end_ms: f64,
 }
@@ -263,6 +267,7 @@ pub fn simulate(model: &ModelConfig, fleet: &FleetConfig, load: &Load) -> anyhow
         changes_done: Vec::new(),
         steps: 0,
         origin: Instant::now(),
+        metrics_interval_ms: model.engine_metrics_interval_ms as f64,
         now_ms: 0.0,
         end_ms: 0.0,
     };
@@ -283,6 +288,10 @@ pub fn simulate(model: &ModelConfig, fleet: &FleetConfig, load: &Load) -> anyhow
     }
     for (i, c) in fleet.changes.iter().enumerate() {
         s.agenda.push(c.at_ms, Phase::Change, Happening::Change(i));
+    }
+    // The router reads the engines' queues as `kvgate serve` scrapes their metrics.
+    if model.engine_metrics_interval_ms > 0 {
+        s.agenda.push(0.0, Phase::Deliver, Happening::ReadQueues);
     }
     s.run()?;
     Ok(SimRun {
@@ -329,6 +338,7 @@ impl Simulation<'_> {
                     }
                 }
                 Happening::Change(i) => self.change(i)?,
+                Happening::ReadQueues => self.read_queues(),
                 Happening::BackUp { engine, generation } => {
                     let e = &mut self.engines[engine];
                     if e.generation == generation {
@@ -343,6 +353,27 @@ impl Simulation<'_> {
             }
         }
         Ok(())
+    }
+
+    /// The router reads each engine's queue, as the gateway scrapes its metrics, and
+    /// does again an interval later while anything else is left to happen.
+    fn read_queues(&mut self) {
+        let ledger = self.service.ledger();
+        for e in self.engines.iter().filter(|e| e.in_rotation) {
+            let snapshot = e.sim.snapshot();
+            let queue = EngineQueue {
+                running: u32::try_from(snapshot.running).unwrap_or(u32::MAX),
+                waiting: u32::try_from(snapshot.waiting).unwrap_or(u32::MAX),
+            };
+            ledger.engine_reported(e.worker, queue);
+        }
+        if !self.agenda.is_empty() {
+            self.agenda.push(
+                self.now_ms + self.metrics_interval_ms,
+                Phase::Deliver,
+                Happening::ReadQueues,
+            );
+        }
     }
 
     /// The service's clock at the current virtual time.

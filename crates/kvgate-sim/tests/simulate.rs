@@ -354,3 +354,30 @@ fn kv_aware_spreads_tenants_that_one_cache_cannot_hold() {
     );
     assert!(kv > unbounded + 0.05, "bounded {kv}, unbounded {unbounded}");
 }
+
+/// The router reads each engine's queue as the gateway scrapes its metrics: requests
+/// sent straight to engine 1 count as its load, so least_loaded sends fewer of its own
+/// there than when it reads nothing (`--engine-metrics-interval-ms 0`).
+#[test]
+fn requests_that_bypass_the_router_count_as_load_through_the_engines_metrics() {
+    let requests = tenants_at(400, 16.0, 3);
+    let mut load = Load::open(&requests);
+    for (i, (_, target)) in load.open.iter_mut().enumerate() {
+        if i % 2 == 0 {
+            *target = Target::Engine(1);
+        }
+    }
+    let routed_to_engine_1 = |spec: &str| {
+        let run = simulate(&row(spec).model, &fleet(2, 1024), &load).unwrap();
+        run.records
+            .iter()
+            .filter(|r| r.target == Target::Router && r.engine == Some(1))
+            .count()
+    };
+    let reading = routed_to_engine_1("least_loaded");
+    let blind = routed_to_engine_1("least_loaded@engine-metrics-interval-ms=0");
+    assert!(
+        reading * 2 < blind,
+        "routed to the bypassed engine: {reading} reading its queue, {blind} blind"
+    );
+}

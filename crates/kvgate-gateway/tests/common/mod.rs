@@ -305,6 +305,9 @@ pub fn config(urls: &[&str], policy: PolicyKind) -> Config {
             workers: urls.iter().map(|u| WorkerConfig::new(*u)).collect(),
             policy,
             seed: Some(7),
+            // The fakes serve no /metrics, and some count every request they get;
+            // tests/engine_load.rs reads real (mock) engines' queues.
+            engine_metrics_interval_ms: 0,
             ..ModelConfig::default()
         }],
         health: HealthConfig {

@@ -1,0 +1,113 @@
+//! Load nobody booked: requests that reach an engine without kvgate (a client calling
+//! it directly) show in the engine's metrics, and kvgate counts them as that worker's
+//! load, so least_loaded sends its own requests elsewhere; without the reads it cannot
+//! tell the busy engine from the idle one.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use kvgate_core::PolicyKind;
+use kvgate_gateway::{start, WorkerConfig};
+use kvgate_mock_engine::{spawn, EngineConfig, RunningEngine};
+use serde_json::json;
+
+/// The value of the sample whose name and labels are exactly `series`.
+fn gauge_value(metrics: &str, series: &str) -> Option<f64> {
+    metrics.lines().find_map(|l| {
+        let rest = l.strip_prefix(series)?;
+        rest.trim().parse().ok()
+    })
+}
+
+/// Where `n` short requests sent one after the other through the gateway went.
+async fn route_some(c: &reqwest::Client, gateway: &str, n: usize) -> Vec<String> {
+    let mut served = Vec::new();
+    for i in 0..n {
+        let body = json!({"model": "m", "prompt": format!("routed {i}"), "max_tokens": 1});
+        let r = c
+            .post(format!("{gateway}/v1/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        served.push(worker_of(&r));
+        let _ = r.bytes().await;
+    }
+    served
+}
+
+async fn engines() -> Vec<RunningEngine> {
+    let mut out = Vec::new();
+    for _ in 0..2 {
+        out.push(spawn(EngineConfig::default()).await.unwrap());
+    }
+    out
+}
+
+#[tokio::test]
+async fn requests_sent_to_an_engine_directly_count_as_its_load() {
+    let engines = engines().await;
+    let urls: Vec<String> = engines.iter().map(|e| e.base_url()).collect();
+    let start_gateway = |interval_ms: u64| {
+        let mut cfg = config(&[], PolicyKind::LeastLoaded);
+        cfg.models[0].seed = Some(7);
+        cfg.models[0].engine_metrics_interval_ms = interval_ms;
+        cfg.models[0].workers = urls.iter().map(WorkerConfig::new).collect();
+        start(cfg)
+    };
+    let gw = start_gateway(100).await.unwrap();
+    let blind = start_gateway(0).await.unwrap();
+    let c = client();
+    // Six long requests straight to engine 0, streamed so they stay in flight.
+    let direct = reqwest::Client::new();
+    let mut held = Vec::new();
+    for i in 0..6 {
+        let body = json!({"model": "m", "prompt": format!("direct {i}"), "max_tokens": 4000, "stream": true});
+        let r = direct
+            .post(format!("{}/v1/completions", urls[0]))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        held.push(r);
+    }
+    let series = format!(
+        "kvgate_worker_unseen_requests{{model=\"m\",worker=\"{}\"}}",
+        urls[0]
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = metrics_text(&c, &gw.url()).await;
+        if gauge_value(&text, &series) == Some(6.0) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the engine's six requests never showed: {series} in\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let served = route_some(&c, &gw.url(), 8).await;
+    assert!(served.iter().all(|w| *w == urls[1]), "{served:?}");
+    // The same fleet through a gateway that does not read the engines' queues: it
+    // cannot see the load and splits its requests.
+    let served = route_some(&c, &blind.url(), 8).await;
+    assert!(served.iter().any(|w| *w == urls[0]), "{served:?}");
+    // Once the direct requests end, engine 0 is idle again and gets traffic.
+    drop(held);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = metrics_text(&c, &gw.url()).await;
+        if gauge_value(&text, &series) == Some(0.0) {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{text}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let served = route_some(&c, &gw.url(), 8).await;
+    assert!(served.iter().any(|w| *w == urls[0]), "{served:?}");
+}
