@@ -148,16 +148,11 @@ pub async fn run_worker_discovery(gw: Arc<Gateway>) {
 
 async fn discover(gw: Arc<Gateway>, model: String, pool: &'static str, mut source: Source) {
     let mut known: BTreeSet<String> = BTreeSet::new();
-    let mut tick = tokio::time::interval(source.refresh());
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut ticks = gw.ticks(source.refresh());
     let ports = source.ports();
     let what = source.describe();
     let mut last_error = String::new();
-    loop {
-        tokio::select! {
-            _ = gw.shutdown.cancelled() => return,
-            _ = tick.tick() => {}
-        }
+    while ticks.next().await {
         let resolved = match source.resolve().await {
             Ok(addrs) => {
                 last_error.clear();

@@ -113,13 +113,8 @@ pub async fn run_engine_queue_reads(gw: Arc<Gateway>) {
             let interval = Duration::from_millis(model.config.engine_metrics_interval_ms);
             // A read outlasting the interval is abandoned (the next one starts).
             let timeout = interval.max(Duration::from_millis(100));
-            let mut tick = tokio::time::interval(interval);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    _ = gw.shutdown.cancelled() => return,
-                    _ = tick.tick() => {}
-                }
+            let mut ticks = gw.ticks(interval);
+            while ticks.next().await {
                 let mut reads = JoinSet::new();
                 for worker in model.workers().iter() {
                     if worker.breaker.is_open() {

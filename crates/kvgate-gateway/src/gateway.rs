@@ -317,6 +317,33 @@ impl Gateway {
                 .map(|w| w.url.to_string())
         })
     }
+
+    /// The ticks of a background task that runs every `period` until shutdown.
+    pub(crate) fn ticks(&self, period: Duration) -> Ticks {
+        let mut interval = tokio::time::interval(period);
+        interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        Ticks {
+            interval,
+            shutdown: self.shutdown.clone(),
+        }
+    }
+}
+
+/// A background task's schedule: the first tick at once, then one every period (a
+/// round that overruns delays the next rather than bunching them), none after shutdown.
+pub(crate) struct Ticks {
+    interval: tokio::time::Interval,
+    shutdown: CancellationToken,
+}
+
+impl Ticks {
+    /// Waits for the next tick; false once the gateway shuts down.
+    pub(crate) async fn next(&mut self) -> bool {
+        tokio::select! {
+            _ = self.shutdown.cancelled() => false,
+            _ = self.interval.tick() => true,
+        }
+    }
 }
 
 fn build_model(

@@ -93,14 +93,8 @@ pub async fn run_health_checks(gw: Arc<Gateway>) {
     if cfg.interval_ms == 0 {
         return;
     }
-    let interval = Duration::from_millis(cfg.interval_ms);
-    let mut tick = tokio::time::interval(interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = gw.shutdown.cancelled() => return,
-            _ = tick.tick() => {}
-        }
+    let mut ticks = gw.ticks(Duration::from_millis(cfg.interval_ms));
+    while ticks.next().await {
         let mut set = JoinSet::new();
         for model in gw.pools() {
             for worker in model.workers().iter() {
@@ -128,13 +122,8 @@ pub async fn run_health_checks(gw: Arc<Gateway>) {
 pub async fn run_ledger_sweep(gw: Arc<Gateway>) {
     let ttl = Duration::from_secs(gw.config.ledger_ttl_secs.max(1));
     let period = (ttl / 4).clamp(Duration::from_millis(100), Duration::from_secs(60));
-    let mut tick = tokio::time::interval(period);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = gw.shutdown.cancelled() => return,
-            _ = tick.tick() => {}
-        }
+    let mut ticks = gw.ticks(period);
+    while ticks.next().await {
         for model in gw.pools() {
             let n = model.selection.sweep_expired(Instant::now());
             if n > 0 {

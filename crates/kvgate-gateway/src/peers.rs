@@ -316,17 +316,12 @@ pub async fn run_publisher(gw: Arc<Gateway>) {
     let cfg = &gw.config.peers;
     let heartbeat = Duration::from_millis(cfg.heartbeat_ms);
     let expiry = Duration::from_millis(cfg.expiry_ms);
-    let mut tick = tokio::time::interval(Duration::from_millis(cfg.publish_ms));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut ticks = gw.ticks(Duration::from_millis(cfg.publish_ms));
     // Long enough for every follower to see a settled id in some report.
     let settled_window = Duration::from_millis((cfg.publish_ms * 10).max(250));
     let mut last: Option<(Vec<WireModel>, Vec<u64>, Instant)> = None;
     let mut seq = 0u64;
-    loop {
-        tokio::select! {
-            _ = gw.shutdown.cancelled() => return,
-            _ = tick.tick() => {}
-        }
+    while ticks.next().await {
         let now = Instant::now();
         // Only a replica that follows peers holds their reports (and a follower also
         // drops a peer whose stream goes silent; this is the backstop).
@@ -499,13 +494,8 @@ pub async fn run_followers(gw: Arc<Gateway>) {
         return;
     }
     let mut following: BTreeMap<String, CancellationToken> = BTreeMap::new();
-    let mut refresh = tokio::time::interval(Duration::from_millis(cfg.dns_refresh_ms));
-    refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = gw.shutdown.cancelled() => break,
-            _ = refresh.tick() => {}
-        }
+    let mut refresh = gw.ticks(Duration::from_millis(cfg.dns_refresh_ms));
+    while refresh.next().await {
         let mut wanted = match peer_urls(&cfg).await {
             Ok(urls) => urls,
             Err(err) => {
