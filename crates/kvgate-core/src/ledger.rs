@@ -545,7 +545,7 @@ impl Ledger {
         let mut inner = self.inner.lock();
         let booked = inner.loads.get(&worker).map_or(0, |l| l.in_flight)
             + inner.peers.load(worker).in_flight;
-        let unseen_requests = (queue.running + queue.waiting).saturating_sub(booked);
+        let unseen_requests = (queue.running.saturating_add(queue.waiting)).saturating_sub(booked);
         let unseen = inner.typical.load(unseen_requests, queue.waiting);
         if unseen_requests == 0 {
             inner.unseen.remove(&worker);
@@ -895,6 +895,15 @@ mod tests {
             WorkerLoad::default()
         );
         assert_eq!(ledger.fleet_loads_of(&ws)[1].in_flight, 1);
+        // An absurd report (it comes from outside) saturates rather than overflows.
+        let absurd = EngineQueue {
+            running: u32::MAX,
+            waiting: u32::MAX,
+        };
+        assert_eq!(
+            ledger.engine_reported(WorkerId(1), absurd).in_flight,
+            u32::MAX - 1
+        );
         ledger.engine_reported(WorkerId(1), queue);
         ledger.engine_queue_unknown(WorkerId(1));
         assert_eq!(ledger.unseen_load(WorkerId(1)), WorkerLoad::default());
