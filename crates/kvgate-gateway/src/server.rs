@@ -263,6 +263,8 @@ fn explain_pool(
                 "decode_blocks": s.decode_blocks,
                 "local": p.model.ledger().load(s.worker),
                 "peer": p.model.ledger().peer_load(s.worker),
+                // What the worker's engine last reported beyond every replica's bookings.
+                "unseen": p.model.ledger().unseen_load(s.worker),
                 "cost": s.cost,
             })
         })

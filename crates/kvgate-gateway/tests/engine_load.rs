@@ -93,6 +93,22 @@ async fn requests_sent_to_an_engine_directly_count_as_its_load() {
     }
     let served = route_some(&c, &gw.url(), 8).await;
     assert!(served.iter().all(|w| *w == urls[1]), "{served:?}");
+    // /v1/route/explain shows that load apart from the bookings.
+    let explained = explain(
+        &c,
+        &gw.url(),
+        &json!({"model": "m", "prompt": "why", "max_tokens": 1}),
+    )
+    .await;
+    let busy = explained["scores"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["worker"] == urls[0].as_str())
+        .unwrap();
+    assert_eq!(busy["unseen"]["in_flight"], 6, "{explained}");
+    assert_eq!(busy["local"]["in_flight"], 0, "{explained}");
+    assert_eq!(busy["in_flight"], 6, "{explained}");
     // The same fleet through a gateway that does not read the engines' queues: it
     // cannot see the load and splits its requests.
     let served = route_some(&c, &blind.url(), 8).await;
