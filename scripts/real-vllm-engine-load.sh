@@ -35,6 +35,14 @@ for _ in $(seq 100); do curl -fsS "$GW/ready" >/dev/null 2>&1 && break; sleep 0.
 unseen() {
   curl -fsS "$GW/metrics" | awk -v s="kvgate_worker_unseen_requests{model=\"tiny\",worker=\"$VLLM\"}" '$1 == s {print $2}'
 }
+# Polls the gauge (up to 10 s) until it reads $1; leaves the last reading in $seen.
+wait_unseen() {
+  for _ in $(seq 100); do
+    seen=$(unseen)
+    [ "$seen" = "$1" ] && return
+    sleep 0.1
+  done
+}
 
 direct=()
 for i in $(seq "$DIRECT"); do
@@ -42,12 +50,7 @@ for i in $(seq "$DIRECT"); do
     -d "{\"model\":\"tiny\",\"prompt\":\"direct request $i\",\"max_tokens\":1500,\"ignore_eos\":true,\"stream\":true}" \
     >/dev/null & direct+=($!)
 done
-seen=""
-for _ in $(seq 100); do
-  seen=$(unseen)
-  [ "$seen" = "$DIRECT" ] && break
-  sleep 0.1
-done
+wait_unseen "$DIRECT"
 echo "kvgate_worker_unseen_requests for vLLM with $DIRECT direct requests: ${seen:-none}"
 [ "$seen" = "$DIRECT" ] || { echo "FAIL: expected $DIRECT"; exit 1; }
 
@@ -61,11 +64,7 @@ done
 echo "routed requests sent to vLLM while it held the direct ones: $to_vllm of $ROUTED"
 
 kill "${direct[@]}" 2>/dev/null || true
-for _ in $(seq 100); do
-  seen=$(unseen)
-  [ "$seen" = "0" ] && break
-  sleep 0.1
-done
+wait_unseen 0
 echo "kvgate_worker_unseen_requests for vLLM after the direct requests ended: ${seen:-none}"
 [ "$to_vllm" = "0" ] && [ "$seen" = "0" ] || { echo "FAIL"; exit 1; }
 echo "OK"

@@ -13,12 +13,20 @@ use kvgate_gateway::{start, WorkerConfig};
 use kvgate_mock_engine::{spawn, EngineConfig, RunningEngine};
 use serde_json::json;
 
-/// The value of the sample whose name and labels are exactly `series`.
-fn gauge_value(metrics: &str, series: &str) -> Option<f64> {
-    metrics.lines().find_map(|l| {
-        let rest = l.strip_prefix(series)?;
-        rest.trim().parse().ok()
-    })
+/// Waits (up to 10 s) until the gateway's `series` gauge reads `value`.
+async fn gauge_reaches(c: &reqwest::Client, gateway: &str, series: &str, value: f64) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = metrics_text(c, gateway).await;
+        if gauge_value(&text, series) == Some(value) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{series} never read {value}:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// Where `n` short requests sent one after the other through the gateway went.
@@ -79,18 +87,7 @@ async fn requests_sent_to_an_engine_directly_count_as_its_load() {
         "kvgate_worker_unseen_requests{{model=\"m\",worker=\"{}\"}}",
         urls[0]
     );
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let text = metrics_text(&c, &gw.url()).await;
-        if gauge_value(&text, &series) == Some(6.0) {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the engine's six requests never showed: {series} in\n{text}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    gauge_reaches(&c, &gw.url(), &series, 6.0).await;
     let served = route_some(&c, &gw.url(), 8).await;
     assert!(served.iter().all(|w| *w == urls[1]), "{served:?}");
     // /v1/route/explain shows that load apart from the bookings.
@@ -115,15 +112,7 @@ async fn requests_sent_to_an_engine_directly_count_as_its_load() {
     assert!(served.iter().any(|w| *w == urls[0]), "{served:?}");
     // Once the direct requests end, engine 0 is idle again and gets traffic.
     drop(held);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let text = metrics_text(&c, &gw.url()).await;
-        if gauge_value(&text, &series) == Some(0.0) {
-            break;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "{text}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    gauge_reaches(&c, &gw.url(), &series, 0.0).await;
     let served = route_some(&c, &gw.url(), 8).await;
     assert!(served.iter().any(|w| *w == urls[0]), "{served:?}");
 }

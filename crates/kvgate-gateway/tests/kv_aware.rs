@@ -13,14 +13,6 @@ use kvgate_gateway::{start, WorkerConfig};
 use kvgate_mock_engine::{spawn, EngineConfig};
 use serde_json::{json, Value};
 
-/// The value of the sample whose name and labels are exactly `series`.
-fn gauge_value(metrics: &str, series: &str) -> Option<f64> {
-    metrics.lines().find_map(|l| {
-        let rest = l.strip_prefix(series)?;
-        rest.trim().parse().ok()
-    })
-}
-
 #[tokio::test]
 async fn repeated_prompt_follows_its_cached_prefix() {
     let mut engines = Vec::new();

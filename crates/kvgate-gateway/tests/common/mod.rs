@@ -338,6 +338,14 @@ pub async fn metrics_text(c: &reqwest::Client, gateway_url: &str) -> String {
         .unwrap()
 }
 
+/// The value of the sample whose name and labels are exactly `series`.
+pub fn gauge_value(metrics: &str, series: &str) -> Option<f64> {
+    metrics.lines().find_map(|l| {
+        let rest = l.strip_prefix(series)?;
+        rest.trim().parse().ok()
+    })
+}
+
 /// The gateway's `/v1/route/explain` answer for a request body.
 pub async fn explain(
     c: &reqwest::Client,
