@@ -14,6 +14,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use kvgate_core::EngineQueue;
 use tokio::task::JoinSet;
 
@@ -83,7 +84,7 @@ async fn read_queue(gw: &Gateway, model: &ModelState, worker: &Worker, timeout: 
     )
     .await;
     let queue = match &read {
-        Ok((status, body)) if status.is_success() => {
+        Ok((status, Ok(body))) if status.is_success() => {
             parse_engine_queue(&String::from_utf8_lossy(body))
         }
         _ => None,
@@ -93,7 +94,7 @@ async fn read_queue(gw: &Gateway, model: &ModelState, worker: &Worker, timeout: 
             model.ledger().engine_reported(worker.id, queue);
         }
         None => {
-            tracing::debug!(model = %model.name, worker = %worker.url, read = ?read.as_ref().map(|(s, b)| (*s, b.len())), "no queue in the engine's metrics");
+            tracing::debug!(model = %model.name, worker = %worker.url, read = ?read.as_ref().map(|(s, b)| (*s, b.as_ref().map(Bytes::len))), "no queue in the engine's metrics");
             model.ledger().engine_queue_unknown(worker.id);
         }
     }

@@ -121,52 +121,43 @@ impl Upstream<'_> {
     }
 }
 
-/// GETs `endpoint` of `worker` (health checks), returning the status.
+/// GETs `endpoint` of `worker` (health checks), returning the status; the body is
+/// read (so the connection returns to the pool) and dropped, whatever it holds.
 pub async fn get_status(
     client: &HttpClient,
     worker: &Worker,
     endpoint: Endpoint,
     timeout: Duration,
 ) -> Result<http::StatusCode, SendError> {
-    let mut req = Request::new(Full::new(Bytes::new()));
-    *req.uri_mut() = worker.uri(endpoint);
-    let fut = async {
-        let resp = client.request(req).await?;
-        let status = resp.status();
-        // Read the (small) body so the connection returns to the pool.
-        let _ = http_body_util::BodyExt::collect(resp.into_body()).await;
-        Ok::<_, hyper_util::client::legacy::Error>(status)
-    };
-    match tokio::time::timeout(timeout, fut).await {
-        Err(_) => Err(SendError::Timeout),
-        Ok(Err(e)) => Err(SendError::Transport(error_chain(&e))),
-        Ok(Ok(s)) => Ok(s),
-    }
+    get_body(client, worker, endpoint, timeout, usize::MAX)
+        .await
+        .map(|(status, _)| status)
 }
 
-/// `GET` of an endpoint's body, within `timeout`; a body past `max_bytes` is an error.
+/// `GET` of an endpoint within `timeout`: its status, and its body or why it could not
+/// be read (a body past `max_bytes`, a connection cut mid-body).
 pub async fn get_body(
     client: &HttpClient,
     worker: &Worker,
     endpoint: Endpoint,
     timeout: Duration,
     max_bytes: usize,
-) -> Result<(http::StatusCode, Bytes), SendError> {
+) -> Result<(http::StatusCode, Result<Bytes, String>), SendError> {
     let mut req = Request::new(Full::new(Bytes::new()));
     *req.uri_mut() = worker.uri(endpoint);
     let fut = async {
-        let resp = client.request(req).await.map_err(|e| error_chain(&e))?;
+        let resp = client.request(req).await?;
         let status = resp.status();
         let body = http_body_util::Limited::new(resp.into_body(), max_bytes);
         let bytes = http_body_util::BodyExt::collect(body)
             .await
-            .map_err(|e| e.to_string())?
-            .to_bytes();
-        Ok::<_, String>((status, bytes))
+            .map(|b| b.to_bytes())
+            .map_err(|e| e.to_string());
+        Ok::<_, hyper_util::client::legacy::Error>((status, bytes))
     };
     match tokio::time::timeout(timeout, fut).await {
         Err(_) => Err(SendError::Timeout),
-        Ok(Err(e)) => Err(SendError::Transport(e)),
+        Ok(Err(e)) => Err(SendError::Transport(error_chain(&e))),
         Ok(Ok(r)) => Ok(r),
     }
 }
