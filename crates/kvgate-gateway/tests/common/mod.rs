@@ -289,9 +289,13 @@ pub async fn fake(name: &str, behavior: Behavior) -> Fake {
 
 /// A loopback URL nobody listens on.
 pub async fn dead_url() -> String {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!("http://{}", l.local_addr().unwrap());
-    drop(l);
+    // Bound but never listening: a connection is refused, and the port stays taken for
+    // the rest of the test process (the socket is leaked on purpose), so the gateway or
+    // an engine started next cannot be given it, as a port merely freed could be.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let url = format!("http://{}", socket.local_addr().unwrap());
+    std::mem::forget(socket);
     url
 }
 
