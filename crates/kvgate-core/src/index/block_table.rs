@@ -1,6 +1,8 @@
 //! The prefix index's table of block entries: a hash table keyed by the block key the
 //! entry itself carries, so every bucket is one cache-line-aligned [`BlockEntry`].
-//! Owns storage and lookup only; what an entry means is `entry.rs`'s and `mod.rs`'s.
+//! Owns storage and lookup only; what an entry means is `entry.rs`'s and `mod.rs`'s. An
+//! insert that would grow the table only because removals left deleted slots rebuilds it
+//! at its size instead (`table_size.rs`), so churn at a flat live count keeps it flat.
 
 use std::hash::BuildHasher;
 
@@ -8,11 +10,13 @@ use hashbrown::hash_table::{Entry, HashTable, OccupiedEntry};
 use rustc_hash::FxBuildHasher;
 
 use super::entry::BlockEntry;
+use super::table_size::TableSize;
 use crate::hashing::BlockKey;
 
 #[derive(Debug, Default)]
 pub(super) struct BlockTable {
     table: HashTable<BlockEntry>,
+    size: TableSize,
 }
 
 #[inline]
@@ -43,6 +47,13 @@ impl BlockTable {
         key: BlockKey,
         parent: Option<BlockKey>,
     ) -> &mut BlockEntry {
+        if self
+            .size
+            .must_rebuild(self.table.len(), self.table.capacity())
+            && !self.contains_key(&key)
+        {
+            self.rebuild();
+        }
         match self
             .table
             .entry(hash(key), |e| e.key() == key, |e| hash(e.key()))
@@ -63,6 +74,15 @@ impl BlockTable {
         if let Ok(o) = self.table.find_entry(hash(*key), |e| e.key() == *key) {
             o.remove();
         }
+    }
+
+    /// Moves every entry into a table of the same size, without deleted slots.
+    fn rebuild(&mut self) {
+        let mut fresh = HashTable::with_capacity(self.size.full());
+        for entry in std::mem::take(&mut self.table) {
+            fresh.insert_unique(hash(entry.key()), entry, |e| hash(e.key()));
+        }
+        self.table = fresh;
     }
 
     pub(super) fn len(&self) -> usize {

@@ -53,6 +53,7 @@ mod evict;
 mod links;
 mod query;
 pub(crate) mod slot_bits;
+mod table_size;
 
 use std::collections::hash_map::Entry as HashMapEntry;
 use std::collections::VecDeque;
@@ -65,6 +66,7 @@ use block_table::BlockTable;
 use entry::{BlockEntry, Holder};
 use links::{held_block_lost_child, orphan_child_left};
 pub use query::{Overlap, OverlapScores};
+use table_size::TableSize;
 
 use crate::hashing::{BlockHasher, BlockKey};
 use crate::ids::{Tier, WorkerId, WorkerRef};
@@ -192,6 +194,8 @@ pub struct IndexStats {
 struct SlotState {
     at: WorkerRef,
     engine_to_key: FxHashMap<u64, BlockKey>,
+    /// Tells deleted slots in `engine_to_key` from growth (see `table_size.rs`).
+    engine_to_key_size: TableSize,
     entries: usize,
     /// Blocks this slot does not hold although it holds children of them (holes), with
     /// the number of such children. Empty: the slot holds closed prefix sets.
@@ -208,11 +212,32 @@ impl SlotState {
         Self {
             at,
             engine_to_key: FxHashMap::default(),
+            engine_to_key_size: TableSize::default(),
             entries: 0,
             orphans: FxHashMap::default(),
             lower_only: 0,
             applied_seq: None,
         }
+    }
+
+    /// Records that the slot holds its engine's block `engine_hash` as `key`; returns
+    /// what the hash meant before. Rebuilds the map at its size first when only deleted
+    /// slots would make it grow.
+    fn map_engine_hash(&mut self, engine_hash: u64, key: BlockKey) -> Option<BlockKey> {
+        let map = &mut self.engine_to_key;
+        if self
+            .engine_to_key_size
+            .must_rebuild(map.len(), map.capacity())
+            && !map.contains_key(&engine_hash)
+        {
+            let mut fresh = FxHashMap::with_capacity_and_hasher(
+                self.engine_to_key_size.full(),
+                Default::default(),
+            );
+            fresh.extend(std::mem::take(map));
+            *map = fresh;
+        }
+        map.insert(engine_hash, key)
     }
 
     /// Whether binary search over a request's keys gives this slot's exact overlap.
@@ -677,7 +702,7 @@ impl PrefixIndex {
         // One map operation: record the new mapping and learn what it meant before.
         let previous = self
             .slot_mut(slot)
-            .and_then(|s| s.engine_to_key.insert(engine_hash, key));
+            .and_then(|s| s.map_engine_hash(engine_hash, key));
         if let Some(old_key) = previous.filter(|k| *k != key) {
             // The engine hash meant another block before (a reset we did not see).
             let removed = self.remove_holders(slot, old_key, |h| h.engine_hash == engine_hash);
