@@ -7,7 +7,9 @@
 //!   blocks evict the oldest request's (leaf first, as vLLM frees them), for at least
 //!   20M block events (stores + removals); kvgate's index runs at its own entry cap.
 //!   Live bytes and resident memory when the index first reaches its steady size and at
-//!   the end: an index that leaks nodes under prefix churn grows between the two.
+//!   the end: an index that leaks nodes under prefix churn grows between the two. Also
+//!   the longest single event: a table resized or rebuilt at once stalls the event (and
+//!   the routing decisions waiting on the index) that triggers it.
 //!
 //! Run: `CARGO_TARGET_DIR=target/dynamo-compare cargo bench --manifest-path
 //! bench/dynamo-compare/Cargo.toml --bench memory_churn` (results: docs/BENCHMARKS.md).
@@ -19,7 +21,7 @@ mod support;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use dynamo_kv_router::indexer::RadixTree;
 use kvgate_core::{BlockHasher, IndexConfig, PrefixIndex, StoredBlocks, Tier, WorkerId, WorkerRef};
@@ -176,6 +178,29 @@ struct ChurnResult {
     seconds: f64,
     /// Live bytes every 4M block events after the steady state.
     trend: Vec<usize>,
+    /// The longest single event (one store or one removal), and how many took over 1 ms:
+    /// a table resized or rebuilt in one go stalls the event that triggers it.
+    longest_event: Duration,
+    events_over_1ms: u64,
+}
+
+/// The longest event and the count of events over 1 ms.
+#[derive(Default)]
+struct Stalls {
+    longest: Duration,
+    over_1ms: u64,
+}
+
+impl Stalls {
+    fn time(&mut self, f: impl FnOnce()) {
+        let started = Instant::now();
+        f();
+        let took = started.elapsed();
+        self.longest = self.longest.max(took);
+        if took > Duration::from_millis(1) {
+            self.over_1ms += 1;
+        }
+    }
 }
 
 fn tokens_of(key: u64) -> Vec<u32> {
@@ -210,17 +235,20 @@ fn churn(index: &mut dyn Index, c: &Churn) -> ChurnResult {
     let mut request = 0u64;
     let mut trend = Vec::new();
     let mut next_sample = 0u64;
+    let mut stalls = Stalls::default();
     while events < c.events {
         let worker = (request % u64::from(WORKERS)) as u32;
         let w = worker as usize;
         let root = (request / u64::from(WORKERS)) % c.roots;
         if !held_roots[w][root as usize] {
-            index.store(
-                worker,
-                None,
-                &[root_hashes[root as usize]],
-                &root_tokens[root as usize],
-            );
+            stalls.time(|| {
+                index.store(
+                    worker,
+                    None,
+                    &[root_hashes[root as usize]],
+                    &root_tokens[root as usize],
+                )
+            });
             held_roots[w][root as usize] = true;
             events += 1;
         }
@@ -233,7 +261,7 @@ fn churn(index: &mut dyn Index, c: &Churn) -> ChurnResult {
             hashes.push(parent);
             tokens.extend_from_slice(&t);
         }
-        index.store(worker, Some(root_hashes[root as usize]), &hashes, &tokens);
+        stalls.time(|| index.store(worker, Some(root_hashes[root as usize]), &hashes, &tokens));
         events += hashes.len() as u64;
         held[w] += hashes.len();
         fifo[w].push_back(hashes);
@@ -242,7 +270,7 @@ fn churn(index: &mut dyn Index, c: &Churn) -> ChurnResult {
                 break;
             };
             let leaf_first: Vec<u64> = old.iter().rev().copied().collect();
-            index.remove(worker, &leaf_first);
+            stalls.time(|| index.remove(worker, &leaf_first));
             events += old.len() as u64;
             held[w] -= old.len();
         }
@@ -266,6 +294,8 @@ fn churn(index: &mut dyn Index, c: &Churn) -> ChurnResult {
         block_events: events,
         seconds: started.elapsed().as_secs_f64(),
         trend,
+        longest_event: stalls.longest,
+        events_over_1ms: stalls.over_1ms,
     }
 }
 
@@ -291,6 +321,11 @@ fn report(name: &str, r: &ChurnResult, base: usize) {
         "churn {name}: live MiB every 4M block events after the steady state: {}",
         trend.join(", ")
     );
+    println!(
+        "churn {name}: longest single event {:.1} ms; {} events took over 1 ms",
+        r.longest_event.as_secs_f64() * 1000.0,
+        r.events_over_1ms
+    );
 }
 
 fn main() {
@@ -306,6 +341,11 @@ fn main() {
     }
     let kv_entries = kv.len();
     let kv_bytes = live() - base;
+    println!(
+        "population: {kv_entries} (block, worker) entries over {} distinct blocks ({:.2} workers per block)",
+        kv.distinct_blocks(),
+        kv_entries as f64 / kv.distinct_blocks().max(1) as f64
+    );
     drop(kv);
     let base = live();
     let mut dy = Dynamo {

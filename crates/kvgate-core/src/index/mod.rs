@@ -45,7 +45,9 @@
 //! (holders sorted by store stamp) when the cap is first exceeded, compacted whenever
 //! stale items outnumber live ones, and dropped again once the index falls below half
 //! the cap, so the common case (engines reporting their own evictions) pays nothing for
-//! it and no structure only grows.
+//! it and no structure only grows. Under churn at the cap (live count flat, blocks
+//! arriving and leaving) the hash tables would fill with deleted slots and double;
+//! they are rebuilt at their size instead (`table_size.rs`).
 
 mod block_table;
 mod entry;
