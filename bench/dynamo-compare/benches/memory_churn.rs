@@ -15,62 +15,19 @@
 //! bench/dynamo-compare/Cargo.toml --bench memory_churn` (results: docs/BENCHMARKS.md).
 
 mod common;
+#[path = "../../../crates/kvgate-core/benches/support/counting_alloc.rs"]
+mod counting_alloc;
 #[path = "../../../crates/kvgate-core/benches/support/mod.rs"]
 mod support;
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use counting_alloc::live;
 use dynamo_kv_router::indexer::RadixTree;
 use kvgate_core::{BlockHasher, IndexConfig, PrefixIndex, StoredBlocks, Tier, WorkerId, WorkerRef};
 use support::mooncake::scenario;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
-
-/// Counts the bytes currently allocated through it.
-struct Counting;
-
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            LIVE.fetch_add(layout.size(), Ordering::Relaxed);
-        }
-        p
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) };
-        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc_zeroed(layout) };
-        if !p.is_null() {
-            LIVE.fetch_add(layout.size(), Ordering::Relaxed);
-        }
-        p
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let p = unsafe { System.realloc(ptr, layout, new_size) };
-        if !p.is_null() {
-            LIVE.fetch_add(new_size, Ordering::Relaxed);
-            LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-        }
-        p
-    }
-}
-
-#[global_allocator]
-static ALLOC: Counting = Counting;
-
-fn live() -> usize {
-    LIVE.load(Ordering::Relaxed)
-}
 
 /// Resident set size from /proc/self/statm, in bytes (0 where unavailable).
 fn rss() -> usize {

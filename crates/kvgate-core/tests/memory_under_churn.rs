@@ -8,51 +8,13 @@
 //!
 //! One test per binary: the allocator counts the whole process.
 
-use std::alloc::{GlobalAlloc, Layout, System};
+#[path = "../benches/support/counting_alloc.rs"]
+mod counting_alloc;
+
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
+use counting_alloc::live;
 use kvgate_core::{BlockHasher, IndexConfig, PrefixIndex, StoredBlocks, Tier, WorkerId, WorkerRef};
-
-struct Counting;
-
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: forwards to the system allocator and only counts sizes.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            LIVE.fetch_add(layout.size(), Ordering::Relaxed);
-        }
-        p
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) };
-        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc_zeroed(layout) };
-        if !p.is_null() {
-            LIVE.fetch_add(layout.size(), Ordering::Relaxed);
-        }
-        p
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let p = unsafe { System.realloc(ptr, layout, new_size) };
-        if !p.is_null() {
-            LIVE.fetch_add(new_size, Ordering::Relaxed);
-            LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-        }
-        p
-    }
-}
-
-#[global_allocator]
-static ALLOC: Counting = Counting;
 
 const BLOCK_SIZE: u32 = 4;
 const WORKERS: u32 = 16;
@@ -106,7 +68,7 @@ fn memory_stays_flat_under_prefix_churn_at_the_cap() {
         BlockHasher::new(BLOCK_SIZE).expect("block size"),
         IndexConfig { max_blocks: cap },
     );
-    let base = LIVE.load(Ordering::Relaxed);
+    let base = live();
     let mut fifo: Vec<VecDeque<Vec<u64>>> = vec![VecDeque::new(); WORKERS as usize];
     let mut held = vec![0usize; WORKERS as usize];
     let mut roots_held = vec![vec![false; ROOTS as usize]; WORKERS as usize];
@@ -151,7 +113,7 @@ fn memory_stays_flat_under_prefix_churn_at_the_cap() {
             events += old.len() as u64;
             held[w] -= old.len();
         }
-        let live = LIVE.load(Ordering::Relaxed).saturating_sub(base);
+        let live = live().saturating_sub(base);
         match steady {
             None if held.iter().all(|&h| h + UNIQUE > ENGINE_BLOCKS) => steady = Some(live),
             Some(_) => peak_after = peak_after.max(live),
