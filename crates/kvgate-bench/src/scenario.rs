@@ -296,6 +296,74 @@ pub struct ScenarioRow {
     pub predicted_over_reported: Option<f64>,
     /// Requests sent straight to an engine by the bypass client.
     pub bypass_requests: usize,
+    /// The routed requests by when they were sent relative to the change (scenarios
+    /// with a change).
+    #[serde(default)]
+    pub phases: Option<Phases>,
+}
+
+/// One phase of a row: the routed requests sent in it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct PhaseStats {
+    /// Requests sent.
+    pub sent: usize,
+    /// Of them, the ones that ended without an error.
+    pub ok: usize,
+    /// Cached over prompt tokens of the ok ones whose engine reported cached tokens.
+    pub prefix_hit_rate: Option<f64>,
+}
+
+/// A row's routed requests split by when they were sent: before the change, while it
+/// was under way (an engine hung, then restarting), and after it was done. Where a
+/// row's hit rate comes from: a router that keeps serving while an engine is down pays
+/// for it in hits then (the survivors' caches take the other engine's tenants), one
+/// whose requests wait on the hung engine serves fewer requests and loses no hits, and
+/// only the phase after the change shows how well a router used what it knew of the
+/// caches then.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Phases {
+    pub before: PhaseStats,
+    pub during: PhaseStats,
+    pub after: PhaseStats,
+}
+
+/// Splits `outcomes` at `change_at_s` and `change_done_s` (seconds since the load
+/// started; equal for an instant change, which then has no "during").
+pub fn phases(outcomes: &[Outcome], change_at_s: f64, change_done_s: f64) -> Phases {
+    let stats = |from: f64, to: f64| {
+        let sent: Vec<&Outcome> = outcomes
+            .iter()
+            .filter(|o| (from..to).contains(&o.sent_at.as_secs_f64()))
+            .collect();
+        let ok: Vec<&&Outcome> = sent.iter().filter(|o| o.is_ok()).collect();
+        let (cached, prompt) = ok
+            .iter()
+            .filter_map(|o| o.cached_tokens.map(|c| (c, o.prompt_tokens)))
+            .fold((0u64, 0u64), |(c, p), (oc, op)| (c + oc, p + op));
+        PhaseStats {
+            sent: sent.len(),
+            ok: ok.len(),
+            prefix_hit_rate: (prompt > 0).then(|| cached as f64 / prompt as f64),
+        }
+    };
+    Phases {
+        before: stats(f64::NEG_INFINITY, change_at_s),
+        during: stats(change_at_s, change_done_s),
+        after: stats(change_done_s.max(change_at_s), f64::INFINITY),
+    }
+}
+
+/// `hit (sent) · hit (sent) · hit (sent)`, before, during and after the change (`-`
+/// for a phase with no requests).
+pub fn fmt_phases(p: &Phases) -> String {
+    [p.before, p.during, p.after]
+        .iter()
+        .map(|s| match s.sent {
+            0 => "- (0)".to_string(),
+            n => format!("{} ({n})", fmt_pct(s.prefix_hit_rate)),
+        })
+        .collect::<Vec<_>>()
+        .join(" · ")
 }
 
 /// One scenario's rows.
@@ -378,6 +446,7 @@ fn empty_row(label: String, status: &str, note: String) -> ScenarioRow {
         change_done_s: None,
         predicted_over_reported: None,
         bypass_requests: 0,
+        phases: None,
     }
 }
 
@@ -434,7 +503,7 @@ async fn run_row(
             }
         })
     });
-    let load = closed_loop(&client, workload.clone(), cfg.concurrency, deadline);
+    let load = closed_loop(&client, workload.clone(), cfg.concurrency, start, deadline);
     let change = apply_change(
         shape.change,
         &mut fleet,
@@ -462,6 +531,8 @@ async fn run_row(
     let from = change_done.map_or(0.0, |d| d.as_secs_f64());
     let to = change_done.map_or(f64::INFINITY, |d| (d + SHARE_WINDOW).as_secs_f64());
     let watched_share = window_share(&counts, &bypass_done, shape.watched, from, to);
+    let phases =
+        change_done.map(|done| phases(&outcomes, cfg.change_at.as_secs_f64(), done.as_secs_f64()));
     let run = RunResult { outcomes, wall };
     let mut report = Report::from_run(&spec.label(), &run);
     if report.per_worker.is_empty() {
@@ -477,15 +548,18 @@ async fn run_row(
         change_done_s: change_done.map(|d| d.as_secs_f64()),
         predicted_over_reported,
         bypass_requests: bypass_done.len(),
+        phases,
     })
 }
 
 /// `concurrency` senders, each sending the next request as soon as its previous one
-/// ended, until `deadline`. Outcomes sorted by request id.
+/// ended, until `deadline`. Outcomes sorted by request id, each with when it was sent
+/// since `start`.
 async fn closed_loop(
     client: &BenchClient,
     workload: Arc<TenantWorkload>,
     concurrency: usize,
+    start: Instant,
     deadline: Instant,
 ) -> Vec<Outcome> {
     let next = Arc::new(AtomicU64::new(0));
@@ -496,7 +570,10 @@ async fn closed_loop(
             let mut outs = Vec::new();
             while Instant::now() < deadline {
                 let k = next.fetch_add(1, Ordering::Relaxed);
-                outs.push(client.send(&workload.request(k)).await);
+                let sent_at = start.elapsed();
+                let mut out = client.send(&workload.request(k)).await;
+                out.sent_at = sent_at;
+                outs.push(out);
             }
             outs
         });
@@ -769,17 +846,36 @@ pub fn render_markdown(summaries: &[ScenarioSummary]) -> String {
         } else {
             format!("engine {} share", sh.watched)
         };
+        let (phase_head, phase_rule) = if sh.change.is_some() {
+            (
+                " prefix hit before · during · after the change (requests sent) |",
+                "---:|",
+            )
+        } else {
+            ("", "")
+        };
         let _ = writeln!(
             s,
-            "| router | ok | errors | prefix hit | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | E2E max ms | {share_head} | predicted / reported cached | note |"
+            "| router | ok | errors | prefix hit |{phase_head} TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | E2E max ms | {share_head} | predicted / reported cached | note |"
         );
-        let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|");
+        let _ = writeln!(
+            s,
+            "|---|---:|---:|---:|{phase_rule}---:|---:|---:|---:|---:|---:|---|"
+        );
         for row in &sum.rows {
             match &row.report {
                 Some(r) => {
+                    let phase_cell = if sh.change.is_some() {
+                        format!(
+                            " {} |",
+                            row.phases.as_ref().map_or_else(|| "-".into(), fmt_phases)
+                        )
+                    } else {
+                        String::new()
+                    };
                     let _ = writeln!(
                         s,
-                        "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.0} | {} | {} | {} |",
+                        "| {} | {} | {} | {} |{phase_cell} {:.1} | {:.1} | {:.1} | {:.0} | {} | {} | {} |",
                         row.label,
                         r.ok,
                         r.errors,
@@ -793,7 +889,13 @@ pub fn render_markdown(summaries: &[ScenarioSummary]) -> String {
                         row.note.as_deref().unwrap_or(""),
                     );
                 }
-                None => not_run_row(&mut s, &row.label, &row.status, row.note.as_deref(), 9),
+                None => not_run_row(
+                    &mut s,
+                    &row.label,
+                    &row.status,
+                    row.note.as_deref(),
+                    9 + usize::from(sh.change.is_some()),
+                ),
             }
         }
         s.push('\n');
@@ -938,6 +1040,46 @@ mod tests {
         assert!((timeline[3].1 - 0.5).abs() < 1e-9);
     }
 
+    /// A row's requests split by when they were sent: before the change, while it was
+    /// under way (a hung engine), after it was done. Errors count as sent, not in the
+    /// hit rate; requests without cache info are left out of the hit rate.
+    #[test]
+    fn phases_split_requests_by_when_they_were_sent() {
+        let out = |sent_s: f64, cached: Option<u64>, error: bool| Outcome {
+            sent_at: Duration::from_secs_f64(sent_s),
+            prompt_tokens: 100,
+            cached_tokens: cached,
+            error: error.then(|| "stream_error".to_string()),
+            ..Outcome::default()
+        };
+        let outcomes = [
+            out(1.0, Some(90), false),
+            out(7.9, Some(70), false),
+            out(8.0, Some(10), false),
+            out(9.0, None, true),
+            out(17.9, Some(30), false),
+            out(18.0, Some(80), false),
+            out(30.0, None, false),
+        ];
+        let p = phases(&outcomes, 8.0, 18.0);
+        assert_eq!((p.before.sent, p.before.ok), (2, 2));
+        assert!((p.before.prefix_hit_rate.unwrap() - 0.8).abs() < 1e-9);
+        assert_eq!((p.during.sent, p.during.ok), (3, 2));
+        assert!((p.during.prefix_hit_rate.unwrap() - 0.2).abs() < 1e-9);
+        assert_eq!((p.after.sent, p.after.ok), (2, 2));
+        assert!((p.after.prefix_hit_rate.unwrap() - 0.8).abs() < 1e-9);
+        // An instant change (a cache reset) has no "during".
+        let instant = phases(&outcomes, 8.0, 8.0);
+        assert_eq!(instant.during, PhaseStats::default());
+        assert_eq!(instant.after.sent, 5);
+        assert_eq!(
+            fmt_phases(&p),
+            "80.0% (2) · 20.0% (3) · 80.0% (2)",
+            "hit rate (requests sent) per phase"
+        );
+        assert_eq!(fmt_phases(&instant).split(" · ").nth(1), Some("- (0)"));
+    }
+
     #[test]
     fn markdown_and_svg_name_every_row() {
         let row = |label: &str| ScenarioRow {
@@ -955,6 +1097,7 @@ mod tests {
             change_done_s: Some(8.0),
             predicted_over_reported: Some(1.01),
             bypass_requests: 0,
+            phases: Some(Phases::default()),
         };
         let sum = ScenarioSummary {
             scenario: ScenarioKind::Added,

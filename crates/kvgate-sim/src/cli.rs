@@ -18,14 +18,14 @@ use kvgate_bench::compare::{render_markdown, write_outputs, CompareRow, CompareS
 use kvgate_bench::report::{fmt_pct, Report};
 use kvgate_bench::request::{summarize, Request};
 use kvgate_bench::scenario::{
-    render_share_svg, Change, ScenarioRow, ScenarioSummary, Shape, TenantWorkload,
+    phases, render_share_svg, Change, ScenarioRow, ScenarioSummary, Shape, TenantWorkload,
 };
 use kvgate_mock_engine::cli::MockEngineArgs;
 use kvgate_mock_engine::SimConfig as EngineSimConfig;
 
 use crate::change::{ChangeKind, FleetChange};
 use crate::plan::{plan, PlanConfig};
-use crate::report::{report, share_between};
+use crate::report::{report, routed_outcomes, share_between};
 use crate::rows::{parse_rows, SimRow};
 use crate::simulation::{simulate, ClosedLoop, FleetConfig, Load, SimRun, Target};
 
@@ -507,6 +507,9 @@ fn run_scenarios(args: ScenariosArgs) -> anyhow::Result<()> {
                     .iter()
                     .filter(|r| r.target != Target::Router && r.error.is_none())
                     .count(),
+                phases: change_done.map(|done| {
+                    phases(&routed_outcomes(&run), change_at_ms / 1000.0, done / 1000.0)
+                }),
                 report: Some(rep),
             });
         }

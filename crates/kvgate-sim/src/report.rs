@@ -57,7 +57,7 @@ pub fn report(label: &str, run: &SimRun) -> Report {
     } else {
         Duration::ZERO
     };
-    let outcomes = routed.iter().map(|r| outcome(r)).collect();
+    let outcomes = routed_outcomes(run);
     let mut report = Report::from_run(label, &RunResult { outcomes, wall });
     let predictions: Vec<u64> = routed
         .iter()
@@ -67,6 +67,15 @@ pub fn report(label: &str, run: &SimRun) -> Report {
         .collect();
     report.predicted_cached_tokens = (!predictions.is_empty()).then(|| predictions.iter().sum());
     report
+}
+
+/// The requests sent through the router, as the bench's per-request outcomes.
+pub fn routed_outcomes(run: &SimRun) -> Vec<Outcome> {
+    run.records
+        .iter()
+        .filter(|r| r.target == Target::Router)
+        .map(outcome)
+        .collect()
 }
 
 /// Share of the routed requests sent in `[from_ms, to_ms)` that engine `engine` served.

@@ -92,7 +92,7 @@ async fn a_hung_engine_holds_no_request_past_the_health_bound() {
     let kv = row(&summaries[0], "kv_aware");
     let report = kv.report.as_ref().unwrap_or_else(|| panic!("{kv:?}"));
     // Streams already under way on the engine when it hung end with an error event
-    // (at most one per slot); requests still waiting for their first byte fail over.
+    // (at most one per slot); requests still waiting for their first event fail over.
     assert!(
         report.errors <= cfg.concurrency,
         "{} errors: {:?}",
@@ -107,4 +107,12 @@ async fn a_hung_engine_holds_no_request_past_the_health_bound() {
         report.e2e_ms.max
     );
     assert!(report.ok > 50, "{report:?}");
+    // The requests split by when they were sent: before the hang, while the engine was
+    // hung or restarting, after it was back.
+    let phases = kv
+        .phases
+        .expect("a scenario with a change reports its phases");
+    let sent = [phases.before.sent, phases.during.sent, phases.after.sent];
+    assert!(sent.iter().all(|n| *n > 0), "{phases:?}");
+    assert_eq!(sent.iter().sum::<usize>(), report.requests, "{phases:?}");
 }
