@@ -167,7 +167,7 @@ pub struct ServeArgs {
     pub large_body_concurrency: Option<usize>,
     #[arg(long, help_heading = UPSTREAM, help = with_default("Upstream connect timeout, ms (0 = none)", TimeoutsConfig::default().connect_ms))]
     pub connect_timeout_ms: Option<u64>,
-    #[arg(long, help_heading = UPSTREAM, help = with_default("Upstream time to response head, ms (0 = none)", TimeoutsConfig::default().first_byte_ms))]
+    #[arg(long, help_heading = UPSTREAM, help = with_default("Upstream time to the answer's start (its head; for a stream, its first event), ms (0 = none)", TimeoutsConfig::default().first_byte_ms))]
     pub first_byte_timeout_ms: Option<u64>,
     #[arg(long, help_heading = UPSTREAM, help = with_default("Upstream whole-request timeout, ms (0 = none)", TimeoutsConfig::default().total_ms))]
     pub request_timeout_ms: Option<u64>,

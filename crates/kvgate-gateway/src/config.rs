@@ -720,8 +720,9 @@ impl LimitsConfig {
 pub struct TimeoutsConfig {
     /// TCP connect to a worker.
     pub connect_ms: u64,
-    /// From sending the request to the response head (covers queueing and, for
-    /// non-streaming requests, the whole generation).
+    /// From sending the request to the start of the answer: its head, and for a
+    /// stream its first event (covers queueing and prefill; for non-streaming requests,
+    /// the whole generation).
     pub first_byte_ms: u64,
     /// Whole request, including streaming the body.
     pub total_ms: u64,

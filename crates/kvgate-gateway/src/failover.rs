@@ -5,9 +5,12 @@
 //! to another healthy worker.
 //!
 //! Owns the retry decision for every call to a worker (what a failure counts against
-//! the worker is health.rs's; the sending itself is proxy.rs's). A response whose head
-//! has been accepted is committed: from then on bytes flow to the client and nothing is
-//! retried. Must not parse bodies (observe.rs) or pick workers itself (routing.rs).
+//! the worker is health.rs's; the sending itself is proxy.rs's). An answer that has
+//! begun (its head, and for an event stream its first event: proxy.rs waits for both)
+//! is committed: from then on bytes flow to the client and nothing is retried. So an
+//! engine that dies after its API server sent a stream's head but before the first
+//! token (vLLM sends the head at once) costs the request a retry, not an error event.
+//! Must not parse bodies (observe.rs) or pick workers itself (routing.rs).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,7 +28,7 @@ use crate::health::{probe, worker_failed, worker_ok, Failure};
 use crate::lease::Lease;
 use crate::limits::Admission;
 use crate::observe::{Lifecycle, ObservedBody};
-use crate::proxy::{prepare_response_headers, SendError};
+use crate::proxy::{is_event_stream, prepare_response_headers, SendError, UpstreamBody};
 use crate::registry::{Endpoint, ModelState, Worker};
 use crate::routing::{pick, Prepared};
 
@@ -165,7 +168,7 @@ pub(crate) async fn side_call(
     endpoint: Endpoint,
     headers: &http::HeaderMap,
     body: bytes::Bytes,
-) -> Result<(Arc<Worker>, http::Response<hyper::body::Incoming>), ApiError> {
+) -> Result<(Arc<Worker>, http::Response<UpstreamBody>), ApiError> {
     let request = Forwarded {
         endpoint,
         headers: headers.clone(),
@@ -225,7 +228,7 @@ impl Route<'_> {
 /// A response head the loop accepted, and what its attempt holds.
 pub(crate) struct Accepted {
     pub(crate) worker: Arc<Worker>,
-    pub(crate) resp: http::Response<hyper::body::Incoming>,
+    pub(crate) resp: http::Response<UpstreamBody>,
     /// The routing decision and the lease (routed requests only).
     pub(crate) lease: Option<(Decision, Lease)>,
     /// Ends the response if the worker is declared dead or the grace period ends.
@@ -406,15 +409,12 @@ fn commit(
     request: &Forwarded,
     decision: &Decision,
     lease: Lease,
-    resp: http::Response<hyper::body::Incoming>,
+    resp: http::Response<UpstreamBody>,
     cut_off: tokio_util::sync::CancellationToken,
 ) -> Response {
     let (mut parts, incoming) = resp.into_parts();
     prepare_response_headers(&mut parts.headers, lease.worker());
-    let sse = parts
-        .headers
-        .get(header::CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    let sse = is_event_stream(&parts.headers);
     let life = Lifecycle {
         lease: Some(lease),
         gw: gw.clone(),
@@ -459,7 +459,7 @@ async fn after_send_error(
 pub(crate) fn attempt_error(worker: &str, e: &SendError) -> ApiError {
     match e {
         SendError::Timeout => ApiError::upstream_first_byte_timeout(worker),
-        SendError::Connect(_) | SendError::Transport(_) => {
+        SendError::Connect(_) | SendError::Transport(_) | SendError::BrokeBeforeFirstEvent(_) => {
             ApiError::upstream_unreachable(worker, e)
         }
         SendError::WorkerDown => ApiError::worker_gone(worker),
@@ -486,7 +486,7 @@ fn is_json(headers: &http::HeaderMap) -> bool {
 
 /// The engine's error answer with a non-JSON body, re-made as OpenAI-style JSON with
 /// the engine's status (the body is read up to a bound, within a short timeout).
-async fn json_error_of(resp: http::Response<hyper::body::Incoming>, worker: &Worker) -> Response {
+async fn json_error_of(resp: http::Response<UpstreamBody>, worker: &Worker) -> Response {
     use axum::response::IntoResponse;
     let mut out = engine_error(resp, worker).await.into_response();
     prepare_response_headers(out.headers_mut(), worker);
@@ -495,10 +495,7 @@ async fn json_error_of(resp: http::Response<hyper::body::Incoming>, worker: &Wor
 
 /// An engine's error answer as an [`ApiError`] with the engine's status, quoting its
 /// body (read up to a bound, within a short timeout).
-pub(crate) async fn engine_error(
-    resp: http::Response<hyper::body::Incoming>,
-    worker: &Worker,
-) -> ApiError {
+pub(crate) async fn engine_error(resp: http::Response<UpstreamBody>, worker: &Worker) -> ApiError {
     use http_body_util::BodyExt;
     let status = resp.status();
     let limited = http_body_util::Limited::new(resp.into_body(), ENGINE_ERROR_TEXT_MAX);

@@ -21,7 +21,6 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
-use hyper::body::Incoming;
 use kvgate_core::{BookingGuard, PROGRESS_EVERY};
 use memchr::memmem;
 use serde::Deserialize;
@@ -31,6 +30,7 @@ use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 use crate::errors::ApiError;
 use crate::gateway::Gateway;
 use crate::lease::Lease;
+use crate::proxy::UpstreamBody;
 
 /// Longest SSE line kept across frame boundaries.
 const MAX_LINE: usize = 1 << 20;
@@ -127,7 +127,7 @@ struct Observer {
 
 /// The body handed to the client.
 pub struct ObservedBody {
-    inner: Incoming,
+    inner: UpstreamBody,
     obs: Observer,
     deadline: Option<Pin<Box<Sleep>>>,
     cut_off: Pin<Box<WaitForCancellationFutureOwned>>,
@@ -138,7 +138,7 @@ impl ObservedBody {
     /// request timeout; `cut_off` ends the response when the worker is declared dead or
     /// the gateway's shutdown grace period ends.
     pub fn new(
-        inner: Incoming,
+        inner: UpstreamBody,
         life: Lifecycle,
         sse: bool,
         deadline: Option<Pin<Box<Sleep>>>,

@@ -2,16 +2,21 @@
 //! turning the worker's response head into the client's.
 //!
 //! Owns header hygiene (hop-by-hop headers, `Host`, the gateway's own credentials,
-//! `Accept-Encoding` so the stream stays observable) and the connect/first-byte
-//! timeouts. The body is passed on untouched by [`crate::observe::ObservedBody`].
-//! Must not retry (failover.rs) or choose workers (routing.rs).
+//! `Accept-Encoding` so the stream stays observable), the connect/first-byte timeouts,
+//! and where an answer begins: its head, or for an event stream its first event
+//! ([`UpstreamBody`]). The body is passed on untouched by
+//! [`crate::observe::ObservedBody`]. Must not retry (failover.rs) or choose workers
+//! (routing.rs).
 
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response};
-use http_body_util::Full;
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
@@ -46,7 +51,11 @@ pub enum SendError {
     /// The connection broke (reset, closed) before a response head: the engine died,
     /// or it (or a proxy in front of it) refused this request's body and hung up.
     Transport(String),
-    /// No response head within the first-byte timeout.
+    /// An event stream broke after its head, before its first event: the engine took
+    /// the request and failed before its first token.
+    BrokeBeforeFirstEvent(String),
+    /// No answer (a response head, and for a stream its first event) within the
+    /// first-byte timeout.
     Timeout,
     /// Health checks declared the worker dead while the request waited on it.
     WorkerDown,
@@ -60,7 +69,7 @@ impl SendError {
     pub fn reason(&self) -> &'static str {
         match self {
             SendError::Connect(_) => "connect",
-            SendError::Transport(_) => "transport",
+            SendError::Transport(_) | SendError::BrokeBeforeFirstEvent(_) => "transport",
             SendError::Timeout => "first_byte_timeout",
             SendError::WorkerDown => "worker_down",
         }
@@ -72,6 +81,9 @@ impl std::fmt::Display for SendError {
         match self {
             SendError::Connect(e) => write!(f, "cannot connect to the worker: {e}"),
             SendError::Transport(e) => write!(f, "upstream transport error: {e}"),
+            SendError::BrokeBeforeFirstEvent(e) => {
+                write!(f, "the worker's stream broke before its first event: {e}")
+            }
             SendError::Timeout => f.write_str("upstream first-byte timeout"),
             SendError::WorkerDown => {
                 f.write_str("the worker was declared dead by health checks before it answered")
@@ -100,24 +112,95 @@ pub struct Upstream<'a> {
 
 impl Upstream<'_> {
     /// POSTs `body` to `endpoint` of `worker` with the client's headers (cleaned),
-    /// returning the response head.
+    /// returning the start of the answer: the response head, and for a successful
+    /// event stream its first event too, all within the first-byte timeout. An engine
+    /// behind an API server that sends a stream's head at once (vLLM does) has not
+    /// answered until its first event, so until then the request may still go to
+    /// another worker.
     pub async fn send(
         &self,
         worker: &Worker,
         endpoint: Endpoint,
         client_headers: &HeaderMap,
         body: Bytes,
-    ) -> Result<Response<Incoming>, SendError> {
+    ) -> Result<Response<UpstreamBody>, SendError> {
         let mut req = Request::new(Full::new(body));
         *req.method_mut() = Method::POST;
         *req.uri_mut() = worker.uri(endpoint);
         copy_request_headers(client_headers, req.headers_mut(), self.auth);
-        match maybe_timeout(self.first_byte_timeout, self.client.request(req)).await {
+        let answer = async {
+            let resp = match self.client.request(req).await {
+                Err(e) if e.is_connect() => return Err(SendError::Connect(error_chain(&e))),
+                Err(e) => return Err(SendError::Transport(error_chain(&e))),
+                Ok(resp) => resp,
+            };
+            let (parts, mut rest) = resp.into_parts();
+            let first = if parts.status.is_success() && is_event_stream(&parts.headers) {
+                match rest.frame().await {
+                    Some(Ok(frame)) => Some(Box::new(frame)),
+                    Some(Err(e)) => return Err(SendError::BrokeBeforeFirstEvent(error_chain(&e))),
+                    // An empty stream: the client gets it as it is.
+                    None => None,
+                }
+            } else {
+                None
+            };
+            Ok(Response::from_parts(parts, UpstreamBody { first, rest }))
+        };
+        match maybe_timeout(self.first_byte_timeout, answer).await {
             Err(()) => Err(SendError::Timeout),
-            Ok(Err(e)) if e.is_connect() => Err(SendError::Connect(error_chain(&e))),
-            Ok(Err(e)) => Err(SendError::Transport(error_chain(&e))),
-            Ok(Ok(resp)) => Ok(resp),
+            Ok(sent) => sent,
         }
+    }
+}
+
+/// Whether a response is a server-sent event stream.
+pub(crate) fn is_event_stream(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"))
+}
+
+/// A worker's response body: the frame [`Upstream::send`] already read (a stream's
+/// first event), then the rest as it arrives.
+pub struct UpstreamBody {
+    /// Boxed: the response travels through the attempt loop's futures by value.
+    first: Option<Box<Frame<Bytes>>>,
+    rest: Incoming,
+}
+
+impl Body for UpstreamBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let this = self.get_mut();
+        if let Some(first) = this.first.take() {
+            return Poll::Ready(Some(Ok(*first)));
+        }
+        Pin::new(&mut this.rest).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.first.is_none() && self.rest.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        let first = self
+            .first
+            .as_deref()
+            .and_then(Frame::data_ref)
+            .map_or(0, |d| d.len() as u64);
+        let rest = self.rest.size_hint();
+        let mut hint = SizeHint::new();
+        hint.set_lower(rest.lower() + first);
+        if let Some(upper) = rest.upper() {
+            hint.set_upper(upper + first);
+        }
+        hint
     }
 }
 

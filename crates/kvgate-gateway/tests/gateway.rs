@@ -318,6 +318,143 @@ async fn no_retry_after_the_first_byte() {
     gw.shutdown().await;
 }
 
+/// A stream is committed to its worker at its first event, not at its head: vLLM's API
+/// server sends the head of a streamed answer at once and the first event with the
+/// first token, so an engine that fails in between (before any byte of the answer
+/// reached the client) fails over like one that sent no head at all.
+#[tokio::test]
+async fn a_stream_that_breaks_before_its_first_event_fails_over() {
+    let broken = fake(
+        "broken",
+        Behavior {
+            fail_before_first: true,
+            ..Behavior::default()
+        },
+    )
+    .await;
+    let good = fake("good", Behavior::default()).await;
+    let gw = start(config(&[&broken.url, &good.url], PolicyKind::RoundRobin))
+        .await
+        .unwrap();
+    let c = client();
+    for _ in 0..4 {
+        let r = c
+            .post(format!("{}/v1/chat/completions", gw.url()))
+            .json(&chat_body(true))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(worker_of(&r), good.url);
+        assert_eq!(r.bytes().await.unwrap().as_ref(), sse_bytes().as_slice());
+    }
+    assert!(broken.hits() >= 1, "round robin tried the broken engine");
+    assert_eq!(good.hits(), 4);
+    let metrics = metrics_text(&c, &gw.url()).await;
+    let ok = format!(
+        "kvgate_requests_total{{model=\"m\",policy=\"round_robin\",status=\"200\",worker=\"{}\"}} 4",
+        good.url
+    );
+    assert!(metrics.contains(&ok), "{ok} missing from {metrics}");
+    let none = format!("status=\"200\",worker=\"{}\"}} 0", broken.url);
+    assert!(
+        metrics.contains(&none),
+        "an attempt that failed over is not an answered request: {metrics}"
+    );
+    assert!(
+        metrics.contains("kvgate_retries_total{model=\"m\",reason=\"transport\"}"),
+        "{metrics}"
+    );
+    eventually("ledger drained", || gw.ledger_in_flight("m") == Some(0)).await;
+    gw.shutdown().await;
+}
+
+/// A stream whose head arrived but whose engine died before the first token (the
+/// restart scenario's hung engine): once health checks declare the worker dead, the
+/// request moves to a healthy worker and the client gets a whole answer, not an error
+/// event. The first-byte timeout counts to the first event too.
+#[tokio::test]
+async fn a_stream_waiting_for_its_first_event_on_a_dead_engine_fails_over() {
+    let hung = fake(
+        "hung",
+        Behavior {
+            hang_after_head: true,
+            ..Behavior::default()
+        },
+    )
+    .await;
+    let good = fake("good", Behavior::default()).await;
+    let mut cfg = config(&[&hung.url, &good.url], PolicyKind::RoundRobin);
+    cfg.health.interval_ms = 100;
+    cfg.health.failure_threshold = 2;
+    let gw = start(cfg).await.unwrap();
+    let c = client();
+    let waiting: Vec<_> = (0..2)
+        .map(|_| {
+            let (c, url) = (c.clone(), gw.url());
+            tokio::spawn(async move {
+                let started = std::time::Instant::now();
+                let r = c
+                    .post(format!("{url}/v1/chat/completions"))
+                    .json(&chat_body(true))
+                    .send()
+                    .await
+                    .unwrap();
+                let worker = worker_of(&r);
+                let status = r.status().as_u16();
+                let body = r.bytes().await.unwrap();
+                (worker, status, body, started.elapsed())
+            })
+        })
+        .collect();
+    eventually("one request waits on the hung engine", || hung.hits() == 1).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    hung.stats.healthy.store(false, Ordering::SeqCst);
+    for w in waiting {
+        let (worker, status, body, took) = w.await.unwrap();
+        assert_eq!((worker.as_str(), status), (good.url.as_str(), 200));
+        assert_eq!(body.as_ref(), sse_bytes().as_slice());
+        assert!(
+            took < Duration::from_secs(5),
+            "waited {took:?} on a dead engine"
+        );
+    }
+    eventually("ledger drained", || gw.ledger_in_flight("m") == Some(0)).await;
+    gw.shutdown().await;
+
+    // The first-byte timeout ends the wait for the first event as it ends the wait
+    // for a head.
+    let silent = fake(
+        "silent",
+        Behavior {
+            hang_after_head: true,
+            ..Behavior::default()
+        },
+    )
+    .await;
+    let mut cfg = config(&[&silent.url, &good.url], PolicyKind::RoundRobin);
+    cfg.timeouts.first_byte_ms = 300;
+    cfg.health.interval_ms = 0;
+    let gw = start(cfg).await.unwrap();
+    for _ in 0..2 {
+        let r = c
+            .post(format!("{}/v1/chat/completions", gw.url()))
+            .json(&chat_body(true))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(worker_of(&r), good.url);
+        assert_eq!(r.bytes().await.unwrap().as_ref(), sse_bytes().as_slice());
+    }
+    assert!(silent.hits() >= 1, "round robin tried the silent engine");
+    let metrics = metrics_text(&c, &gw.url()).await;
+    assert!(
+        metrics.contains("kvgate_retries_total{model=\"m\",reason=\"first_byte_timeout\"}"),
+        "{metrics}"
+    );
+    gw.shutdown().await;
+}
+
 #[tokio::test]
 async fn overload_is_429_with_retry_after() {
     let slow = fake(
@@ -873,9 +1010,15 @@ async fn health_checks_take_workers_out_and_back_without_touching_load() {
     assert_eq!(worker_of(&on_a), a.url);
     b.stats.healthy.store(false, Ordering::SeqCst);
     eventually("b out", || bw.breaker.is_open()).await;
-    // The stream held on b is cut off with an error event, not left waiting.
+    // The stream held on b (its first event already passed on) is cut off with an
+    // error event as its last, not left waiting.
     let body = held.bytes().await.expect("the cut-off stream ends cleanly");
-    assert_error_event(&body, "worker_down");
+    let last = memchr::memmem::rfind(&body, b"data: {\"error\"").expect("an error event");
+    assert!(
+        body.starts_with(SSE_CHUNKS[0]),
+        "the stream's own events come first"
+    );
+    assert_error_event(&body[last..], "worker_down");
     for _ in 0..4 {
         let r = c
             .post(format!("{}/v1/chat/completions", gw.url()))

@@ -41,6 +41,12 @@ pub struct Behavior {
     pub repeat: usize,
     /// Never answer completions (an engine that died behind a live HTTP server).
     pub hang: bool,
+    /// Streams: send the response head, then never an event (vLLM's API server sends
+    /// its head at once and its first event with the first token; its engine died in
+    /// between).
+    pub hang_after_head: bool,
+    /// Streams: send the response head, then break the body before any event.
+    pub fail_before_first: bool,
     /// Refuse bodies declared larger than this with a text/plain 413 without reading
     /// them (a web server's body limit in front of an engine).
     pub body_limit: Option<usize>,
@@ -50,7 +56,9 @@ pub struct Behavior {
 
 /// Request header that overrides a fake engine's behaviour for one request: `ok`,
 /// `error-status` (a 500 before any byte), `fail-after-first` (the stream breaks after
-/// its first chunk), `slow` (a long stream, 50 ms between chunks).
+/// its first chunk), `fail-before-first` (the stream breaks after its head, before any
+/// chunk), `hang-after-head` (a head, then nothing), `slow` (a long stream, 50 ms
+/// between chunks).
 pub const BEHAVIOR_HEADER: &str = "x-fake-behavior";
 
 impl Behavior {
@@ -58,6 +66,8 @@ impl Behavior {
         match header {
             Some("error-status") => self.status = 500,
             Some("fail-after-first") => self.fail_after_first = true,
+            Some("fail-before-first") => self.fail_before_first = true,
+            Some("hang-after-head") => self.hang_after_head = true,
             Some("slow") => {
                 self.chunk_delay = Duration::from_millis(50);
                 self.repeat = 40;
@@ -76,6 +86,8 @@ impl Default for Behavior {
             chunk_delay: Duration::ZERO,
             repeat: 1,
             hang: false,
+            hang_after_head: false,
+            fail_before_first: false,
             body_limit: None,
             tokenize_fails: false,
         }
@@ -217,6 +229,18 @@ async fn completions(State(s): State<FakeState>, req: Request) -> Response {
             }
             if !b.chunk_delay.is_zero() {
                 tokio::time::sleep(b.chunk_delay).await;
+            }
+            if b.hang_after_head {
+                std::future::pending::<()>().await;
+            }
+            if b.fail_before_first && i == 0 {
+                guard.finish();
+                return Some((
+                    Err(std::io::Error::other(
+                        "engine crashed before its first token",
+                    )),
+                    (chunks.len(), guard),
+                ));
             }
             if b.fail_after_first && i == 1 {
                 guard.finish();
