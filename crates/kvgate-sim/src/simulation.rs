@@ -136,6 +136,11 @@ pub struct RequestRecord {
     /// What the router predicted it would (routed requests).
     pub predicted_cached_tokens: Option<u32>,
     pub error: Option<RequestError>,
+    /// The engine it was first sent to, when that engine died before its first token
+    /// and the router sent it on to `engine` (as the gateway fails over a request
+    /// whose answer has not begun).
+    #[serde(default)]
+    pub failed_over_from: Option<usize>,
 }
 
 /// A whole run of one row.
@@ -182,6 +187,9 @@ enum Happening {
 struct Flight {
     record: usize,
     booking: Option<BookingGuard>,
+    /// A routed request, kept until its first token: if its engine dies before then,
+    /// the router sends it to another engine.
+    unanswered: Option<Request>,
 }
 
 struct SimEngine {
@@ -425,6 +433,7 @@ impl Simulation<'_> {
             cached_tokens: None,
             predicted_cached_tokens: None,
             error: None,
+            failed_over_from: None,
         });
         self.record_group.push(group);
         match target {
@@ -497,6 +506,7 @@ impl Simulation<'_> {
         booking: Option<BookingGuard>,
     ) {
         let now = self.now_ms;
+        let unanswered = (self.records[record].target == Target::Router).then(|| request.clone());
         let e = &mut self.engines[engine];
         if e.pending.is_none() {
             e.sim.advance_to(now);
@@ -510,7 +520,14 @@ impl Simulation<'_> {
         self.records[record].engine = Some(engine);
         match submitted {
             Ok(id) => {
-                e.flights.insert(id, Flight { record, booking });
+                e.flights.insert(
+                    id,
+                    Flight {
+                        record,
+                        booking,
+                        unanswered,
+                    },
+                );
                 if e.pending.is_none() {
                     let generation = e.generation;
                     self.agenda
@@ -576,6 +593,7 @@ impl Simulation<'_> {
             let r = &mut self.records[flight.record];
             let produced = o.index + 1;
             if o.index == 0 {
+                flight.unanswered = None;
                 r.first_token_ms = Some(now);
                 r.cached_tokens = Some(o.cached_tokens);
                 if let Some(b) = &flight.booking {
@@ -667,14 +685,25 @@ impl Simulation<'_> {
         e.sim = Simulator::new(config)?;
         let generation = e.generation;
         let worker = e.worker;
-        let lost: Vec<usize> = e.flights.drain().map(|(_, f)| f.record).collect();
+        // Each booking ends here, with its flight.
+        let mut lost: Vec<(usize, Option<Request>)> = e
+            .flights
+            .drain()
+            .map(|(_, f)| (f.record, f.unanswered))
+            .collect();
         // Declared dead: what the index held for it is forgotten (its new process
         // starts its event sequence over, which the feed would also take as a restart).
         self.service.purge_worker(worker);
-        let mut lost = lost;
-        lost.sort_unstable();
-        for record in lost {
-            self.fail(record, RequestError::EngineDied);
+        lost.sort_unstable_by_key(|(record, _)| *record);
+        for (record, unanswered) in lost {
+            match unanswered {
+                // No token yet: the router sends it to another engine.
+                Some(request) => {
+                    self.records[record].failed_over_from = Some(engine);
+                    self.route(record, request);
+                }
+                None => self.fail(record, RequestError::EngineDied),
+            }
         }
         self.agenda.push(
             self.now_ms + self.fleet.restart_downtime_ms,

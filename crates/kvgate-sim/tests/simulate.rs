@@ -57,13 +57,17 @@ fn engines_of(run: &SimRun) -> Vec<Option<usize>> {
 }
 
 fn closed_tenants(kind: ScenarioKind, until_ms: f64) -> Load {
+    closed_tenants_by(kind, until_ms, 4)
+}
+
+fn closed_tenants_by(kind: ScenarioKind, until_ms: f64, clients: usize) -> Load {
     let shape = kind.shape();
     let w = Arc::new(TenantWorkload::new(&shape, 0));
     Load {
         open: Vec::new(),
         closed: vec![ClosedLoop {
             target: Target::Router,
-            clients: 4,
+            clients,
             until_ms,
             first_id: 0,
             source: Arc::new(move |k| w.request(k)),
@@ -175,7 +179,7 @@ fn kv_events_reach_the_index_after_the_configured_delay() {
 }
 
 #[test]
-fn an_added_engine_gets_traffic_and_a_restarted_one_fails_its_requests_then_serves() {
+fn an_added_engine_gets_traffic_and_a_restarted_one_fails_or_moves_its_requests_then_serves() {
     let kv = row("kv_aware");
     let mut f = fleet(1, 2048);
     f.changes = vec![FleetChange::parse("8s:add").unwrap()];
@@ -193,26 +197,39 @@ fn an_added_engine_gets_traffic_and_a_restarted_one_fails_its_requests_then_serv
     );
     assert_eq!(share_between(&run, 1, 0.0, 8_000.0), Some(0.0));
 
-    let mut f = fleet(2, 2048);
-    f.changes = vec![FleetChange::parse("8s:restart=1").unwrap()];
-    let run = simulate(
-        &kv.model,
-        &f,
-        &closed_tenants(ScenarioKind::Restart, 30_000.0),
-    )
-    .unwrap();
-    let died: Vec<_> = run
-        .records
-        .iter()
-        .filter(|r| r.error == Some(RequestError::EngineDied))
-        .collect();
-    assert!(
-        !died.is_empty(),
-        "requests in flight on the dead engine fail"
-    );
-    assert!(died
-        .iter()
-        .all(|r| r.engine == Some(1) && r.done_ms == Some(8_000.0)));
+    // Restarts at several moments, so that some catch requests still waiting for
+    // their first token and some catch streams under way.
+    let restarted_at = |ms: u32| {
+        let mut f = fleet(2, 2048);
+        f.changes = vec![FleetChange::parse(&format!("{ms}ms:restart=1")).unwrap()];
+        let run = simulate(
+            &kv.model,
+            &f,
+            &closed_tenants_by(ScenarioKind::Restart, 30_000.0, 16),
+        )
+        .unwrap();
+        (f64::from(ms), run)
+    };
+    let (mut died, mut moved) = (0, 0);
+    for ms in (8_000..8_400).step_by(40) {
+        let (at, run) = restarted_at(ms);
+        for r in &run.records {
+            if r.error == Some(RequestError::EngineDied) {
+                // A stream under way on the dead engine fails.
+                assert!(r.engine == Some(1) && r.done_ms == Some(at) && r.first_token_ms.is_some());
+                died += 1;
+            }
+            if r.failed_over_from == Some(1) {
+                // A request still waiting for its first token goes to the other
+                // engine, as the gateway fails over an answer that has not begun.
+                assert!(r.engine == Some(0) && r.error.is_none() && r.sent_ms < at);
+                assert!(r.first_token_ms.is_some_and(|t| t > at), "{r:?}");
+                moved += 1;
+            }
+        }
+    }
+    assert!(died > 0 && moved > 0, "{died} failed, {moved} moved");
+    let (_, run) = restarted_at(8_000);
     // Gone for the downtime, then back in rotation and serving.
     assert_eq!(share_between(&run, 1, 8_001.0, 13_000.0), Some(0.0));
     let back = run.changes[0].at_ms;
