@@ -389,36 +389,7 @@ async fn a_stream_waiting_for_its_first_event_on_a_dead_engine_fails_over() {
     cfg.health.failure_threshold = 2;
     let gw = start(cfg).await.unwrap();
     let c = client();
-    let waiting: Vec<_> = (0..2)
-        .map(|_| {
-            let (c, url) = (c.clone(), gw.url());
-            tokio::spawn(async move {
-                let started = std::time::Instant::now();
-                let r = c
-                    .post(format!("{url}/v1/chat/completions"))
-                    .json(&chat_body(true))
-                    .send()
-                    .await
-                    .unwrap();
-                let worker = worker_of(&r);
-                let status = r.status().as_u16();
-                let body = r.bytes().await.unwrap();
-                (worker, status, body, started.elapsed())
-            })
-        })
-        .collect();
-    eventually("one request waits on the hung engine", || hung.hits() == 1).await;
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    hung.stats.healthy.store(false, Ordering::SeqCst);
-    for w in waiting {
-        let (worker, status, body, took) = w.await.unwrap();
-        assert_eq!((worker.as_str(), status), (good.url.as_str(), 200));
-        assert_eq!(body.as_ref(), sse_bytes().as_slice());
-        assert!(
-            took < Duration::from_secs(5),
-            "waited {took:?} on a dead engine"
-        );
-    }
+    requests_on_a_hung_engine_move_when_it_is_declared_dead(&gw, &hung, &good, true).await;
     eventually("ledger drained", || gw.ledger_in_flight("m") == Some(0)).await;
     gw.shutdown().await;
 
@@ -884,6 +855,52 @@ fn assert_error_event(tail: &[u8], code: &str) {
     assert!(v["error"]["type"].as_str().is_some_and(|t| !t.is_empty()));
 }
 
+/// Sends two requests through `gw` (round robin over `hung` and `good`), lets one wait
+/// on `hung`, then fails `hung`'s health checks: both end on `good` with a whole
+/// answer, within seconds rather than at a timeout.
+async fn requests_on_a_hung_engine_move_when_it_is_declared_dead(
+    gw: &kvgate_gateway::RunningGateway,
+    hung: &Fake,
+    good: &Fake,
+    stream: bool,
+) {
+    let hits_before = hung.hits();
+    let waiting: Vec<_> = (0..2)
+        .map(|_| {
+            let (c, url) = (client(), gw.url());
+            tokio::spawn(async move {
+                let started = std::time::Instant::now();
+                let r = c
+                    .post(format!("{url}/v1/chat/completions"))
+                    .json(&chat_body(stream))
+                    .send()
+                    .await
+                    .unwrap();
+                let worker = worker_of(&r);
+                let status = r.status().as_u16();
+                let body = r.bytes().await.unwrap();
+                (worker, status, body, started.elapsed())
+            })
+        })
+        .collect();
+    eventually("a request waits on the hung engine", || {
+        hung.hits() > hits_before
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    hung.stats.healthy.store(false, Ordering::SeqCst);
+    let whole: &[u8] = if stream { &sse_bytes() } else { JSON_BODY };
+    for w in waiting {
+        let (worker, status, body, took) = w.await.unwrap();
+        assert_eq!((worker.as_str(), status), (good.url.as_str(), 200));
+        assert_eq!(body.as_ref(), whole);
+        assert!(
+            took < Duration::from_secs(5),
+            "waited {took:?} on a dead engine"
+        );
+    }
+}
+
 /// An engine that stops answering behind a live HTTP server (vLLM's API server after
 /// its engine died) holds requests until the first-byte timeout (600 s by default).
 /// Once health checks declare its worker dead, a request waiting on it fails over to
@@ -929,31 +946,7 @@ async fn requests_waiting_on_a_dead_engine_fail_over_when_health_declares_it_dea
     );
     assert!(metrics.contains(&line), "{line} missing from {metrics}");
     // Now requests wait on it until health checks see it dead.
-    let waiting: Vec<_> = (0..2)
-        .map(|_| {
-            let (c, url) = (c.clone(), gw.url());
-            tokio::spawn(async move {
-                let started = std::time::Instant::now();
-                let r = c
-                    .post(format!("{url}/v1/chat/completions"))
-                    .json(&chat_body(false))
-                    .send()
-                    .await
-                    .unwrap();
-                (worker_of(&r), r.status().as_u16(), started.elapsed())
-            })
-        })
-        .collect();
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    hung.stats.healthy.store(false, Ordering::SeqCst);
-    for w in waiting {
-        let (worker, status, took) = w.await.unwrap();
-        assert_eq!((worker.as_str(), status), (good.url.as_str(), 200));
-        assert!(
-            took < Duration::from_secs(5),
-            "waited {took:?} on a dead engine"
-        );
-    }
+    requests_on_a_hung_engine_move_when_it_is_declared_dead(&gw, &hung, &good, false).await;
     eventually("ledger drained", || gw.ledger_in_flight("m") == Some(0)).await;
     gw.shutdown().await;
 }
