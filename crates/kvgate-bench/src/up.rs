@@ -77,10 +77,19 @@ pub async fn run_up(args: UpArgs) -> anyhow::Result<()> {
         // disaggregated mode.
         pd: spec.policy_spec().pd_fleet(engines),
     };
+    // Hold the gateway's port while the engines start: it is taken now or never (a
+    // clear error before anything starts), and no engine is given it.
+    let reserved = std::net::TcpListener::bind(("127.0.0.1", args.port)).with_context(|| {
+        format!(
+            "port {} is taken on 127.0.0.1; choose another with --port",
+            args.port
+        )
+    })?;
     eprintln!("starting {} simulated engines...", engine_cfg.engines);
     let fleet = Fleet::start(&engine_cfg, &log_dir)
         .await
         .context("starting the simulated engines")?;
+    drop(reserved);
     let ctx = RouterContext {
         kvgate_bin,
         model: MODEL.into(),
@@ -108,12 +117,39 @@ pub async fn run_up(args: UpArgs) -> anyhow::Result<()> {
                 log_dir.join("gateway.err.log").display()
             )
         })?;
+    // Whatever answered must be this gateway, not another server that took the port
+    // after it was released (the gateway then failed to bind and exits).
+    if !answers_as_kvgate(&url).await {
+        anyhow::bail!(
+            "something other than the gateway answers on port {}; choose another with --port (the gateway's log: {})",
+            args.port,
+            log_dir.join("gateway.err.log").display()
+        );
+    }
     println!("{}", banner(&url, &args, fleet.addrs().len(), &log_dir));
     wait_for_stop().await;
     eprintln!("stopping the gateway and the engines...");
     gateway.shutdown().await;
     fleet.shutdown().await;
     Ok(())
+}
+
+/// Whether the server at `url` is a kvgate gateway: its `/ready` (never behind a key)
+/// answers kvgate's readiness object, which an engine does not have.
+async fn answers_as_kvgate(url: &str) -> bool {
+    let Ok(http) = reqwest::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()
+    else {
+        return false;
+    };
+    let Ok(resp) = http.get(format!("{url}/ready")).send().await else {
+        return false;
+    };
+    let Ok(ready) = resp.json::<serde_json::Value>().await else {
+        return false;
+    };
+    ready["ready"].is_boolean() && ready["models"].is_array()
 }
 
 /// What `kvgate up` prints once everything answers: the URL and commands to try.

@@ -190,6 +190,37 @@ async fn start_up(extra: &[&str]) -> Up {
     }
 }
 
+/// A port already taken is refused before any engine starts, with the way out named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kvgate_up_refuses_a_taken_port_at_once() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let logs = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvgate"))
+        .args([
+            "up",
+            "--engines",
+            "1",
+            "--port",
+            &port.to_string(),
+            "--log-dir",
+        ])
+        .arg(logs.path())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!("port {port} is taken")),
+        "{stderr}"
+    );
+    assert!(stderr.contains("--port"), "{stderr}");
+    assert!(
+        !stderr.contains("starting 1 simulated engines"),
+        "refused before starting engines: {stderr}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kvgate_up_serves_every_printed_command_and_stops_on_ctrl_c() {
     let Up {
