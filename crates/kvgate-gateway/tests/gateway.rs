@@ -375,19 +375,11 @@ async fn a_stream_that_breaks_before_its_first_event_fails_over() {
 /// event. The first-byte timeout counts to the first event too.
 #[tokio::test]
 async fn a_stream_waiting_for_its_first_event_on_a_dead_engine_fails_over() {
-    let hung = fake(
-        "hung",
-        Behavior {
-            hang_after_head: true,
-            ..Behavior::default()
-        },
-    )
+    let (hung, good, gw) = gateway_over_a_hung_engine(Behavior {
+        hang_after_head: true,
+        ..Behavior::default()
+    })
     .await;
-    let good = fake("good", Behavior::default()).await;
-    let mut cfg = config(&[&hung.url, &good.url], PolicyKind::RoundRobin);
-    cfg.health.interval_ms = 100;
-    cfg.health.failure_threshold = 2;
-    let gw = start(cfg).await.unwrap();
     let c = client();
     requests_on_a_hung_engine_move_when_it_is_declared_dead(&gw, &hung, &good, true).await;
     eventually("ledger drained", || gw.ledger_in_flight("m") == Some(0)).await;
@@ -855,6 +847,21 @@ fn assert_error_event(tail: &[u8], code: &str) {
     assert!(v["error"]["type"].as_str().is_some_and(|t| !t.is_empty()));
 }
 
+/// A fake engine that behaves as `hung` does and a good one, behind a round-robin
+/// gateway whose health checks declare a worker dead after two failed probes 100 ms
+/// apart.
+async fn gateway_over_a_hung_engine(
+    hung: Behavior,
+) -> (Fake, Fake, kvgate_gateway::RunningGateway) {
+    let hung = fake("hung", hung).await;
+    let good = fake("good", Behavior::default()).await;
+    let mut cfg = config(&[&hung.url, &good.url], PolicyKind::RoundRobin);
+    cfg.health.interval_ms = 100;
+    cfg.health.failure_threshold = 2;
+    let gw = start(cfg).await.unwrap();
+    (hung, good, gw)
+}
+
 /// Sends two requests through `gw` (round robin over `hung` and `good`), lets one wait
 /// on `hung`, then fails `hung`'s health checks: both end on `good` with a whole
 /// answer, within seconds rather than at a timeout.
@@ -907,19 +914,11 @@ async fn requests_on_a_hung_engine_move_when_it_is_declared_dead(
 /// a healthy worker at once, and a client that gave up earlier is counted (499).
 #[tokio::test]
 async fn requests_waiting_on_a_dead_engine_fail_over_when_health_declares_it_dead() {
-    let hung = fake(
-        "hung",
-        Behavior {
-            hang: true,
-            ..Behavior::default()
-        },
-    )
+    let (hung, good, gw) = gateway_over_a_hung_engine(Behavior {
+        hang: true,
+        ..Behavior::default()
+    })
     .await;
-    let good = fake("good", Behavior::default()).await;
-    let mut cfg = config(&[&hung.url, &good.url], PolicyKind::RoundRobin);
-    cfg.health.interval_ms = 100;
-    cfg.health.failure_threshold = 2;
-    let gw = start(cfg).await.unwrap();
     let c = client();
     // A client that gives up while its request waits on the hung engine.
     let impatient = reqwest::Client::builder()
