@@ -124,6 +124,34 @@ pub struct Report {
     pub predicted_cached_tokens: Option<u64>,
 }
 
+/// What the engines reported of their prefix caches over some answered requests: the
+/// ones whose usage carried `cached_tokens`, their cached and their prompt tokens.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CacheReports {
+    pub requests: usize,
+    pub cached_tokens: u64,
+    pub prompt_tokens: u64,
+}
+
+impl CacheReports {
+    pub fn of<'a>(answered: impl IntoIterator<Item = &'a Outcome>) -> Self {
+        let mut out = Self::default();
+        for o in answered {
+            if let Some(cached) = o.cached_tokens {
+                out.requests += 1;
+                out.cached_tokens += cached;
+                out.prompt_tokens += o.prompt_tokens;
+            }
+        }
+        out
+    }
+
+    /// Cached over prompt tokens; `None` when no request reported.
+    pub fn prefix_hit_rate(&self) -> Option<f64> {
+        (self.prompt_tokens > 0).then(|| self.cached_tokens as f64 / self.prompt_tokens as f64)
+    }
+}
+
 impl Report {
     /// Aggregate a run.
     pub fn from_run(label: &str, run: &RunResult) -> Self {
@@ -137,11 +165,7 @@ impl Report {
         let secs = run.wall.as_secs_f64();
         let output_tokens: u64 = ok.iter().map(|o| o.completion_tokens).sum();
         let prompt_tokens: u64 = ok.iter().map(|o| o.prompt_tokens).sum();
-        let with_cache: Vec<&&Outcome> = ok.iter().filter(|o| o.cached_tokens.is_some()).collect();
-        let cached_tokens: u64 = with_cache.iter().filter_map(|o| o.cached_tokens).sum();
-        let cache_prompt: u64 = with_cache.iter().map(|o| o.prompt_tokens).sum();
-        let prefix_hit_rate =
-            (cache_prompt > 0).then(|| cached_tokens as f64 / cache_prompt as f64);
+        let cache = CacheReports::of(ok.iter().copied());
         let mut per_worker = BTreeMap::new();
         let mut per_worker_per_second: BTreeMap<String, Vec<u32>> = BTreeMap::new();
         for o in &ok {
@@ -186,9 +210,9 @@ impl Report {
             dispatch_delay_ms: LatencyStats::from_durations(outs.iter().map(|o| o.dispatch_delay)),
             prompt_tokens,
             output_tokens,
-            cached_tokens,
-            requests_with_cache_info: with_cache.len(),
-            prefix_hit_rate,
+            cached_tokens: cache.cached_tokens,
+            requests_with_cache_info: cache.requests,
+            prefix_hit_rate: cache.prefix_hit_rate(),
             per_worker,
             worker_spread,
             ttft_cdf_ms: crate::plot::cdf_points(&ttft_values, 200),

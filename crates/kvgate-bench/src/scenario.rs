@@ -33,7 +33,7 @@ use crate::client::{BenchClient, Outcome};
 use crate::compare::{engine_finished_requests, first_line, not_run_row, start_router, RunError};
 use crate::fleet::{EngineAddr, EngineConfig, Fleet};
 use crate::plot::{line_chart_svg, Line, SeriesLabelPosition};
-use crate::report::{fmt_opt, fmt_pct, Report};
+use crate::report::{fmt_opt, fmt_pct, CacheReports, Report};
 use crate::request::Request;
 use crate::rng::SplitMix64;
 use crate::routers::{RouterContext, RouterSpec};
@@ -335,15 +335,11 @@ pub fn phases(outcomes: &[Outcome], change_at_s: f64, change_done_s: f64) -> Pha
             .iter()
             .filter(|o| (from..to).contains(&o.sent_at.as_secs_f64()))
             .collect();
-        let ok: Vec<&&Outcome> = sent.iter().filter(|o| o.is_ok()).collect();
-        let (cached, prompt) = ok
-            .iter()
-            .filter_map(|o| o.cached_tokens.map(|c| (c, o.prompt_tokens)))
-            .fold((0u64, 0u64), |(c, p), (oc, op)| (c + oc, p + op));
+        let ok: Vec<&Outcome> = sent.iter().copied().filter(|o| o.is_ok()).collect();
         PhaseStats {
             sent: sent.len(),
             ok: ok.len(),
-            prefix_hit_rate: (prompt > 0).then(|| cached as f64 / prompt as f64),
+            prefix_hit_rate: CacheReports::of(ok).prefix_hit_rate(),
         }
     };
     Phases {
