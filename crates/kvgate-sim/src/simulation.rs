@@ -506,7 +506,14 @@ impl Simulation<'_> {
         booking: Option<BookingGuard>,
     ) {
         let now = self.now_ms;
-        let unanswered = (self.records[record].target == Target::Router).then(|| request.clone());
+        // Kept only where an engine may die under it: a fleet with a restart planned.
+        let may_die = self
+            .fleet
+            .changes
+            .iter()
+            .any(|c| matches!(c.kind, ChangeKind::Restart(_)));
+        let unanswered =
+            (may_die && self.records[record].target == Target::Router).then(|| request.clone());
         let e = &mut self.engines[engine];
         if e.pending.is_none() {
             e.sim.advance_to(now);
