@@ -69,7 +69,11 @@ fn memory_stays_flat_under_prefix_churn_at_the_cap() {
         IndexConfig { max_blocks: cap },
     );
     let base = live();
-    let mut fifo: Vec<VecDeque<Vec<u64>>> = vec![VecDeque::new(); WORKERS as usize];
+    // The test's own per-engine queues are sized up front: this process's allocator
+    // counts them too, and their growth is not the index's.
+    let mut fifo: Vec<VecDeque<Vec<u64>>> = (0..WORKERS)
+        .map(|_| VecDeque::with_capacity(ENGINE_BLOCKS / UNIQUE + 2))
+        .collect();
     let mut held = vec![0usize; WORKERS as usize];
     let mut roots_held = vec![vec![false; ROOTS as usize]; WORKERS as usize];
     let mut steady: Option<usize> = None;
