@@ -11,12 +11,16 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use kvgate_core::HeldBlock;
+use kvgate_core::{BlockKey, HeldBlock};
 
 /// A peer's view of one worker rank: its blocks, as of event `last_seq`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RankSnapshot {
     pub blocks: Vec<HeldBlock>,
+    /// For blocks after a hole (the engine removed a parent first), the keys from the
+    /// root to the missing parent ([`kvgate_core::PrefixIndex::hole_paths`]); usually
+    /// empty.
+    pub hole_paths: Vec<Vec<BlockKey>>,
     pub last_seq: u64,
 }
 

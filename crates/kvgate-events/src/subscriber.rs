@@ -328,7 +328,7 @@ impl Ingest {
         let at = WorkerRef::new(self.source.worker, rank);
         let (held, entries) = {
             let mut index = self.index.write();
-            let held = index.import_worker(at, &snapshot.blocks);
+            let held = index.import_worker(at, &snapshot.blocks, &snapshot.hole_paths);
             index.set_applied_seq(at, snapshot.last_seq);
             (held, index.len())
         };

@@ -762,6 +762,9 @@ pub struct SnapshotRequest {
 pub struct WireSnapshot {
     pub last_seq: u64,
     pub blocks: Vec<(u64, Option<u64>, u64, u8)>,
+    /// Root-to-parent key paths of blocks after a hole (absent from older replicas).
+    #[serde(default)]
+    pub hole_paths: Vec<Vec<u64>>,
 }
 
 impl WireSnapshot {
@@ -779,6 +782,11 @@ impl WireSnapshot {
                         b.tier.index() as u8,
                     )
                 })
+                .collect(),
+            hole_paths: s
+                .hole_paths
+                .iter()
+                .map(|p| p.iter().map(|k| k.0).collect())
                 .collect(),
         }
     }
@@ -799,6 +807,11 @@ impl WireSnapshot {
             .collect::<Option<Vec<_>>>()?;
         Some(RankSnapshot {
             blocks,
+            hole_paths: self
+                .hole_paths
+                .into_iter()
+                .map(|p| p.into_iter().map(BlockKey).collect())
+                .collect(),
             last_seq: self.last_seq,
         })
     }

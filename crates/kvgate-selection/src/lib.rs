@@ -423,6 +423,7 @@ impl SelectionService {
         let last_seq = index.applied_seq(at)?;
         Some(RankSnapshot {
             blocks: index.export_worker(at),
+            hole_paths: index.hole_paths(at),
             last_seq,
         })
     }

@@ -1,10 +1,11 @@
-//! The memory cap of the prefix index: the eviction queue (oldest stored first, a
-//! second chance for blocks lookups matched, leaves only) and its upkeep. Must not
-//! evict anything while the index is under its cap, and must never make a slot hold a
-//! block without the block's parent (see the eviction rule in `mod.rs`).
+//! The memory cap of the prefix index: the eviction queue (covers, oldest stored into
+//! first, a second chance for nodes lookups matched, leaves only) and its upkeep. Must
+//! not evict anything while the index is under its cap, and must never make a slot
+//! hold a block without the block's parent (see the eviction rule in `mod.rs`).
 
 use std::collections::VecDeque;
 
+use super::tree::{Pos, NO_NODE};
 use super::{PrefixIndex, QueueItem};
 
 impl PrefixIndex {
@@ -25,51 +26,102 @@ impl PrefixIndex {
             let Some(item) = self.queue.pop_front() else {
                 break;
             };
-            let Some(entry) = self.blocks.get(&item.key) else {
+            let Some(n) = self.nodes.get(item.node as usize).filter(|n| n.is_live()) else {
                 continue;
             };
-            let mut current = false;
-            let mut slot_holders = 0;
-            for h in entry.holders().filter(|h| h.slot == item.slot) {
-                slot_holders += 1;
-                current |= h.tier == item.tier && h.stamp == item.stamp;
-            }
-            if !current {
+            let Some(cover) = n
+                .cover(item.slot, item.tier)
+                .filter(|c| c.stamp == item.stamp)
+            else {
+                continue;
+            };
+            let last = cover.len() - 1;
+            // The slot's last entry for its tip block, with children the slot holds:
+            // not a leaf. It comes back when its last held child goes.
+            let only_entry = !n
+                .covers
+                .iter()
+                .any(|c| c.slot == item.slot && c.tier != item.tier && c.len() > last);
+            if only_entry
+                && last + 1 == n.len()
+                && n.children
+                    .iter()
+                    .any(|&c| self.node(c).slot_present(item.slot))
+            {
                 continue;
             }
-            if slot_holders == 1 && entry.children_of(item.slot) > 0 {
-                // Not a leaf for this slot: evicting it would leave a hole. It comes
-                // back to the front of the queue when its last held child goes.
-                continue;
-            }
-            if entry.take_hot() {
+            if n.take_hot() {
                 let stamp = self.stamp();
-                if let Some(entry) = self.blocks.get_mut(&item.key) {
-                    for h in entry.holders_mut() {
-                        if h.slot == item.slot && h.tier == item.tier {
-                            h.stamp = stamp;
-                        }
-                    }
+                if let Some(c) = self.node_mut(item.node).cover_mut(item.slot, item.tier) {
+                    c.stamp = stamp;
                 }
                 self.queue.push_back(QueueItem { stamp, ..item });
                 continue;
             }
-            evicted += self.remove_holders(item.slot, item.key, |h| h.tier == item.tier);
+            let pos = Pos {
+                node: item.node,
+                abs: n.base + last as u32,
+            };
+            let tier = item.tier;
+            evicted += self.release(item.slot, pos, |c, _| c.tier == tier);
+            // Trim the same cover further if the cap still needs it.
+            if self
+                .nodes
+                .get(item.node as usize)
+                .filter(|n| n.is_live())
+                .and_then(|n| n.cover(item.slot, item.tier))
+                .is_some_and(|c| c.stamp == item.stamp)
+            {
+                self.queue.push_front(item);
+            }
         }
         self.stats.evicted_blocks += evicted as u64;
         self.compact_queue();
         evicted
     }
 
-    /// Builds the eviction queue from every holder, oldest store first.
+    /// `slot` no longer holds the first block of `node`: when that was the last child
+    /// of the parent's tip block it held, the parent's covers reaching the tip are
+    /// leaves again and go to the front of the queue.
+    pub(super) fn slot_left_child(&mut self, slot: u16, node: u32) {
+        let parent = self.node(node).parent;
+        if parent == NO_NODE {
+            return;
+        }
+        let p = self.node(parent);
+        if p.children.iter().any(|&c| self.node(c).slot_present(slot)) {
+            return;
+        }
+        let tip = p.len();
+        let tiers: Vec<_> = p
+            .covers
+            .iter()
+            .filter(|c| c.slot == slot && c.len() == tip)
+            .map(|c| c.tier)
+            .collect();
+        for tier in tiers {
+            let stamp = self.stamp();
+            if let Some(c) = self.node_mut(parent).cover_mut(slot, tier) {
+                c.stamp = stamp;
+            }
+            self.queue.push_front(QueueItem {
+                node: parent,
+                stamp,
+                slot,
+                tier,
+            });
+        }
+    }
+
+    /// Builds the eviction queue from every cover, oldest store first.
     fn start_tracking(&mut self) {
-        let mut items: Vec<QueueItem> = Vec::with_capacity(self.live);
-        for entry in self.blocks.iter() {
-            items.extend(entry.holders().map(|h| QueueItem {
-                key: entry.key(),
-                stamp: h.stamp,
-                slot: h.slot,
-                tier: h.tier,
+        let mut items: Vec<QueueItem> = Vec::new();
+        for (id, n) in self.nodes.iter().enumerate() {
+            items.extend(n.covers.iter().map(|c| QueueItem {
+                node: id as u32,
+                stamp: c.stamp,
+                slot: c.slot,
+                tier: c.tier,
             }));
         }
         // Stamps wrap after 2^32 stores; order relative to the newest so a wrap only
@@ -80,17 +132,18 @@ impl PrefixIndex {
         self.tracking = true;
     }
 
-    /// Drops stale queue items once they outnumber live entries.
+    /// Drops stale queue items once they outnumber live covers.
     fn compact_queue(&mut self) {
-        if self.queue.len() <= 2 * self.live + 1024 {
+        if self.queue.len() <= 2 * self.covers + 1024 {
             return;
         }
-        let blocks = &self.blocks;
+        let nodes = &self.nodes;
         self.queue.retain(|item| {
-            blocks.get(&item.key).is_some_and(|e| {
-                e.holders()
-                    .any(|h| h.slot == item.slot && h.tier == item.tier && h.stamp == item.stamp)
-            })
+            nodes
+                .get(item.node as usize)
+                .filter(|n| n.is_live())
+                .and_then(|n| n.cover(item.slot, item.tier))
+                .is_some_and(|c| c.stamp == item.stamp)
         });
     }
 }

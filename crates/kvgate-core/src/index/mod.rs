@@ -1,74 +1,59 @@
 //! The prefix index: which worker rank holds which block keys, at which tier.
 //!
-//! Owns the per-model map from block key to holders, each worker rank's map from the
-//! engine's opaque block hash to our key (so `BlockRemoved` can be applied), and the
-//! eviction queue that bounds memory. It must not parse wire formats, talk to engines or
-//! know about load: event ingestion translates events into these calls, and policies
-//! only read [`PrefixIndex::overlaps`].
+//! Owns the per-model tree of block keys and who holds them, each worker rank's map
+//! from the engine's opaque block hash to a block (so `BlockRemoved` can be applied),
+//! and the eviction queue that bounds memory. It must not parse wire formats, talk to
+//! engines or know about load: event ingestion translates events into these calls, and
+//! policies only read [`PrefixIndex::overlaps`].
 //!
 //! # Layout
-//! A flat hash table of block entries keyed by `BlockKey` (`block_table.rs`). Because a
-//! key is chained with its parent, a flat table answers prefix questions as well as a
-//! radix tree while keeping inserts and removals O(1) and independent of the order
-//! engines evict blocks in (a parent removed before its child simply ends the matched
-//! run earlier). Each entry (`entry.rs`) carries bitsets of the slots (worker ranks)
-//! that hold it, its holders, its parent's key, and per slot the number of its children
-//! that slot holds; the common case fits in one 64-byte cache line, so the event path
-//! pays one cache miss per block in this table. Events look a chunk of blocks up before
-//! applying them, so those misses overlap instead of stalling one after another, and a
-//! removal looks each entry up once: a leaf-first run (the order engines evict in)
-//! settles a parent's child count on the lookup that removes the parent itself.
+//! A radix tree of *runs* of chained block keys (`tree.rs`): engines store a request's
+//! blocks as a run, and consecutive blocks of a run are consecutive keys in one node,
+//! so a stored run is appended to one node and a lookup compares a prompt's keys with a
+//! node's in one step (keys are chained: equal keys at an offset mean equal prefixes
+//! up to it). Per node, each (worker slot, tier) that holds some of its blocks has a
+//! *cover*: how many of the node's leading blocks it holds and the engine's hash of
+//! each. The only per-(block, worker) state is that engine hash and its entry in the
+//! rank's engine-hash map, which finds a block for a `BlockRemoved` or a stored run's
+//! parent. Keys are our content keys, so per-process engine hash seeds work and blocks
+//! from different engines meet in one tree.
 //!
-//! # Lookup by binary search
-//! A block can only be stored with a parent the same rank holds, so a rank normally
-//! holds a *closed prefix set*: if it holds a request's block `i` it holds blocks
-//! `0..=i`, and its run length is found by binary search over the request's keys
-//! (shared by all ranks: they are split at each probe), about `log2(blocks)` probes
-//! instead of one per matched block. Two per-rank counters say when that shortcut is
-//! exact: `orphans` (blocks the rank no longer holds although it still holds children
-//! of them, e.g. an engine removed a parent first: a *hole*) and `lower_only` (blocks
-//! held only on host/disk, which need a per-block tier count). A rank with either
-//! non-zero is answered by the exact linear walk; holes heal (and the rank returns to
-//! binary search) once the orphaned children are removed too, or on a clear.
+//! Holes (an engine removed a parent before its child) and blocks held only on
+//! host/disk are exact by construction: a cover is always a prefix of its node, so a
+//! hole splits the node where the coverage breaks, and a lookup counts per node how
+//! many blocks each slot holds at which tier. Nodes without covers stay only while they
+//! lead to nodes with covers.
 //!
 //! # Memory bound and eviction rule
 //! The index holds at most [`IndexConfig::max_blocks`] holder entries (one per block,
 //! worker rank and tier). Engines normally keep it far below that by reporting their
 //! own evictions; the cap is the backstop for lost removals. When an insert exceeds the
-//! cap, entries are evicted in the order they were last stored (oldest first), with a
-//! second chance (CLOCK) for blocks that a lookup matched since they were last looked
-//! at: those are moved to the back of the queue once. Eviction removes leaves only: a
-//! rank's last entry for a block whose children that rank still holds is skipped, and
-//! goes back to the front of the queue when its last held child goes, so eviction
-//! never creates a hole (it trims branches from their tips, as engines do). The
-//! eviction queue is only kept while the index is near its cap: it is built on demand
-//! (holders sorted by store stamp) when the cap is first exceeded, compacted whenever
-//! stale items outnumber live ones, and dropped again once the index falls below half
-//! the cap, so the common case (engines reporting their own evictions) pays nothing for
-//! it and no structure only grows. Under churn at the cap (live count flat, blocks
-//! arriving and leaving) the hash tables would fill with deleted slots and double;
-//! they are rebuilt at their size instead (`table_size.rs`).
+//! cap, covers are trimmed from their tips in the order they were last stored into
+//! (oldest first), with a second chance (CLOCK) for nodes that a lookup matched since
+//! they were last looked at. Eviction takes leaves only: a block whose children the
+//! rank still holds is skipped (its cover goes back to the front of the queue when its
+//! last held child goes), so eviction never creates a hole. The eviction queue (one
+//! item per cover, not per block) is only kept while the index is near its cap: built
+//! on demand when the cap is first exceeded, compacted when stale items outnumber live
+//! ones, and dropped once the index falls below half the cap. Hash tables are rebuilt
+//! at their size when churn fills them with deleted slots (`table_size.rs`).
 
-mod block_table;
-mod entry;
+mod engine_map;
 mod evict;
-mod links;
 mod query;
-pub(crate) mod slot_bits;
 mod table_size;
+mod tree;
 
-use std::collections::hash_map::Entry as HashMapEntry;
 use std::collections::VecDeque;
 
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 use smallvec::SmallVec;
 
-use block_table::BlockTable;
-use entry::{BlockEntry, Holder};
-use links::{held_block_lost_child, orphan_child_left};
+use engine_map::EngineMap;
 pub use query::{Overlap, OverlapScores};
 use table_size::TableSize;
+use tree::{Cover, Node, Pos, NO_NODE};
 
 use crate::hashing::{BlockHasher, BlockKey};
 use crate::ids::{Tier, WorkerId, WorkerRef};
@@ -76,10 +61,10 @@ use crate::ids::{Tier, WorkerId, WorkerRef};
 /// Limits of one model's index.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct IndexConfig {
-    /// Maximum number of (block, worker rank, tier) entries kept. Memory: a 64-byte
-    /// entry per distinct block and 16 bytes per entry in the engine-hash map, each up
-    /// to twice that with hash-table slack, plus a small spill allocation for blocks
-    /// held by several ranks.
+    /// Maximum number of (block, worker rank, tier) entries kept. Memory: the engine's
+    /// hash of each entry (8 bytes) and its engine-hash map entry (16 bytes, up to twice
+    /// that with hash-table slack), plus each distinct block's key (8 bytes) and a node
+    /// per run.
     pub max_blocks: usize,
 }
 
@@ -195,15 +180,9 @@ pub struct IndexStats {
 #[derive(Debug)]
 struct SlotState {
     at: WorkerRef,
-    engine_to_key: FxHashMap<u64, BlockKey>,
-    /// Tells deleted slots in `engine_to_key` from growth (see `table_size.rs`).
-    engine_to_key_size: TableSize,
+    /// The engine's hash of every block the slot holds → where the block is.
+    engine_map: EngineMap,
     entries: usize,
-    /// Blocks this slot does not hold although it holds children of them (holes), with
-    /// the number of such children. Empty: the slot holds closed prefix sets.
-    orphans: FxHashMap<BlockKey, u32>,
-    /// Blocks this slot holds at some tier but not on the device tier.
-    lower_only: usize,
     /// The last engine event sequence number the slot's entries reflect (set by the
     /// caller that applies the events), so a snapshot says where to continue from.
     applied_seq: Option<u64>,
@@ -213,69 +192,39 @@ impl SlotState {
     fn new(at: WorkerRef) -> Self {
         Self {
             at,
-            engine_to_key: FxHashMap::default(),
-            engine_to_key_size: TableSize::default(),
+            engine_map: EngineMap::default(),
             entries: 0,
-            orphans: FxHashMap::default(),
-            lower_only: 0,
             applied_seq: None,
         }
     }
-
-    /// Records that the slot holds its engine's block `engine_hash` as `key`; returns
-    /// what the hash meant before. Rebuilds the map at its size first when only deleted
-    /// slots would make it grow.
-    fn map_engine_hash(&mut self, engine_hash: u64, key: BlockKey) -> Option<BlockKey> {
-        let map = &mut self.engine_to_key;
-        if self
-            .engine_to_key_size
-            .must_rebuild(map.len(), map.capacity())
-            && !map.contains_key(&engine_hash)
-        {
-            let mut fresh = FxHashMap::with_capacity_and_hasher(
-                self.engine_to_key_size.full(),
-                Default::default(),
-            );
-            fresh.extend(std::mem::take(map));
-            *map = fresh;
-        }
-        map.insert(engine_hash, key)
-    }
-
-    /// Whether binary search over a request's keys gives this slot's exact overlap.
-    fn searchable(&self) -> bool {
-        self.orphans.is_empty() && self.lower_only == 0
-    }
-
-    /// Accounts a change of the slot's membership of one block.
-    fn membership_changed(&mut self, before: (bool, bool), after: (bool, bool)) {
-        let lower = |(any, device): (bool, bool)| any && !device;
-        match (lower(before), lower(after)) {
-            (false, true) => self.lower_only += 1,
-            (true, false) => self.lower_only -= 1,
-            _ => {}
-        }
-    }
 }
 
-/// What one `remove_holders_owing` did.
-#[derive(Clone, Copy, Debug, Default)]
-struct Removal {
-    removed: usize,
-    /// The parent that lost a child because the slot left this block; its child count
-    /// is still to be updated.
-    left_parent: Option<BlockKey>,
+/// Whether `slot` holds the block at `pos` under `engine_hash` (at some tier): confirms
+/// an engine-hash map entry, which keeps only a tag of the hash.
+#[inline]
+fn holds_under(nodes: &[Node], slot: u16, pos: Pos, engine_hash: u64) -> bool {
+    nodes.get(pos.node as usize).is_some_and(|n| {
+        n.is_live()
+            && pos.abs >= n.base
+            && n.covers.iter().any(|c| {
+                let i = (pos.abs - n.base) as usize;
+                c.slot == slot && c.len() > i && c.engine_hashes[i] == engine_hash
+            })
+    })
 }
 
+/// A cover in the eviction queue, as of `stamp` (stale once the cover was stored into
+/// again or is gone).
 #[derive(Clone, Copy, Debug)]
 struct QueueItem {
-    key: BlockKey,
+    node: u32,
     stamp: u32,
     slot: u16,
     tier: Tier,
 }
 
-/// Blocks of an event looked up together before they are applied (see `warm`).
+/// Blocks of an event whose engine hashes are looked up together before they are
+/// applied (see `warm`).
 const PIPELINE: usize = 32;
 
 /// Maximum number of worker ranks one index tracks at once.
@@ -286,19 +235,21 @@ pub const MAX_SLOTS: usize = u16::MAX as usize;
 pub struct PrefixIndex {
     hasher: BlockHasher,
     config: IndexConfig,
-    blocks: BlockTable,
+    nodes: Vec<Node>,
+    free_nodes: Vec<u32>,
+    /// The first key of every node → the node.
+    starts: FxHashMap<BlockKey, u32>,
+    starts_size: TableSize,
     slots: Vec<Option<SlotState>>,
     slot_of: FxHashMap<WorkerRef, u16>,
     free_slots: Vec<u16>,
     queue: VecDeque<QueueItem>,
     /// Whether `queue` is maintained (only near the cap).
     tracking: bool,
-    /// The last (slot, block) whose membership a removal ended, while no block has
-    /// been entered since: lets a root-first removal of a chain skip looking up the
-    /// parent it has just removed.
-    last_left: Option<(u16, BlockKey)>,
     next_stamp: u32,
     live: usize,
+    /// Covers in the tree (bounds the eviction queue).
+    covers: usize,
     stats: IndexStats,
 }
 
@@ -307,15 +258,18 @@ impl PrefixIndex {
         Self {
             hasher,
             config,
-            blocks: BlockTable::default(),
+            nodes: Vec::new(),
+            free_nodes: Vec::new(),
+            starts: FxHashMap::default(),
+            starts_size: TableSize::default(),
             slots: Vec::new(),
             slot_of: FxHashMap::default(),
             free_slots: Vec::new(),
             queue: VecDeque::new(),
             tracking: false,
-            last_left: None,
             next_stamp: 0,
             live: 0,
+            covers: 0,
             stats: IndexStats::default(),
         }
     }
@@ -342,9 +296,17 @@ impl PrefixIndex {
         self.live == 0
     }
 
-    /// Number of distinct block keys held by anyone.
+    /// Number of distinct block keys held by anyone (walks the nodes).
     pub fn distinct_blocks(&self) -> usize {
-        self.blocks.len()
+        self.nodes
+            .iter()
+            .map(|n| n.covers.iter().map(Cover::len).max().unwrap_or(0))
+            .sum()
+    }
+
+    /// Number of runs (tree nodes); for memory checks.
+    pub fn runs(&self) -> usize {
+        self.nodes.len() - self.free_nodes.len()
     }
 
     pub fn stats(&self) -> &IndexStats {
@@ -374,25 +336,44 @@ impl PrefixIndex {
         out
     }
 
+    /// The (tier, engine hash) holders of `slot` at block `pos`.
+    fn holders_at(&self, slot: u16, pos: Pos) -> impl Iterator<Item = (Tier, u64)> + '_ {
+        let n = self.node(pos.node);
+        let i = n.index(pos.abs);
+        n.covers
+            .iter()
+            .filter(move |c| c.slot == slot && c.len() > i)
+            .map(move |c| (c.tier, c.engine_hashes[i]))
+    }
+
+    /// Every (block, tier, engine hash) the slot holds, unordered.
+    fn slot_holdings(&self, slot: u16) -> Vec<(Pos, Tier, u64)> {
+        let Some(state) = self.slot(slot) else {
+            return Vec::new();
+        };
+        let mut positions: Vec<Pos> = state.engine_map.positions().collect();
+        positions.sort_unstable_by_key(|p| (p.node, p.abs));
+        positions.dedup();
+        let mut out = Vec::with_capacity(state.entries);
+        for pos in positions {
+            out.extend(
+                self.holders_at(slot, pos)
+                    .map(move |(tier, engine_hash)| (pos, tier, engine_hash)),
+            );
+        }
+        out
+    }
+
     /// Every (key, tier) one worker rank holds, sorted; for accuracy checks and debugging.
     pub fn worker_blocks(&self, at: WorkerRef) -> Vec<(BlockKey, Tier)> {
         let Some(&slot) = self.slot_of.get(&at) else {
             return Vec::new();
         };
-        let Some(state) = self.slot(slot) else {
-            return Vec::new();
-        };
-        let mut out: Vec<(BlockKey, Tier)> = Vec::new();
-        for key in state.engine_to_key.values() {
-            if let Some(entry) = self.blocks.get(key) {
-                out.extend(
-                    entry
-                        .holders()
-                        .filter(|h| h.slot == slot)
-                        .map(|h| (*key, h.tier)),
-                );
-            }
-        }
+        let mut out: Vec<(BlockKey, Tier)> = self
+            .slot_holdings(slot)
+            .into_iter()
+            .map(|(pos, tier, _)| (self.key_at(pos), tier))
+            .collect();
         out.sort();
         out.dedup();
         out
@@ -405,50 +386,171 @@ impl PrefixIndex {
         let Some(&slot) = self.slot_of.get(&at) else {
             return Vec::new();
         };
-        let Some(state) = self.slot(slot) else {
-            return Vec::new();
-        };
-        let mut keys: Vec<BlockKey> = state.engine_to_key.values().copied().collect();
-        keys.sort();
-        keys.dedup();
-        let mut out = Vec::with_capacity(keys.len());
-        for key in keys {
-            if let Some(entry) = self.blocks.get(&key) {
-                out.extend(
-                    entry
-                        .holders()
-                        .filter(|h| h.slot == slot)
-                        .map(|h| HeldBlock {
-                            key,
-                            parent: entry.parent(),
-                            engine_hash: h.engine_hash,
-                            tier: h.tier,
-                        }),
-                );
-            }
-        }
+        let mut out: Vec<HeldBlock> = self
+            .slot_holdings(slot)
+            .into_iter()
+            .map(|(pos, tier, engine_hash)| HeldBlock {
+                key: self.key_at(pos),
+                parent: self.parent_key(pos),
+                engine_hash,
+                tier,
+            })
+            .collect();
+        out.sort_by_key(|b| (b.key, b.tier));
         out
     }
 
+    /// For each block of the rank whose parent the rank does not hold (a hole), the
+    /// keys from the root to that parent: what [`Self::import_worker`] needs to put the
+    /// block where it belongs in an index that has never seen its ancestors. Empty
+    /// unless the engine removed a parent before its child.
+    pub fn hole_paths(&self, at: WorkerRef) -> Vec<Vec<BlockKey>> {
+        let Some(&slot) = self.slot_of.get(&at) else {
+            return Vec::new();
+        };
+        let mut parents: Vec<Pos> = Vec::new();
+        for (pos, _, _) in self.slot_holdings(slot) {
+            if let Some(parent) = self.parent_pos(pos) {
+                let n = self.node(parent.node);
+                if !n.slot_holds(slot, n.index(parent.abs)) {
+                    parents.push(parent);
+                }
+            }
+        }
+        parents.sort_by_key(|p| (p.node, p.abs));
+        parents.dedup();
+        parents.into_iter().map(|p| self.path_to(p)).collect()
+    }
+
+    /// The position of the block before `pos`.
+    fn parent_pos(&self, pos: Pos) -> Option<Pos> {
+        let n = self.node(pos.node);
+        if n.index(pos.abs) > 0 {
+            return Some(Pos {
+                node: pos.node,
+                abs: pos.abs - 1,
+            });
+        }
+        (n.parent != NO_NODE).then(|| {
+            let p = self.node(n.parent);
+            Pos {
+                node: n.parent,
+                abs: p.base + p.len() as u32 - 1,
+            }
+        })
+    }
+
+    /// The keys from the root to `pos`, inclusive.
+    fn path_to(&self, pos: Pos) -> Vec<BlockKey> {
+        let mut segments: Vec<&[BlockKey]> = Vec::new();
+        let n = self.node(pos.node);
+        segments.push(&n.keys[..=n.index(pos.abs)]);
+        let mut id = n.parent;
+        while id != NO_NODE {
+            let n = self.node(id);
+            segments.push(&n.keys);
+            id = n.parent;
+        }
+        segments
+            .iter()
+            .rev()
+            .flat_map(|s| s.iter().copied())
+            .collect()
+    }
+
     /// Replaces what one worker rank holds with a snapshot of it (from
-    /// [`Self::export_worker`], usually another router's): the rank's entries are
-    /// cleared, then each block is held as if its `BlockStored` had been applied, so
-    /// the engine's later events (removals by engine hash, stores naming a parent)
-    /// apply as they would have. Returns the blocks now held; the cap is enforced.
-    pub fn import_worker(&mut self, at: WorkerRef, blocks: &[HeldBlock]) -> usize {
+    /// [`Self::export_worker`] and [`Self::hole_paths`], usually another router's): the
+    /// rank's entries are cleared, then each block is held as if its `BlockStored` had
+    /// been applied, so the engine's later events (removals by engine hash, stores
+    /// naming a parent) apply as they would have. A block after a hole whose path is
+    /// not given is skipped. Returns the blocks now held; the cap is enforced.
+    pub fn import_worker(
+        &mut self,
+        at: WorkerRef,
+        blocks: &[HeldBlock],
+        hole_paths: &[Vec<BlockKey>],
+    ) -> usize {
         self.clear(at);
         let Some(slot) = self.slot_for(at) else {
             return 0;
         };
+        // Where each key's holders are in `blocks`, and each parent's children.
+        let mut holders: FxHashMap<BlockKey, SmallVec<[usize; 2]>> = FxHashMap::default();
+        for (i, b) in blocks.iter().enumerate() {
+            holders.entry(b.key).or_default().push(i);
+        }
+        let mut children: FxHashMap<BlockKey, Vec<BlockKey>> = FxHashMap::default();
+        let mut roots: Vec<BlockKey> = Vec::new();
+        for (key, idx) in &holders {
+            match blocks[idx[0]].parent {
+                Some(p) if holders.contains_key(&p) => children.entry(p).or_default().push(*key),
+                _ => roots.push(*key),
+            }
+        }
+        roots.sort();
+        let paths: FxHashMap<BlockKey, &Vec<BlockKey>> = hole_paths
+            .iter()
+            .filter_map(|p| Some((*p.last()?, p)))
+            .collect();
         let mut held = 0;
-        for b in blocks {
-            if self.insert_holder(slot, b.key, b.parent, b.engine_hash, b.tier) {
-                held += 1;
+        let mut stack: Vec<BlockKey> = roots;
+        let mut path_ends: Vec<Pos> = Vec::new();
+        while let Some(key) = stack.pop() {
+            let Some(idx) = holders.get(&key) else {
+                continue;
+            };
+            let first = &blocks[idx[0]];
+            let parent = match first.parent {
+                None => None,
+                Some(p) => match holders.get(&p) {
+                    // The parent was placed already: find it through its engine hash.
+                    Some(pidx) => {
+                        let eh = blocks[pidx[0]].engine_hash;
+                        match self.lookup(slot, eh) {
+                            Some(pos) => Some(pos),
+                            None => continue,
+                        }
+                    }
+                    None => match paths.get(&p) {
+                        Some(path) => {
+                            let end = self.ensure_path(path);
+                            path_ends.push(end);
+                            Some(end)
+                        }
+                        None => continue,
+                    },
+                },
+            };
+            let mut pos = self.ensure_child(parent, key, 0);
+            for &i in idx {
+                let b = &blocks[i];
+                let (new, at_pos) = self.hold(slot, b.tier, pos, b.engine_hash, 0);
+                pos = at_pos;
+                held += usize::from(new);
+            }
+            if let Some(kids) = children.get(&key) {
+                stack.extend(kids.iter().copied());
+            }
+        }
+        // Path nodes no block was attached to go again.
+        for end in path_ends {
+            if self.node(end.node).is_live() {
+                self.prune(end.node);
             }
         }
         self.stats.stored_blocks += held as u64;
         self.enforce_cap();
         held
+    }
+
+    /// The position of the last key of `path` (from the root), creating the missing
+    /// nodes.
+    fn ensure_path(&mut self, path: &[BlockKey]) -> Pos {
+        let mut pos = None;
+        for key in path {
+            pos = Some(self.ensure_child(pos, *key, 0));
+        }
+        pos.unwrap_or(Pos { node: 0, abs: 0 })
     }
 
     /// Records that a worker rank's entries reflect its engine's events through
@@ -469,8 +571,8 @@ impl PrefixIndex {
 
     /// Our key for an engine block hash held by a worker rank.
     pub fn key_of(&self, at: WorkerRef, engine_hash: u64) -> Option<BlockKey> {
-        self.slot_state(at)
-            .and_then(|s| s.engine_to_key.get(&engine_hash).copied())
+        let slot = *self.slot_of.get(&at)?;
+        self.lookup(slot, engine_hash).map(|pos| self.key_at(pos))
     }
 
     /// Applies a `BlockStored` run for one worker rank.
@@ -503,10 +605,10 @@ impl PrefixIndex {
                 parent_engine_hash: blocks.parent_engine_hash.unwrap_or(0),
             });
         };
-        let mut parent = match blocks.parent_engine_hash {
+        let mut prev = match blocks.parent_engine_hash {
             None => None,
-            Some(p) => match self.slot(slot).and_then(|s| s.engine_to_key.get(&p)) {
-                Some(key) => Some(*key),
+            Some(p) => match self.lookup(slot, p) {
+                Some(pos) => Some(pos),
                 None => {
                     self.stats.unknown_parents += 1;
                     return Err(StoreError::UnknownParent {
@@ -518,26 +620,32 @@ impl PrefixIndex {
         let hasher = self.hasher.for_lora(blocks.lora_name);
         let mut outcome = StoreOutcome::default();
         let mut keys: SmallVec<[BlockKey; PIPELINE]> = SmallVec::new();
+        let mut last_key = prev.map(|p| self.key_at(p));
+        let mut done = 0;
         for (hashes, tokens) in blocks
             .engine_hashes
             .chunks(PIPELINE)
             .zip(blocks.token_ids.chunks(PIPELINE * block_size as usize))
         {
             keys.clear();
-            let mut last = parent;
             for block in tokens.chunks_exact(block_size as usize) {
-                let key = hasher.chain(last, block);
+                let key = hasher.chain(last_key, block);
                 keys.push(key);
-                last = Some(key);
+                last_key = Some(key);
             }
-            self.warm(slot, hashes, &keys);
+            self.warm(slot, hashes);
             for (engine_hash, &key) in hashes.iter().zip(&keys) {
-                if self.insert_holder(slot, key, parent, *engine_hash, blocks.tier) {
+                // The blocks still to come, so a run's storage grows once, exactly.
+                let rest = n - done;
+                done += 1;
+                let pos = self.ensure_child(prev, key, rest);
+                let (new, pos) = self.hold(slot, blocks.tier, pos, *engine_hash, rest);
+                if new {
                     outcome.inserted += 1;
                 } else {
                     outcome.duplicates += 1;
                 }
-                parent = Some(key);
+                prev = Some(pos);
             }
         }
         self.stats.stored_blocks += outcome.inserted as u64;
@@ -560,49 +668,21 @@ impl PrefixIndex {
             self.stats.unknown_removals += outcome.unknown as u64;
             return outcome;
         };
-        // Resolve every hash first: the lookups are independent, so their cache misses
-        // overlap instead of each one stalling the dependent work below.
-        let keys: SmallVec<[Option<BlockKey>; 64]> = match self.slot(slot) {
-            Some(s) => engine_hashes
-                .iter()
-                .map(|eh| {
-                    let key = s.engine_to_key.get(eh).copied();
-                    if let Some(k) = key {
-                        // Touch the entry too, so its miss overlaps the others'.
-                        std::hint::black_box(self.blocks.contains_key(&k));
-                    }
-                    key
-                })
-                .collect(),
-            None => SmallVec::from_elem(None, engine_hashes.len()),
-        };
-        // Engines usually remove a chain leaf first, so the block a removal takes a child
-        // from is the next one removed: that child count is then settled together with
-        // the next removal, on the entry it looks up anyway (`owes_child`; it is only set
-        // when the next key is that parent).
-        let mut owes_child = false;
-        for (i, &engine_hash) in engine_hashes.iter().enumerate() {
-            let removal = match keys[i] {
-                Some(key) => self.remove_holders_owing(
-                    slot,
-                    key,
-                    |h| h.engine_hash == engine_hash && tier.is_none_or(|t| h.tier == t),
-                    owes_child,
-                ),
-                None => Removal::default(),
-            };
-            owes_child = false;
-            if let Some(parent) = removal.left_parent {
-                if keys.get(i + 1).copied().flatten() == Some(parent) {
-                    owes_child = true;
-                } else {
-                    self.child_removed(slot, parent);
+        for chunk in engine_hashes.chunks(PIPELINE) {
+            self.warm(slot, chunk);
+            for &engine_hash in chunk {
+                let pos = self.lookup(slot, engine_hash);
+                let removed = match pos {
+                    Some(pos) => self.release(slot, pos, |c, i| {
+                        c.engine_hashes[i] == engine_hash && tier.is_none_or(|t| c.tier == t)
+                    }),
+                    None => 0,
+                };
+                if removed == 0 {
+                    outcome.unknown += 1;
                 }
+                outcome.removed += removed;
             }
-            if removal.removed == 0 {
-                outcome.unknown += 1;
-            }
-            outcome.removed += removal.removed;
         }
         self.stats.removed_blocks += outcome.removed as u64;
         self.stats.unknown_removals += outcome.unknown as u64;
@@ -640,20 +720,25 @@ impl PrefixIndex {
         removed
     }
 
-    /// Looks up a chunk's engine hashes and keys before they are applied. The lookups
-    /// are independent, so the CPU overlaps their cache misses; the dependent updates
-    /// that follow then find the lines in cache.
-    fn warm(&self, slot: u16, engine_hashes: &[u64], keys: &[BlockKey]) {
-        let mut found = 0usize;
+    /// Looks a chunk's engine hashes up before they are applied: the lookups are
+    /// independent, so the CPU overlaps their cache misses and the dependent updates
+    /// that follow find the lines in cache.
+    fn warm(&self, slot: u16, engine_hashes: &[u64]) {
+        let mut found = 0u32;
         if let Some(state) = self.slot(slot) {
             for eh in engine_hashes {
-                found += usize::from(state.engine_to_key.contains_key(eh));
+                found ^= state.engine_map.touch(*eh);
             }
         }
-        for key in keys {
-            found += usize::from(self.blocks.contains_key(key));
-        }
         std::hint::black_box(found);
+    }
+
+    /// Where `slot` holds its engine's block `engine_hash`.
+    fn lookup(&self, slot: u16, engine_hash: u64) -> Option<Pos> {
+        let nodes = &self.nodes;
+        self.slot(slot)?
+            .engine_map
+            .get(engine_hash, |p| holds_under(nodes, slot, p, engine_hash))
     }
 
     fn slot(&self, slot: u16) -> Option<&SlotState> {
@@ -690,207 +775,212 @@ impl PrefixIndex {
         self.next_stamp
     }
 
-    /// Records that `slot` holds `key` (child of `parent`) at `tier` under
-    /// `engine_hash`. Returns whether the holder is new (false: a duplicate store,
-    /// refreshed).
-    fn insert_holder(
+    /// Records that `slot` holds the block at `pos` at `tier` under `engine_hash`
+    /// (`rest`: blocks of the run still to be held, this one included, to size the
+    /// cover once). Returns whether the holder is new (false: a duplicate store,
+    /// refreshed) and where the block is now (holding it after a gap splits its node).
+    fn hold(
         &mut self,
         slot: u16,
-        key: BlockKey,
-        parent: Option<BlockKey>,
-        engine_hash: u64,
         tier: Tier,
-    ) -> bool {
-        // One map operation: record the new mapping and learn what it meant before.
-        let previous = self
-            .slot_mut(slot)
-            .and_then(|s| s.map_engine_hash(engine_hash, key));
-        if let Some(old_key) = previous.filter(|k| *k != key) {
-            // The engine hash meant another block before (a reset we did not see).
-            let removed = self.remove_holders(slot, old_key, |h| h.engine_hash == engine_hash);
-            self.stats.removed_blocks += removed as u64;
-        }
+        mut pos: Pos,
+        engine_hash: u64,
+        rest: usize,
+    ) -> (bool, Pos) {
         let stamp = self.stamp();
-        let Some(state) = self.slots.get_mut(slot as usize).and_then(Option::as_mut) else {
-            return false;
-        };
-        let entry = self.blocks.get_or_insert(key, parent);
-        let before = (entry.holds(slot), entry.holds_on_device(slot));
-        let mut stale_engine_hash = None;
-        let is_new = match entry
-            .holders_mut()
-            .find(|h| h.slot == slot && h.tier == tier)
-        {
-            Some(h) => {
-                if h.engine_hash != engine_hash {
-                    stale_engine_hash = Some(h.engine_hash);
-                    h.engine_hash = engine_hash;
+        let i = self.node(pos.node).index(pos.abs);
+        let cover_len = self.node(pos.node).cover(slot, tier).map(Cover::len);
+        let mut replaced = None;
+        let is_new = match cover_len {
+            Some(len) if len > i => {
+                if let Some(c) = self.node_mut(pos.node).cover_mut(slot, tier) {
+                    if c.engine_hashes[i] != engine_hash {
+                        replaced = Some(std::mem::replace(&mut c.engine_hashes[i], engine_hash));
+                    }
+                    c.stamp = stamp;
                 }
-                h.stamp = stamp;
                 false
             }
-            None => true,
-        };
-        let mut entered_parent = None;
-        if is_new {
-            entry.push_holder(Holder {
-                engine_hash,
-                stamp,
-                slot,
-                tier,
-            });
-            entry.mark(slot, tier == Tier::Device);
-            self.live += 1;
-            state.entries += 1;
-            state.membership_changed(before, (true, before.1 || tier == Tier::Device));
-            if !before.0 {
-                // The slot now holds the block: adopt children it held while it did not,
-                // and count the block as a child of its parent.
-                if !state.orphans.is_empty() {
-                    if let Some(n) = state.orphans.remove(&key) {
-                        entry.add_children(slot, n);
-                    }
+            Some(len) if len == i => {
+                if let Some(c) = self.node_mut(pos.node).cover_mut(slot, tier) {
+                    tree::push_sized(&mut c.engine_hashes, engine_hash, rest);
+                    c.stamp = stamp;
                 }
-                entered_parent = entry.parent();
-                self.last_left = None;
+                true
             }
-        }
-        if let Some(old) = stale_engine_hash {
-            let still_used = entry
-                .holders()
-                .any(|h| h.slot == slot && h.engine_hash == old);
-            if !still_used && state.engine_to_key.get(&old) == Some(&key) {
-                state.engine_to_key.remove(&old);
+            None if i == 0 => {
+                self.covers += 1;
+                self.node_mut(pos.node).add_cover(Cover {
+                    engine_hashes: vec![engine_hash],
+                    stamp,
+                    slot,
+                    tier,
+                });
+                true
             }
-        }
+            _ => {
+                // The slot holds a block at this tier without the one before it: the
+                // block starts a node of its own, so its cover is a prefix again.
+                let (_, tail) = self.split(pos.node, i);
+                pos.node = tail;
+                self.covers += 1;
+                self.node_mut(tail).add_cover(Cover {
+                    engine_hashes: vec![engine_hash],
+                    stamp,
+                    slot,
+                    tier,
+                });
+                true
+            }
+        };
         if self.tracking {
-            self.queue.push_back(QueueItem {
-                key,
+            let item = QueueItem {
+                node: pos.node,
                 stamp,
                 slot,
                 tier,
-            });
-        }
-        if let Some(parent) = entered_parent {
-            self.child_added(slot, parent);
-        }
-        is_new
-    }
-
-    /// Removes the holders of `key` that belong to `slot` and match `pred`; keeps the
-    /// slot's engine-hash map, child counts and holes consistent and drops the entry
-    /// when nobody holds it.
-    fn remove_holders(
-        &mut self,
-        slot: u16,
-        key: BlockKey,
-        pred: impl Fn(&Holder) -> bool,
-    ) -> usize {
-        let removal = self.remove_holders_owing(slot, key, pred, false);
-        if let Some(parent) = removal.left_parent {
-            self.child_removed(slot, parent);
-        }
-        removal.removed
-    }
-
-    /// [`Self::remove_holders`] without the parent's child count, which is left to the
-    /// caller (`left_parent`); with `owed_child`, first does `child_removed(slot, key)`
-    /// on the entry it looks up anyway.
-    fn remove_holders_owing(
-        &mut self,
-        slot: u16,
-        key: BlockKey,
-        pred: impl Fn(&Holder) -> bool,
-        owed_child: bool,
-    ) -> Removal {
-        // One lookup serves the update and, when nobody holds the block any more, its
-        // removal.
-        let Some(mut found) = self.blocks.find_entry(&key) else {
-            if owed_child {
-                self.child_removed(slot, key);
-            }
-            return Removal::default();
-        };
-        let entry = found.get_mut();
-        if owed_child {
-            if entry.holds(slot) {
-                let queue = self.tracking.then_some(&mut self.queue);
-                held_block_lost_child(entry, key, slot, &mut self.next_stamp, queue);
-            } else if let Some(state) = self.slots.get_mut(slot as usize).and_then(Option::as_mut) {
-                orphan_child_left(state, key);
+            };
+            // A run stored into one cover needs one item (the last stamp), not one per
+            // block.
+            match self.queue.back_mut() {
+                Some(b) if (b.node, b.slot, b.tier) == (item.node, slot, tier) => *b = item,
+                _ => self.queue.push_back(item),
             }
         }
-        let before = (entry.holds(slot), entry.holds_on_device(slot));
-        let mut gone: SmallVec<[u64; 2]> = SmallVec::new();
-        entry.remove_holders(|h| h.slot == slot && pred(h), |h| gone.push(h.engine_hash));
-        if gone.is_empty() {
-            return Removal::default();
+        if is_new {
+            self.live += 1;
         }
-        let after = entry.refresh_membership(slot);
         let Some(state) = self.slots.get_mut(slot as usize).and_then(Option::as_mut) else {
-            return Removal::default();
+            return (is_new, pos);
         };
-        let mut left_parent = None;
-        if before.0 && !after.0 {
-            // The slot no longer holds the block: children it still holds become
-            // orphans (a hole), and the parent loses a child.
-            let children = entry.take_children(slot);
-            if children > 0 {
-                state.orphans.insert(key, children);
-            }
-            left_parent = entry.parent();
+        if is_new {
+            state.entries += 1;
         }
-        let left = before.0 && !after.0;
-        state.membership_changed(before, after);
-        for eh in &gone {
-            let mapped = entry
-                .holders()
-                .any(|h| h.slot == slot && h.engine_hash == *eh);
-            if !mapped {
-                if let HashMapEntry::Occupied(o) = state.engine_to_key.entry(*eh) {
-                    if *o.get() == key {
-                        o.remove();
+        let nodes = &self.nodes;
+        let before = state.engine_map.insert(engine_hash, pos, |p| {
+            holds_under(nodes, slot, p, engine_hash)
+        });
+        if let Some(old) = replaced {
+            self.unmap_if_unused(slot, pos, old);
+        }
+        if let Some(elsewhere) = before.filter(|p| *p != pos) {
+            // The engine hash meant another block before (a reset we did not see).
+            let removed = self.release(slot, elsewhere, |c, i| c.engine_hashes[i] == engine_hash);
+            self.stats.removed_blocks += removed as u64;
+            // That may have moved this block to another node.
+            if let Some(p) = self.lookup(slot, engine_hash) {
+                pos = p;
+            }
+        }
+        (is_new, pos)
+    }
+
+    /// Drops the slot's map entry for `engine_hash` at `pos` unless one of its tiers
+    /// still holds the block under that hash.
+    fn unmap_if_unused(&mut self, slot: u16, pos: Pos, engine_hash: u64) {
+        if self.holders_at(slot, pos).any(|(_, h)| h == engine_hash) {
+            return;
+        }
+        if let Some(state) = self.slot_mut(slot) {
+            state.engine_map.remove_at(engine_hash, pos);
+        }
+    }
+
+    /// Removes the holders of the block at `pos` that belong to `slot` and that `pred`
+    /// selects (given the cover and the block's index in it); keeps the engine-hash map
+    /// consistent, splits the node when the block was not the last the slot held at
+    /// that tier (a hole), and prunes nodes nobody needs. Returns holders removed.
+    fn release(&mut self, slot: u16, pos: Pos, pred: impl Fn(&Cover, usize) -> bool) -> usize {
+        let mut node = pos.node;
+        let n = self.node(node);
+        if !n.is_live() || pos.abs < n.base || n.index(pos.abs) >= n.len() {
+            return 0;
+        }
+        let i = n.index(pos.abs);
+        let mut matching = 0;
+        let mut beyond = false;
+        for c in n.covers.iter().filter(|c| c.slot == slot && c.len() > i) {
+            if pred(c, i) {
+                matching += 1;
+                beyond |= c.len() > i + 1;
+            }
+        }
+        if matching == 0 {
+            return 0;
+        }
+        if beyond {
+            node = self.split(node, i + 1).0;
+        }
+        let i = self.node(node).index(pos.abs);
+        let mut gone: SmallVec<[u64; 2]> = SmallVec::new();
+        let mut emptied = false;
+        {
+            let n = &mut self.nodes[node as usize];
+            let mut k = 0;
+            while k < n.covers.len() {
+                let c = &mut n.covers[k];
+                if c.slot == slot && c.len() == i + 1 && pred(c, i) {
+                    if let Some(eh) = c.engine_hashes.pop() {
+                        gone.push(eh);
+                    }
+                    if c.engine_hashes.is_empty() {
+                        n.covers.remove(k);
+                        self.covers -= 1;
+                        emptied = true;
+                        continue;
                     }
                 }
+                k += 1;
             }
-        }
-        if !entry.has_holders() {
-            found.remove();
         }
         let removed = gone.len();
         self.live -= removed;
-        state.entries -= removed;
-        if left {
-            self.last_left = Some((slot, key));
+        if let Some(state) = self.slot_mut(slot) {
+            state.entries -= removed;
         }
-        Removal {
-            removed,
-            left_parent,
+        let at = Pos { node, abs: pos.abs };
+        for eh in gone {
+            self.unmap_if_unused(slot, at, eh);
         }
+        if emptied && self.tracking && !self.node(node).slot_present(slot) {
+            self.slot_left_child(slot, node);
+        }
+        self.prune(node);
+        removed
     }
 
     fn clear_slot(&mut self, slot: u16) -> usize {
-        let keys: Vec<BlockKey> = match self.slot_mut(slot) {
+        let map = match self.slot_mut(slot) {
             Some(state) => {
-                // Every block of the slot goes, so its child counts and holes do too.
-                state.orphans = FxHashMap::default();
-                state.lower_only = 0;
                 state.entries = 0;
                 state.applied_seq = None;
-                state.engine_to_key.drain().map(|(_, k)| k).collect()
+                std::mem::take(&mut state.engine_map)
             }
             None => return 0,
         };
+        let mut nodes: Vec<u32> = map.positions().map(|p| p.node).collect();
+        drop(map);
+        nodes.sort_unstable();
+        nodes.dedup();
         let mut removed = 0;
-        for key in keys {
-            let Some(entry) = self.blocks.get_mut(&key) else {
+        for id in nodes {
+            let n = self.node_mut(id);
+            if !n.is_live() {
                 continue;
-            };
-            entry.remove_holders(|h| h.slot == slot, |_| removed += 1);
-            entry.refresh_membership(slot);
-            entry.take_children(slot);
-            if !entry.has_holders() {
-                self.blocks.remove(&key);
+            }
+            let before = n.covers.len();
+            n.covers.retain(|c| {
+                if c.slot == slot {
+                    removed += c.len();
+                    false
+                } else {
+                    true
+                }
+            });
+            let gone = before - n.covers.len();
+            if gone > 0 {
+                self.covers -= gone;
+                self.prune(id);
             }
         }
         self.live -= removed;
@@ -900,10 +990,6 @@ impl PrefixIndex {
     /// Length of the eviction queue (live plus stale items); exposed for memory checks.
     pub fn queue_len(&self) -> usize {
         self.queue.len()
-    }
-
-    fn entry(&self, key: &BlockKey) -> Option<&BlockEntry> {
-        self.blocks.get(key)
     }
 
     fn slot_ref(&self, slot: u16) -> Option<WorkerRef> {

@@ -5,7 +5,7 @@
 use serde::Serialize;
 use smallvec::SmallVec;
 
-use super::slot_bits::for_each_bit;
+use super::tree::NO_NODE;
 use super::PrefixIndex;
 use crate::hashing::BlockKey;
 use crate::ids::{Tier, WorkerId, WorkerRef};
@@ -52,52 +52,119 @@ impl OverlapScores {
 #[derive(Clone, Copy)]
 struct Acc {
     slot: u16,
+    /// The slot holds every block so far (its run may go on into the next node).
+    alive: bool,
     run: u32,
     host: u32,
     disk: u32,
 }
 
-/// A node of the shared binary search: every slot of `set` (bits of one word) holds
-/// the request's block `lo` and none holds block `hi` (`hi == len`: past the end).
-#[derive(Clone, Copy)]
-struct Node {
-    lo: u32,
-    hi: u32,
-    set: u64,
-}
-
 impl PrefixIndex {
-    /// For the request's block keys (from [`crate::BlockHasher::block_keys`], or any
-    /// contiguous window of such a chain), the number of leading blocks each worker
-    /// rank holds, per tier. Ranks that hold closed prefix sets on the device tier
-    /// (the normal case, see the module doc) are answered by one binary search shared
-    /// by all of them: about `log2(keys)` hash lookups per distinct run length. Other
-    /// ranks are answered by a walk that stops at the first block none of them holds.
+    /// For the request's block keys (from [`crate::BlockHasher::block_keys`], from the
+    /// first block), the number of leading blocks each worker rank holds, per tier.
+    /// Walks the tree along the keys: per node, one key comparison finds how far the
+    /// request follows it (keys are chained, so equal keys at an offset mean equal
+    /// prefixes), and each slot's covers say how many of those blocks it holds at which
+    /// tier. Marks the matched nodes as recently used.
     pub fn overlaps(&self, keys: &[BlockKey]) -> OverlapScores {
         let mut scores = OverlapScores::default();
-        let Some(first) = keys.first().and_then(|k| self.entry(k)) else {
+        let Some(mut id) = keys
+            .first()
+            .and_then(|k| self.starts.get(k))
+            .copied()
+            .filter(|&id| self.node(id).parent == NO_NODE)
+        else {
             return scores;
         };
-        first.touch();
         let mut accs: SmallVec<[Acc; 16]> = SmallVec::new();
-        let mut walk: SmallVec<[u64; 2]> = SmallVec::new();
-        for w in 0..first.words() {
-            let word = first.any_word(w);
-            let mut search = 0u64;
-            for_each_bit(w, word, |slot| {
-                if self.slot(slot).is_some_and(|s| s.searchable()) {
-                    search |= 1 << (slot % 64);
+        let mut pos = 0usize;
+        let mut first = true;
+        loop {
+            let n = self.node(id);
+            let len = n.len();
+            let window = len.min(keys.len() - pos);
+            let matched = if n.keys[window - 1] == keys[pos + window - 1] {
+                window
+            } else {
+                // keys[pos] matched (it found this node); the last did not.
+                let (mut lo, mut hi) = (1usize, window);
+                while hi - lo > 1 {
+                    let mid = lo + (hi - lo) / 2;
+                    if n.keys[mid - 1] == keys[pos + mid - 1] {
+                        lo = mid;
+                    } else {
+                        hi = mid;
+                    }
                 }
-            });
-            walk.push(word & !search);
-            if search != 0 {
-                self.search_runs(keys, w, search, &mut accs);
+                lo
+            };
+            n.touch();
+            let mut any_alive = false;
+            // Covers are sorted by slot, and so are the accumulators (made from the
+            // first node's covers): one merge pass pairs them.
+            let mut a = 0;
+            let mut c = 0;
+            while c < n.covers.len() {
+                let slot = n.covers[c].slot;
+                let mut on = [0usize; 3];
+                while c < n.covers.len() && n.covers[c].slot == slot {
+                    on[n.covers[c].tier.index()] = n.covers[c].len();
+                    c += 1;
+                }
+                let acc = if first {
+                    accs.push(Acc {
+                        slot,
+                        alive: true,
+                        run: 0,
+                        host: 0,
+                        disk: 0,
+                    });
+                    accs.last_mut()
+                } else {
+                    // Accumulators this node has no cover for end their run here.
+                    while a < accs.len() && accs[a].slot < slot {
+                        accs[a].alive = false;
+                        a += 1;
+                    }
+                    match accs.get_mut(a) {
+                        Some(acc) if acc.slot == slot && acc.alive => {
+                            a += 1;
+                            Some(acc)
+                        }
+                        _ => None,
+                    }
+                };
+                let Some(acc) = acc else {
+                    continue;
+                };
+                let [device, host, disk] = on;
+                let held = device.max(host).max(disk).min(matched);
+                let on_device = device.min(held);
+                let on_host = host.min(held).max(on_device) - on_device;
+                acc.run += held as u32;
+                acc.host += on_host as u32;
+                acc.disk += (held - on_device - on_host) as u32;
+                if held == len {
+                    any_alive = true;
+                } else {
+                    acc.alive = false;
+                }
+            }
+            if !first {
+                for acc in &mut accs[a..] {
+                    acc.alive = false;
+                }
+            }
+            first = false;
+            pos += len;
+            if !any_alive || matched < len || pos >= keys.len() {
+                break;
+            }
+            match self.child_of(id, keys[pos]) {
+                Some(next) => id = next,
+                None => break,
             }
         }
-        if walk.iter().any(|w| *w != 0) {
-            self.walk_runs(keys, walk, &mut accs);
-        }
-        accs.sort_unstable_by_key(|a| a.slot);
         scores.per_ref.reserve(accs.len());
         for acc in accs {
             if acc.run == 0 {
@@ -113,154 +180,5 @@ impl PrefixIndex {
             });
         }
         scores
-    }
-
-    /// Run lengths of the slots in `set` (word `w`), which hold closed prefix sets on
-    /// the device tier only, by a binary search shared by all of them. The search goes
-    /// level by level so the lookups of one level are independent (the CPU overlaps
-    /// their cache misses). Marks the probed blocks that matched as recently used; the
-    /// last block of every run is among them.
-    fn search_runs(&self, keys: &[BlockKey], w: usize, set: u64, accs: &mut SmallVec<[Acc; 16]>) {
-        let len = keys.len() as u32;
-        let mut level: SmallVec<[Node; 16]> = SmallVec::new();
-        let mut next: SmallVec<[Node; 16]> = SmallVec::new();
-        level.push(Node {
-            lo: 0,
-            hi: len,
-            set,
-        });
-        while !level.is_empty() {
-            for node in level.drain(..) {
-                if node.hi - node.lo <= 1 {
-                    for_each_bit(w, node.set, |slot| {
-                        accs.push(Acc {
-                            slot,
-                            run: node.lo + 1,
-                            host: 0,
-                            disk: 0,
-                        })
-                    });
-                    continue;
-                }
-                let mid = node.lo + (node.hi - node.lo) / 2;
-                let held = match self.entry(&keys[mid as usize]) {
-                    Some(e) => {
-                        let held = e.any_word(w) & node.set;
-                        if held != 0 {
-                            e.touch();
-                        }
-                        held
-                    }
-                    None => 0,
-                };
-                if held != 0 {
-                    next.push(Node {
-                        lo: mid,
-                        hi: node.hi,
-                        set: held,
-                    });
-                }
-                if node.set & !held != 0 {
-                    next.push(Node {
-                        lo: node.lo,
-                        hi: mid,
-                        set: node.set & !held,
-                    });
-                }
-            }
-            std::mem::swap(&mut level, &mut next);
-        }
-    }
-
-    /// Exact per-tier runs of the slots in `alive` (which all hold the first block):
-    /// walks the keys until none of them holds a block, marking matched blocks as
-    /// recently used.
-    fn walk_runs(
-        &self,
-        keys: &[BlockKey],
-        mut alive: SmallVec<[u64; 2]>,
-        out: &mut SmallVec<[Acc; 16]>,
-    ) {
-        let base = out.len();
-        // slot → position in `out`.
-        let mut pos: SmallVec<[u16; 64]> = SmallVec::from_elem(u16::MAX, self.slots.len());
-        for (w, word) in alive.iter().enumerate() {
-            for_each_bit(w, *word, |slot| {
-                if let Some(p) = pos.get_mut(slot as usize) {
-                    *p = (out.len() - base) as u16;
-                }
-                out.push(Acc {
-                    slot,
-                    run: 0,
-                    host: 0,
-                    disk: 0,
-                });
-            });
-        }
-        let accs = &mut out[base..];
-        let mut depth: u32 = 0;
-        for key in keys {
-            let Some(entry) = self.entry(key) else {
-                break;
-            };
-            let mut still_alive = false;
-            for (w, alive_word) in alive.iter_mut().enumerate() {
-                if *alive_word == 0 {
-                    continue;
-                }
-                let held = entry.any_word(w);
-                let dropped = *alive_word & !held;
-                if dropped != 0 {
-                    for_each_bit(w, dropped, |slot| {
-                        if let Some(acc) = pos
-                            .get(slot as usize)
-                            .and_then(|p| accs.get_mut(*p as usize))
-                        {
-                            acc.run = depth;
-                        }
-                    });
-                }
-                *alive_word &= held;
-                if *alive_word == 0 {
-                    continue;
-                }
-                still_alive = true;
-                let lower = *alive_word & !entry.device_word(w);
-                if lower != 0 {
-                    for_each_bit(w, lower, |slot| {
-                        let best = entry
-                            .holders()
-                            .filter(|h| h.slot == slot)
-                            .map(|h| h.tier)
-                            .min()
-                            .unwrap_or(Tier::Disk);
-                        if let Some(acc) = pos
-                            .get(slot as usize)
-                            .and_then(|p| accs.get_mut(*p as usize))
-                        {
-                            match best {
-                                Tier::Host => acc.host += 1,
-                                _ => acc.disk += 1,
-                            }
-                        }
-                    });
-                }
-            }
-            if !still_alive {
-                break;
-            }
-            entry.touch();
-            depth += 1;
-        }
-        for (w, word) in alive.iter().enumerate() {
-            for_each_bit(w, *word, |slot| {
-                if let Some(acc) = pos
-                    .get(slot as usize)
-                    .and_then(|p| accs.get_mut(*p as usize))
-                {
-                    acc.run = depth;
-                }
-            });
-        }
     }
 }

@@ -4,9 +4,10 @@
 //! table whose free room is used up by deleted slots rehashes it in place only while at
 //! most half of it is live; above that it doubles. An index at its cap under prefix
 //! churn (unique blocks arriving and being evicted, live count flat) therefore doubled
-//! its block table and its engine-hash maps every few tens of millions of events'
-//! worth of deleted slots, until the next power of two left it half empty: memory
-//! stepped up by 70-90% with nothing more held. Before an insert that would make such a
+//! its hash tables every few tens of millions of events' worth of deleted slots, until
+//! the next power of two left them half empty: memory stepped up by 70-90% with nothing
+//! more held. (The engine-hash maps, the largest tables, have no deleted slots at all:
+//! `engine_map.rs`; this keeps the table of run starts flat.) Before an insert that would make such a
 //! table grow, [`TableSize::must_rebuild`] says whether at least an eighth of it is
 //! deleted slots; the owner then rebuilds it at the same size, which takes the deleted
 //! slots out. Each rebuild frees an eighth of the table or more, so its cost is at most

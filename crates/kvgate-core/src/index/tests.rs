@@ -324,65 +324,108 @@ fn repeated_churn_does_not_grow_the_queue() {
     assert!(idx.queue_len() <= 1024 + 100, "queue {}", idx.queue_len());
 }
 
-fn entry_of<'a>(idx: &'a PrefixIndex, key: &BlockKey) -> &'a super::BlockEntry {
-    idx.blocks.get(key).expect("held block has an entry")
+/// Whether some slot holds a block without holding the block before it (a hole).
+fn has_hole(idx: &PrefixIndex) -> bool {
+    idx.nodes.iter().filter(|n| n.is_live()).any(|n| {
+        n.parent != super::tree::NO_NODE
+            && n.covers.iter().any(|c| {
+                let p = idx.node(n.parent);
+                !p.slot_holds(c.slot, p.len() - 1)
+            })
+    })
 }
 
-fn searchable(idx: &PrefixIndex, a: WorkerRef) -> bool {
-    idx.slot_state(a).is_some_and(|s| s.searchable())
-}
-
-/// Recomputes the per-slot child counts, holes (orphans), lower-tier-only counts and
-/// entry counts from the holders and compares them with the maintained ones.
+/// Checks the tree's invariants and recomputes the counts and maps from the covers.
 fn assert_bookkeeping(idx: &PrefixIndex) {
+    use super::tree::NO_NODE;
+    let mut live = 0;
+    let mut entries: BTreeMap<u16, usize> = BTreeMap::new();
+    let mut mapped: BTreeMap<(u16, u64), super::tree::Pos> = BTreeMap::new();
+    for (id, n) in idx.nodes.iter().enumerate() {
+        let id = id as u32;
+        if !n.is_live() {
+            assert!(idx.free_nodes.contains(&id), "dead node {id} is free");
+            continue;
+        }
+        assert_eq!(
+            idx.starts.get(&n.keys[0]),
+            Some(&id),
+            "node {id} is in starts"
+        );
+        assert!(
+            !n.covers.is_empty() || !n.children.is_empty(),
+            "node {id} has covers or children"
+        );
+        if n.children.is_empty() {
+            let longest = n.covers.iter().map(|c| c.len()).max().unwrap_or(0);
+            assert_eq!(
+                longest,
+                n.len(),
+                "leaf {id} is trimmed to its longest cover"
+            );
+        }
+        for c in &n.children {
+            assert_eq!(idx.node(*c).parent, id, "child {c} of {id} names it");
+        }
+        if n.parent != NO_NODE {
+            assert!(
+                idx.node(n.parent).children.contains(&id),
+                "{id} is its parent's child"
+            );
+        }
+        let mut last = None;
+        for c in &n.covers {
+            assert!(c.len() > 0 && c.len() <= n.len(), "cover within node {id}");
+            assert!(last < Some((c.slot, c.tier)), "covers sorted");
+            last = Some((c.slot, c.tier));
+            live += c.len();
+            *entries.entry(c.slot).or_default() += c.len();
+            for (i, eh) in c.engine_hashes.iter().enumerate() {
+                let pos = super::tree::Pos {
+                    node: id,
+                    abs: n.base + i as u32,
+                };
+                if let Some(other) = mapped.insert((c.slot, *eh), pos) {
+                    assert_eq!(
+                        other, pos,
+                        "engine hash {eh} of slot {} at one block",
+                        c.slot
+                    );
+                }
+            }
+        }
+    }
+    assert_eq!(idx.live, live, "live entries");
     for (slot, state) in idx.slots.iter().enumerate() {
         let Some(state) = state else { continue };
         let slot = slot as u16;
-        let held: BTreeSet<BlockKey> = idx
-            .blocks
+        assert_eq!(
+            state.entries,
+            entries.get(&slot).copied().unwrap_or(0),
+            "entries of slot {slot}"
+        );
+        let expected: BTreeMap<(u16, u64), super::tree::Pos> = mapped
             .iter()
-            .filter(|e| e.holds(slot))
-            .map(|e| e.key())
+            .filter(|((s, _), _)| *s == slot)
+            .map(|(k, v)| (*k, *v))
             .collect();
-        let mut children: BTreeMap<BlockKey, u32> = BTreeMap::new();
-        for key in &held {
-            if let Some(p) = entry_of(idx, key).parent() {
-                *children.entry(p).or_default() += 1;
-            }
-        }
-        for key in &held {
+        assert_eq!(
+            state.engine_map.len(),
+            expected.len(),
+            "engine-hash map of slot {slot}"
+        );
+        for ((_, eh), pos) in expected {
             assert_eq!(
-                entry_of(idx, key).children_of(slot),
-                children.get(key).copied().unwrap_or(0),
-                "child count of {key:?} in slot {slot}"
+                idx.lookup(slot, eh),
+                Some(pos),
+                "engine hash {eh} of slot {slot}"
             );
         }
-        let orphans: BTreeMap<BlockKey, u32> = children
-            .into_iter()
-            .filter(|(k, _)| !held.contains(k))
-            .collect();
-        let maintained: BTreeMap<BlockKey, u32> =
-            state.orphans.iter().map(|(k, n)| (*k, *n)).collect();
-        assert_eq!(maintained, orphans, "orphans of slot {slot}");
-        let lower = held
-            .iter()
-            .filter(|k| !entry_of(idx, k).holds_on_device(slot))
-            .count();
-        assert_eq!(
-            state.lower_only, lower,
-            "lower-tier-only blocks of slot {slot}"
-        );
-        let entries: usize = idx
-            .blocks
-            .iter()
-            .map(|e| e.holders().filter(|h| h.slot == slot).count())
-            .sum();
-        assert_eq!(state.entries, entries, "entries of slot {slot}");
     }
 }
 
 #[test]
-fn hole_falls_back_to_the_exact_walk_and_heals() {
+fn a_hole_ends_the_run_and_heals() {
     let mut idx = index(1000);
     let tokens = [1, 2, 3, 4, 5, 6, 7, 8];
     store(
@@ -394,11 +437,9 @@ fn hole_falls_back_to_the_exact_walk_and_heals() {
         Tier::Device,
     )
     .unwrap();
-    assert!(searchable(&idx, at(0, 0)));
     assert_eq!(run_of(&idx, &tokens, 0), [4, 0, 0]);
     // The engine drops a parent first: blocks 2 and 3 are still held but unreachable.
     idx.apply_removed(at(0, 0), &[11], Some(Tier::Device));
-    assert!(!searchable(&idx, at(0, 0)), "a hole forces the exact walk");
     assert_eq!(run_of(&idx, &tokens, 0), [1, 0, 0]);
     assert_bookkeeping(&idx);
     // Re-storing the parent adopts its held children: the run is whole again.
@@ -411,14 +452,11 @@ fn hole_falls_back_to_the_exact_walk_and_heals() {
         Tier::Device,
     )
     .unwrap();
-    assert!(searchable(&idx, at(0, 0)));
     assert_eq!(run_of(&idx, &tokens, 0), [4, 0, 0]);
     // Removing the orphaned children heals a hole too.
     idx.apply_removed(at(0, 0), &[11], None);
     idx.apply_removed(at(0, 0), &[13], None);
-    assert!(!searchable(&idx, at(0, 0)));
     idx.apply_removed(at(0, 0), &[12], None);
-    assert!(searchable(&idx, at(0, 0)));
     assert_eq!(run_of(&idx, &tokens, 0), [1, 0, 0]);
     assert_bookkeeping(&idx);
     // A clear resets everything.
@@ -433,14 +471,59 @@ fn hole_falls_back_to_the_exact_walk_and_heals() {
     )
     .unwrap();
     idx.apply_removed(at(0, 0), &[10], None);
-    assert!(!searchable(&idx, at(0, 0)));
     idx.clear(at(0, 0));
-    assert!(searchable(&idx, at(0, 0)));
     assert_bookkeeping(&idx);
 }
 
 #[test]
-fn binary_search_is_shared_by_ranks_with_different_runs() {
+fn a_stored_run_is_one_node_and_a_divergence_splits_it_once() {
+    let mut idx = index(10_000);
+    let tokens: Vec<u32> = (0..200).collect();
+    let hashes: Vec<u64> = (0..100).collect();
+    store(&mut idx, at(0, 0), &hashes, None, &tokens, Tier::Device).unwrap();
+    assert_eq!(idx.runs(), 1, "100 blocks in one event: one node");
+    // Another engine shares the first 40 blocks, then goes its own way: the node splits
+    // once, and the new blocks are one more node.
+    let mut other = tokens[..80].to_vec();
+    other.extend(1000..1040u32);
+    let other_hashes: Vec<u64> = (500..560).collect();
+    store(
+        &mut idx,
+        at(1, 0),
+        &other_hashes,
+        None,
+        &other,
+        Tier::Device,
+    )
+    .unwrap();
+    assert_eq!(idx.runs(), 3);
+    assert_eq!(run_of(&idx, &tokens, 0), [100, 0, 0]);
+    assert_eq!(run_of(&idx, &tokens, 1), [40, 0, 0]);
+    assert_eq!(run_of(&idx, &other, 1), [60, 0, 0]);
+    // The conversation goes on: a later event appends to the leaf run.
+    let mut longer = tokens.clone();
+    longer.extend(5000..5020u32);
+    store(
+        &mut idx,
+        at(0, 0),
+        &[100, 101, 102, 103, 104, 105, 106, 107, 108, 109],
+        Some(99),
+        &longer[200..],
+        Tier::Device,
+    )
+    .unwrap();
+    assert_eq!(idx.runs(), 3, "appended in place");
+    assert_eq!(run_of(&idx, &longer, 0), [110, 0, 0]);
+    // Removing the other engine's blocks leaf first takes its node away again.
+    let rev: Vec<u64> = other_hashes.iter().rev().copied().collect();
+    idx.apply_removed(at(1, 0), &rev, None);
+    assert_eq!(idx.len(), 110);
+    assert_eq!(idx.runs(), 2, "the branch is pruned; the split stays");
+    assert_bookkeeping(&idx);
+}
+
+#[test]
+fn ranks_with_different_runs_share_one_walk() {
     let mut idx = index(10_000);
     let tokens: Vec<u32> = (0..64).collect();
     let hashes: Vec<u64> = (0..32).collect();
@@ -464,14 +547,6 @@ fn binary_search_is_shared_by_ranks_with_different_runs() {
         assert_eq!(
             scores.best_for(WorkerId(w)).map(|o| o.blocks),
             Some([n, 0, 0])
-        );
-        // Any window of the chain gives the same answer as the linear definition.
-        let from = 3usize;
-        let window = idx.overlaps(&keys[from..]);
-        let expected = n.saturating_sub(from as u32);
-        assert_eq!(
-            window.best_for(WorkerId(w)).map_or(0, |o| o.total()),
-            expected
         );
     }
     assert_eq!(scores.longest, 31);
@@ -499,12 +574,11 @@ fn eviction_takes_leaves_first_and_never_leaves_a_hole() {
     assert_eq!(run_of(&idx, &tokens, 0), [3, 0, 0]);
     assert_eq!(run_of(&idx, &[50, 50], 0), [1, 0, 0]);
     assert_eq!(run_of(&idx, &[51, 51], 0), [1, 0, 0]);
-    assert!(searchable(&idx, at(0, 0)));
     assert_bookkeeping(&idx);
 }
 
 #[test]
-fn lower_tier_slots_use_the_walk_and_return_to_search() {
+fn lower_tier_blocks_count_on_their_tier() {
     let mut idx = index(1000);
     let tokens = [1, 2, 3, 4, 5, 6];
     store(
@@ -525,12 +599,9 @@ fn lower_tier_slots_use_the_walk_and_return_to_search() {
         Tier::Host,
     )
     .unwrap();
-    assert!(searchable(&idx, at(0, 0)), "device copy still present");
     idx.apply_removed(at(0, 0), &[12], Some(Tier::Device));
-    assert!(!searchable(&idx, at(0, 0)));
     assert_eq!(run_of(&idx, &tokens, 0), [2, 1, 0]);
     idx.apply_removed(at(0, 0), &[12], None);
-    assert!(searchable(&idx, at(0, 0)));
     assert_eq!(run_of(&idx, &tokens, 0), [2, 0, 0]);
     assert_bookkeeping(&idx);
 }
@@ -854,7 +925,8 @@ proptest! {
         for w in 0..3 {
             for r in 0..2 {
                 let blocks = original.export_worker(at(w, r));
-                loaded.import_worker(at(w, r), &blocks);
+                let paths = original.hole_paths(at(w, r));
+                loaded.import_worker(at(w, r), &blocks, &paths);
             }
         }
         assert_bookkeeping(&loaded);
@@ -885,9 +957,7 @@ proptest! {
         let mut model = Model::default();
         for op in ops.into_iter().filter(|op| !matches!(op, Op::Remove { .. })) {
             apply_op(&mut idx, &mut model, op);
-            for state in idx.slots.iter().flatten() {
-                prop_assert!(state.orphans.is_empty(), "eviction left a hole");
-            }
+            prop_assert!(!has_hole(&idx), "eviction left a hole");
             assert_exact_subset(&idx, &model, cap)?;
         }
     }
