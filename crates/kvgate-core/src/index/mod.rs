@@ -206,9 +206,9 @@ fn holds_under(nodes: &[Node], slot: u16, pos: Pos, engine_hash: u64) -> bool {
     nodes.get(pos.node as usize).is_some_and(|n| {
         n.is_live()
             && pos.abs >= n.base
-            && n.covers.iter().any(|c| {
+            && n.slot_covers(slot).iter().any(|c| {
                 let i = (pos.abs - n.base) as usize;
-                c.slot == slot && c.len() > i && c.engine_hashes[i] == engine_hash
+                c.len() > i && c.engine_hashes[i] == engine_hash
             })
     })
 }
@@ -340,9 +340,9 @@ impl PrefixIndex {
     fn holders_at(&self, slot: u16, pos: Pos) -> impl Iterator<Item = (Tier, u64)> + '_ {
         let n = self.node(pos.node);
         let i = n.index(pos.abs);
-        n.covers
+        n.slot_covers(slot)
             .iter()
-            .filter(move |c| c.slot == slot && c.len() > i)
+            .filter(move |c| c.len() > i)
             .map(move |c| (c.tier, c.engine_hashes[i]))
     }
 
@@ -789,25 +789,25 @@ impl PrefixIndex {
     ) -> (bool, Pos) {
         let stamp = self.stamp();
         let i = self.node(pos.node).index(pos.abs);
-        let cover_len = self.node(pos.node).cover(slot, tier).map(Cover::len);
         let mut replaced = None;
-        let is_new = match cover_len {
-            Some(len) if len > i => {
-                if let Some(c) = self.node_mut(pos.node).cover_mut(slot, tier) {
-                    if c.engine_hashes[i] != engine_hash {
-                        replaced = Some(std::mem::replace(&mut c.engine_hashes[i], engine_hash));
-                    }
-                    c.stamp = stamp;
+        // One search for the cover serves the common cases: a duplicate, or the next
+        // block of the slot's run at this tier.
+        let mut outcome = None;
+        if let Some(c) = self.nodes[pos.node as usize].cover_mut(slot, tier) {
+            if c.len() > i {
+                if c.engine_hashes[i] != engine_hash {
+                    replaced = Some(std::mem::replace(&mut c.engine_hashes[i], engine_hash));
                 }
-                false
+                c.stamp = stamp;
+                outcome = Some(false);
+            } else if c.len() == i {
+                tree::push_sized(&mut c.engine_hashes, engine_hash, rest);
+                c.stamp = stamp;
+                outcome = Some(true);
             }
-            Some(len) if len == i => {
-                if let Some(c) = self.node_mut(pos.node).cover_mut(slot, tier) {
-                    tree::push_sized(&mut c.engine_hashes, engine_hash, rest);
-                    c.stamp = stamp;
-                }
-                true
-            }
+        }
+        let is_new = match outcome {
+            Some(new) => new,
             None if i == 0 => {
                 self.covers += 1;
                 self.node_mut(pos.node).add_cover(Cover {
@@ -899,7 +899,7 @@ impl PrefixIndex {
         let i = n.index(pos.abs);
         let mut matching = 0;
         let mut beyond = false;
-        for c in n.covers.iter().filter(|c| c.slot == slot && c.len() > i) {
+        for c in n.slot_covers(slot).iter().filter(|c| c.len() > i) {
             if pred(c, i) {
                 matching += 1;
                 beyond |= c.len() > i + 1;
@@ -916,10 +916,12 @@ impl PrefixIndex {
         let mut emptied = false;
         {
             let n = &mut self.nodes[node as usize];
-            let mut k = 0;
-            while k < n.covers.len() {
+            let range = n.slot_range(slot);
+            let mut k = range.start;
+            let mut end = range.end;
+            while k < end {
                 let c = &mut n.covers[k];
-                if c.slot == slot && c.len() == i + 1 && pred(c, i) {
+                if c.len() == i + 1 && pred(c, i) {
                     if let Some(eh) = c.engine_hashes.pop() {
                         gone.push(eh);
                     }
@@ -927,6 +929,7 @@ impl PrefixIndex {
                         n.covers.remove(k);
                         self.covers -= 1;
                         emptied = true;
+                        end -= 1;
                         continue;
                     }
                 }

@@ -99,16 +99,31 @@ impl Node {
 
     #[inline]
     pub fn cover(&self, slot: u16, tier: Tier) -> Option<&Cover> {
-        self.covers
-            .iter()
-            .find(|c| c.slot == slot && c.tier == tier)
+        self.slot_covers(slot).iter().find(|c| c.tier == tier)
     }
 
     #[inline]
     pub fn cover_mut(&mut self, slot: u16, tier: Tier) -> Option<&mut Cover> {
-        self.covers
-            .iter_mut()
-            .find(|c| c.slot == slot && c.tier == tier)
+        let range = self.slot_range(slot);
+        self.covers[range].iter_mut().find(|c| c.tier == tier)
+    }
+
+    /// Where `slot`'s covers are in `covers` (sorted by slot: a binary search, so a
+    /// node many slots share costs a few comparisons, not one per slot).
+    #[inline]
+    pub fn slot_range(&self, slot: u16) -> std::ops::Range<usize> {
+        let start = self.covers.partition_point(|c| c.slot < slot);
+        let len = self.covers[start..]
+            .iter()
+            .take_while(|c| c.slot == slot)
+            .count();
+        start..start + len
+    }
+
+    /// `slot`'s covers (one per tier it holds the node's first block on).
+    #[inline]
+    pub fn slot_covers(&self, slot: u16) -> &[Cover] {
+        &self.covers[self.slot_range(slot)]
     }
 
     /// Inserts a cover keeping the (slot, tier) order.
@@ -124,13 +139,13 @@ impl Node {
     /// Whether `slot` holds block `i` of this node at some tier.
     #[inline]
     pub fn slot_holds(&self, slot: u16, i: usize) -> bool {
-        self.covers.iter().any(|c| c.slot == slot && c.len() > i)
+        self.slot_covers(slot).iter().any(|c| c.len() > i)
     }
 
     /// Whether `slot` holds the first block of the node at some tier.
     #[inline]
     pub fn slot_present(&self, slot: u16) -> bool {
-        self.covers.iter().any(|c| c.slot == slot)
+        !self.slot_range(slot).is_empty()
     }
 
     pub fn touch(&self) {
