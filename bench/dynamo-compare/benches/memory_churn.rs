@@ -183,8 +183,11 @@ fn churn(index: &mut dyn Index, c: &Churn) -> ChurnResult {
     let root_tokens: Vec<Vec<u32>> = (0..c.roots).map(|r| tokens_of(1 << 50 | r)).collect();
     let root_hashes: Vec<u64> = root_tokens.iter().map(|t| chain_hash(7, t)).collect();
     let mut held_roots = vec![vec![false; c.roots as usize]; WORKERS as usize];
-    // Per engine: its requests' unique blocks, oldest first.
-    let mut fifo: Vec<VecDeque<Vec<u64>>> = vec![VecDeque::new(); WORKERS as usize];
+    // Per engine: its requests' unique blocks, oldest first. Sized up front: the
+    // counting allocator counts this driver too, and its growth is neither index's.
+    let mut fifo: Vec<VecDeque<Vec<u64>>> = (0..WORKERS)
+        .map(|_| VecDeque::with_capacity(c.capacity / c.unique_blocks + 2))
+        .collect();
     let mut held = vec![0usize; WORKERS as usize];
     let mut events = 0u64;
     let mut steady: Option<(usize, usize, usize)> = None;
