@@ -62,9 +62,9 @@ use crate::ids::{Tier, WorkerId, WorkerRef};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct IndexConfig {
     /// Maximum number of (block, worker rank, tier) entries kept. Memory: the engine's
-    /// hash of each entry (8 bytes) and its engine-hash map entry (16 bytes, up to twice
-    /// that with hash-table slack), plus each distinct block's key (8 bytes) and a node
-    /// per run.
+    /// hash of each entry (8 bytes) and its engine-hash map entry (12 bytes, about 14
+    /// with the table's free room), plus each distinct block's key (8 bytes) and a node
+    /// per run: about 30 bytes per entry (docs/BENCHMARKS.md, "A radix tree of runs").
     pub max_blocks: usize,
 }
 

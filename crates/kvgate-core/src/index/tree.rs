@@ -279,7 +279,14 @@ impl PrefixIndex {
             covers: SmallVec::new(),
             hot: AtomicBool::new(false),
         };
-        let id = match self.free_nodes.pop() {
+        let id = self.alloc_node(node);
+        self.insert_start(key, id);
+        id
+    }
+
+    /// Puts a node in a free slot of the slab (or a new one); returns its id.
+    fn alloc_node(&mut self, node: Node) -> u32 {
+        match self.free_nodes.pop() {
             Some(id) => {
                 self.nodes[id as usize] = node;
                 id
@@ -288,9 +295,7 @@ impl PrefixIndex {
                 self.nodes.push(node);
                 (self.nodes.len() - 1) as u32
             }
-        };
-        self.insert_start(key, id);
-        id
+        }
     }
 
     fn insert_start(&mut self, key: BlockKey, id: u32) {
@@ -365,16 +370,7 @@ impl PrefixIndex {
         }
         let first = moved.keys[0];
         self.covers += covers;
-        let new_id = match self.free_nodes.pop() {
-            Some(x) => {
-                self.nodes[x as usize] = moved;
-                x
-            }
-            None => {
-                self.nodes.push(moved);
-                (self.nodes.len() - 1) as u32
-            }
-        };
+        let new_id = self.alloc_node(moved);
         // Links.
         if move_head {
             let parent = self.node(new_id).parent;
