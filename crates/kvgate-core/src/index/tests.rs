@@ -368,9 +368,10 @@ fn assert_bookkeeping(idx: &PrefixIndex) {
             assert_eq!(idx.node(*c).parent, id, "child {c} of {id} names it");
         }
         if n.parent != NO_NODE {
-            assert!(
-                idx.node(n.parent).children.contains(&id),
-                "{id} is its parent's child"
+            assert_eq!(
+                idx.node(n.parent).children.get(n.at_parent as usize),
+                Some(&id),
+                "{id} is its parent's child where it says"
             );
         }
         let mut last = None;
@@ -519,6 +520,33 @@ fn a_stored_run_is_one_node_and_a_divergence_splits_it_once() {
     idx.apply_removed(at(1, 0), &rev, None);
     assert_eq!(idx.len(), 110);
     assert_eq!(idx.runs(), 2, "the branch is pruned; the split stays");
+    assert_bookkeeping(&idx);
+}
+
+#[test]
+fn runs_under_a_wide_parent_come_and_go_in_any_order() {
+    // One shared first block and 300 runs under it (a system prompt and its
+    // conversations): removing them in an order unlike their arrival keeps every
+    // child's place in its parent right.
+    let mut idx = index(100_000);
+    let root = [7u32, 7];
+    store(&mut idx, at(0, 0), &[1], None, &root, Tier::Device).unwrap();
+    for c in 0..300u32 {
+        let tokens = [c + 100, c + 100, c + 100, c + 101];
+        let hashes = [10_000 + u64::from(c) * 2, 10_001 + u64::from(c) * 2];
+        store(&mut idx, at(0, 0), &hashes, Some(1), &tokens, Tier::Device).unwrap();
+    }
+    assert_eq!(idx.runs(), 301);
+    assert_bookkeeping(&idx);
+    for c in (0..300u32).map(|i| (i * 7) % 300) {
+        let hashes = [10_001 + u64::from(c) * 2, 10_000 + u64::from(c) * 2];
+        idx.apply_removed(at(0, 0), &hashes, None);
+        if c % 50 == 0 {
+            assert_bookkeeping(&idx);
+        }
+    }
+    assert_eq!(idx.len(), 1);
+    assert_eq!(idx.runs(), 1);
     assert_bookkeeping(&idx);
 }
 

@@ -73,6 +73,9 @@ pub(super) struct Node {
     pub keys: Vec<BlockKey>,
     pub base: u32,
     pub parent: u32,
+    /// Where this node is in its parent's `children` (so pruning it is O(1) however
+    /// many runs share the parent: a system prompt with thousands of conversations).
+    pub at_parent: u32,
     pub children: SmallVec<[u32; 2]>,
     /// Sorted by (slot, tier).
     pub covers: SmallVec<[Cover; 1]>,
@@ -266,7 +269,7 @@ impl PrefixIndex {
             return Pos { node: owner, abs };
         }
         let id = self.new_node(key, owner);
-        self.node_mut(owner).children.push(id);
+        self.adopt(owner, id);
         Pos { node: id, abs: 0 }
     }
 
@@ -275,6 +278,7 @@ impl PrefixIndex {
             keys: vec![key],
             base: 0,
             parent,
+            at_parent: 0,
             children: SmallVec::new(),
             covers: SmallVec::new(),
             hot: AtomicBool::new(false),
@@ -282,6 +286,13 @@ impl PrefixIndex {
         let id = self.alloc_node(node);
         self.insert_start(key, id);
         id
+    }
+
+    /// Appends `child` to `parent`'s children.
+    fn adopt(&mut self, parent: u32, child: u32) {
+        let at = self.node(parent).children.len() as u32;
+        self.node_mut(parent).children.push(child);
+        self.node_mut(child).at_parent = at;
     }
 
     /// Puts a node in a free slot of the slab (or a new one); returns its id.
@@ -374,21 +385,19 @@ impl PrefixIndex {
         // Links.
         if move_head {
             let parent = self.node(new_id).parent;
+            let at = self.node(id).at_parent;
             if parent != NO_NODE {
-                for c in self.node_mut(parent).children.iter_mut() {
-                    if *c == id {
-                        *c = new_id;
-                    }
-                }
+                self.node_mut(parent).children[at as usize] = new_id;
             }
-            self.node_mut(new_id).children.push(id);
+            self.node_mut(new_id).at_parent = at;
+            self.adopt(new_id, id);
             self.node_mut(id).parent = new_id;
             // `id` now starts later; the head took its first key.
             let tail_first = self.node(id).keys[0];
             self.starts.insert(first, new_id);
             self.insert_start(tail_first, id);
         } else {
-            self.node_mut(id).children.push(new_id);
+            self.adopt(id, new_id);
             let children = self.node(new_id).children.clone();
             for c in children {
                 self.node_mut(c).parent = new_id;
@@ -460,6 +469,7 @@ impl PrefixIndex {
                 return;
             }
             let parent = n.parent;
+            let at = n.at_parent as usize;
             let first = n.keys[0];
             if self.starts.get(&first) == Some(&id) {
                 self.starts.remove(&first);
@@ -470,8 +480,10 @@ impl PrefixIndex {
                 return;
             }
             let p = self.node_mut(parent);
-            if let Some(i) = p.children.iter().position(|c| *c == id) {
-                p.children.swap_remove(i);
+            debug_assert_eq!(p.children.get(at), Some(&id));
+            p.children.swap_remove(at);
+            if let Some(&moved) = p.children.get(at) {
+                self.node_mut(moved).at_parent = at as u32;
             }
             id = parent;
         }
