@@ -925,6 +925,7 @@ impl PrefixIndex {
                     if let Some(eh) = c.engine_hashes.pop() {
                         gone.push(eh);
                     }
+                    tree::shrink_trimmed(&mut c.engine_hashes);
                     if c.engine_hashes.is_empty() {
                         n.covers.remove(k);
                         self.covers -= 1;

@@ -551,6 +551,30 @@ fn runs_under_a_wide_parent_come_and_go_in_any_order() {
 }
 
 #[test]
+fn a_run_trimmed_back_gives_its_storage_back() {
+    let mut idx = index(100_000);
+    let tokens: Vec<u32> = (0..2000).collect();
+    let hashes: Vec<u64> = (0..1000).collect();
+    store(&mut idx, at(0, 0), &hashes, None, &tokens, Tier::Device).unwrap();
+    let leaf_first: Vec<u64> = (10..1000).rev().collect();
+    idx.apply_removed(at(0, 0), &leaf_first, None);
+    assert_eq!(idx.len(), 10);
+    let node = idx.nodes.iter().find(|n| n.is_live()).expect("one run");
+    assert!(
+        node.keys.capacity() < 40,
+        "keys hold {}",
+        node.keys.capacity()
+    );
+    let cover = &node.covers[0];
+    assert!(
+        cover.engine_hashes.capacity() < 40,
+        "engine hashes hold {}",
+        cover.engine_hashes.capacity()
+    );
+    assert_bookkeeping(&idx);
+}
+
+#[test]
 fn ranks_with_different_runs_share_one_walk() {
     let mut idx = index(10_000);
     let tokens: Vec<u32> = (0..64).collect();

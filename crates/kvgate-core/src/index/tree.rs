@@ -43,6 +43,17 @@ pub(super) fn push_sized<T>(v: &mut Vec<T>, item: T, rest: usize) {
     v.push(item);
 }
 
+/// Gives back a run's storage once trimming left it less than half used, so a run
+/// that grew long and was trimmed back (eviction takes tips) holds what it holds, not
+/// its peak. It keeps a quarter of room, so a run whose tip comes and goes is not
+/// reallocated each time.
+#[inline]
+pub(super) fn shrink_trimmed<T>(v: &mut Vec<T>) {
+    if v.capacity() > 2 * v.len() + 8 {
+        v.shrink_to(v.len() + v.len() / 4 + 8);
+    }
+}
+
 /// Where one block is: its node and absolute offset (`base + index`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Pos {
@@ -462,9 +473,7 @@ impl PrefixIndex {
                 if longest < n.len() {
                     let n = self.node_mut(id);
                     n.keys.truncate(longest);
-                    if n.keys.capacity() > 2 * n.keys.len() + 8 {
-                        n.keys.shrink_to_fit();
-                    }
+                    shrink_trimmed(&mut n.keys);
                 }
                 return;
             }
