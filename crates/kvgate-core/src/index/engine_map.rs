@@ -2,17 +2,19 @@
 //! tree: the index's only per-(block, worker) table, so its size is most of the index's
 //! memory and its cache misses most of an event's cost.
 //!
-//! An open-addressing table with Robin Hood linear probing and 12-byte slots: a 32-bit
-//! tag of the engine hash and the block's position. The full engine hash is not stored
-//! here (the tree's cover keeps it), so a lookup confirms a tag match against the tree
-//! (`is_it`); a removal or a move names the position it expects. No tombstones (a
-//! removal shifts the rest of its run back), so churn at a flat size keeps the table
-//! flat. Its capacity is any number, not a power of two (a tag is mapped to a slot by a
-//! multiply), and it grows by an eighth when 7/8 full, so it runs between 78% and
-//! 87.5% full where a general-purpose table with power-of-two sizes runs between 44%
-//! and 87.5% (and a table at its peak size steps up by an eighth, not a doubling). Robin Hood order (entries sorted by distance from their home slot) ends a
-//! lookup for an absent hash early, which keeps inserts cheap at that load. Owns only
-//! storage and lookup; what a position means is `tree.rs`'s.
+//! An open-addressing table with Robin Hood linear probing and 12-byte slots: a 24-bit
+//! tag of the engine hash with the entry's distance from its home slot, and the block's
+//! position. The full engine hash is not stored here (the tree's cover keeps it), so a
+//! lookup confirms a tag match against the tree (`is_it`); a removal or a move names
+//! the position it expects. No tombstones (a removal shifts the rest of its run back),
+//! so churn at a flat size keeps the table flat. Its size is any number, not a power of
+//! two (a tag is mapped to a home slot by a multiply), and it grows by an eighth when
+//! 7/8 full, so it runs between 78% and 87.5% full where a general-purpose table with
+//! power-of-two sizes runs between 44% and 87.5% (and a table at its peak steps up by
+//! an eighth, not a doubling). Robin Hood order (entries sorted by distance from their
+//! home) ends a lookup for an absent hash early; slots past the last home take the
+//! runs that would wrap, so a probe never wraps. Owns only storage and lookup; what a
+//! position means is `tree.rs`'s.
 
 use super::tree::{Pos, NO_NODE};
 
