@@ -422,24 +422,6 @@ impl PrefixIndex {
         parents.into_iter().map(|p| self.path_to(p)).collect()
     }
 
-    /// The position of the block before `pos`.
-    fn parent_pos(&self, pos: Pos) -> Option<Pos> {
-        let n = self.node(pos.node);
-        if n.index(pos.abs) > 0 {
-            return Some(Pos {
-                node: pos.node,
-                abs: pos.abs - 1,
-            });
-        }
-        (n.parent != NO_NODE).then(|| {
-            let p = self.node(n.parent);
-            Pos {
-                node: n.parent,
-                abs: p.base + p.len() as u32 - 1,
-            }
-        })
-    }
-
     /// The keys from the root to `pos`, inclusive.
     fn path_to(&self, pos: Pos) -> Vec<BlockKey> {
         let mut segments: Vec<&[BlockKey]> = Vec::new();

@@ -192,25 +192,30 @@ impl PrefixIndex {
 
     /// The key of the block before `p`, if `p` is not a root block.
     pub(super) fn parent_key(&self, p: Pos) -> Option<BlockKey> {
-        let n = self.node(p.node);
-        let i = n.index(p.abs);
-        if i > 0 {
-            return Some(n.keys[i - 1]);
+        self.parent_pos(p).map(|q| self.key_at(q))
+    }
+
+    /// The position of the block before `pos`, if `pos` is not a root block.
+    pub(super) fn parent_pos(&self, pos: Pos) -> Option<Pos> {
+        let n = self.node(pos.node);
+        if n.index(pos.abs) > 0 {
+            return Some(Pos {
+                node: pos.node,
+                abs: pos.abs - 1,
+            });
         }
         (n.parent != NO_NODE).then(|| {
-            let parent = self.node(n.parent);
-            parent.keys[parent.len() - 1]
+            let p = self.node(n.parent);
+            Pos {
+                node: n.parent,
+                abs: p.base + p.len() as u32 - 1,
+            }
         })
     }
 
     /// The child node of `parent` whose first key is `key`.
     #[inline]
     pub(super) fn child_of(&self, parent: u32, key: BlockKey) -> Option<u32> {
-        self.child_starting(parent, key)
-    }
-
-    #[inline]
-    fn child_starting(&self, parent: u32, key: BlockKey) -> Option<u32> {
         let children = &self.node(parent).children;
         if children.len() <= SCAN_CHILDREN {
             children
@@ -248,7 +253,7 @@ impl PrefixIndex {
                         abs: p.abs + 1,
                     });
                 }
-                self.child_starting(p.node, key).map(|c| Pos {
+                self.child_of(p.node, key).map(|c| Pos {
                     node: c,
                     abs: self.node(c).base,
                 })
