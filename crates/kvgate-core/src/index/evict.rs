@@ -39,9 +39,9 @@ impl PrefixIndex {
             // The slot's last entry for its tip block, with children the slot holds:
             // not a leaf. It comes back when its last held child goes.
             let only_entry = !n
-                .covers
+                .slot_covers(item.slot)
                 .iter()
-                .any(|c| c.slot == item.slot && c.tier != item.tier && c.len() > last);
+                .any(|c| c.tier != item.tier && c.len() > last);
             if only_entry
                 && last + 1 == n.len()
                 && n.children
@@ -94,9 +94,9 @@ impl PrefixIndex {
         }
         let tip = p.len();
         let tiers: Vec<_> = p
-            .covers
+            .slot_covers(slot)
             .iter()
-            .filter(|c| c.slot == slot && c.len() == tip)
+            .filter(|c| c.len() == tip)
             .map(|c| c.tier)
             .collect();
         for tier in tiers {

@@ -494,11 +494,13 @@ impl PrefixIndex {
                         }
                     }
                     None => match paths.get(&p) {
-                        Some(path) => {
-                            let end = self.ensure_path(path);
-                            path_ends.push(end);
-                            Some(end)
-                        }
+                        Some(path) => match self.ensure_path(path) {
+                            Some(end) => {
+                                path_ends.push(end);
+                                Some(end)
+                            }
+                            None => continue,
+                        },
                         None => continue,
                     },
                 },
@@ -526,13 +528,13 @@ impl PrefixIndex {
     }
 
     /// The position of the last key of `path` (from the root), creating the missing
-    /// nodes.
-    fn ensure_path(&mut self, path: &[BlockKey]) -> Pos {
+    /// nodes; `None` for an empty path.
+    fn ensure_path(&mut self, path: &[BlockKey]) -> Option<Pos> {
         let mut pos = None;
         for key in path {
             pos = Some(self.ensure_child(pos, *key, 0));
         }
-        pos.unwrap_or(Pos { node: 0, abs: 0 })
+        pos
     }
 
     /// Records that a worker rank's entries reflect its engine's events through
@@ -860,7 +862,7 @@ impl PrefixIndex {
     /// Drops the slot's map entry for `engine_hash` at `pos` unless one of its tiers
     /// still holds the block under that hash.
     fn unmap_if_unused(&mut self, slot: u16, pos: Pos, engine_hash: u64) {
-        if self.holders_at(slot, pos).any(|(_, h)| h == engine_hash) {
+        if holds_under(&self.nodes, slot, pos, engine_hash) {
             return;
         }
         if let Some(state) = self.slot_mut(slot) {
