@@ -18,7 +18,7 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::response::Response;
 use http::{header, StatusCode};
-use kvgate_core::{Decision, WorkerId, WorkerScore};
+use kvgate_core::{BlockKey, Decision, WorkerId, WorkerScore};
 use smallvec::SmallVec;
 
 use crate::errors::ApiError;
@@ -282,6 +282,7 @@ pub(crate) async fn call_workers(
                         &worker.url,
                         &decision,
                         p.model.selection.block_size(),
+                        p.keys.as_deref().and_then(|k| k.first()).copied(),
                     );
                     (worker, Some((decision, lease)))
                 }
@@ -509,8 +510,15 @@ pub(crate) async fn engine_error(resp: http::Response<UpstreamBody>, worker: &Wo
 /// One debug line per routing decision (target `kvgate::decision`): what the policy
 /// chose, why, and the chosen worker's overlap and load beside those of the best-cached
 /// candidate, so a fleet's routing can be audited from logs
-/// (`--log info,kvgate::decision=debug`).
-fn log_decision(model: &str, worker_url: &str, decision: &Decision, block_size: u32) {
+/// (`--log info,kvgate::decision=debug`). `prefix` is the prompt's first block key,
+/// so the requests of one shared prefix (a tenant's system prompt) can be followed.
+fn log_decision(
+    model: &str,
+    worker_url: &str,
+    decision: &Decision,
+    block_size: u32,
+    prefix: Option<BlockKey>,
+) {
     if !tracing::enabled!(target: "kvgate::decision", tracing::Level::DEBUG) {
         return;
     }
@@ -535,6 +543,7 @@ fn log_decision(model: &str, worker_url: &str, decision: &Decision, block_size: 
         worker = worker_url,
         policy = decision.policy.as_str(),
         reason = decision.reason,
+        prefix = prefix.map(|k| format!("{:016x}", k.0)),
         predicted_cached_tokens = decision.predicted_cached_tokens,
         chosen_cached_tokens = device(chosen) * block_size,
         chosen_in_flight = chosen.in_flight,
@@ -605,7 +614,7 @@ mod tests {
             .with_writer(move || writer.clone())
             .finish();
         tracing::subscriber::with_default(subscriber, || {
-            log_decision("m", "http://w1", &decision, 16)
+            log_decision("m", "http://w1", &decision, 16, Some(BlockKey(0xab)))
         });
         let text = String::from_utf8(out.0.lock().expect("buffer").clone()).expect("utf-8");
         for field in [
@@ -615,6 +624,7 @@ mod tests {
             "best_cached_tokens=2048",
             "best_in_flight=30",
             "least_in_flight=2",
+            "prefix=\"00000000000000ab\"",
             "load bound",
         ] {
             assert!(text.contains(field), "{field} missing from {text}");
