@@ -134,6 +134,8 @@ pub struct ServeArgs {
     pub cold_homing: Option<bool>,
     #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: cold homing passes over a worker whose cache hit ratio (prompt tokens its engine served from cache lately) is more than this below the best candidate's (1 disables)", KvAwareConfig::default().home_hit_ratio_slack))]
     pub home_hit_ratio_slack: Option<f64>,
+    #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: cold homing prefers a worker whose engine has not evicted since its cache was last cleared (it has room: just restarted, added or reset) to a home that would evict for the prompt", KvAwareConfig::default().home_prefers_room))]
+    pub home_prefers_room: Option<bool>,
     #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: softmax temperature (0 = pick the lowest cost)", KvAwareConfig::default().temperature))]
     pub temperature: Option<f64>,
     /// Seed for the policy's random choices (unset: seeded from the OS).
@@ -354,6 +356,9 @@ impl ServeArgs {
         }
         if let Some(s) = self.home_hit_ratio_slack {
             m.kv_aware.home_hit_ratio_slack = s;
+        }
+        if let Some(r) = self.home_prefers_room {
+            m.kv_aware.home_prefers_room = r;
         }
         if let Some(t) = self.temperature {
             m.kv_aware.temperature = t;

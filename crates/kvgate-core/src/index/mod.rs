@@ -183,6 +183,9 @@ struct SlotState {
     /// The engine's hash of every block the slot holds → where the block is.
     engine_map: EngineMap,
     entries: usize,
+    /// Whether the engine evicted a device block since its cache was last cleared:
+    /// until it does, it has room (an engine evicts only to make room).
+    evicting: bool,
     /// The last engine event sequence number the slot's entries reflect (set by the
     /// caller that applies the events), so a snapshot says where to continue from.
     applied_seq: Option<u64>,
@@ -194,6 +197,7 @@ impl SlotState {
             at,
             engine_map: EngineMap::default(),
             entries: 0,
+            evicting: false,
             applied_seq: None,
         }
     }
@@ -331,6 +335,19 @@ impl PrefixIndex {
         for state in self.slots.iter().flatten() {
             if let Some(i) = workers.iter().position(|w| *w == state.at.worker) {
                 out[i] += state.entries;
+            }
+        }
+        out
+    }
+
+    /// Whether each of `workers` (any of its ranks) evicted a device block since its
+    /// cache was last cleared, in `workers` order: a worker that has not has room, and
+    /// one the index knows nothing of holds nothing.
+    pub fn evicting_of(&self, workers: &[WorkerId]) -> Vec<bool> {
+        let mut out = vec![false; workers.len()];
+        for state in self.slots.iter().flatten() {
+            if let Some(i) = workers.iter().position(|w| *w == state.at.worker) {
+                out[i] |= state.evicting;
             }
         }
         out
@@ -668,6 +685,11 @@ impl PrefixIndex {
                 outcome.removed += removed;
             }
         }
+        if outcome.removed > 0 && tier.is_none_or(|t| t == Tier::Device) {
+            if let Some(state) = self.slot_mut(slot) {
+                state.evicting = true;
+            }
+        }
         self.stats.removed_blocks += outcome.removed as u64;
         self.stats.unknown_removals += outcome.unknown as u64;
         outcome
@@ -941,6 +963,7 @@ impl PrefixIndex {
         let map = match self.slot_mut(slot) {
             Some(state) => {
                 state.entries = 0;
+                state.evicting = false;
                 state.applied_seq = None;
                 std::mem::take(&mut state.engine_map)
             }

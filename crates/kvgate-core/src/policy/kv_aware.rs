@@ -69,6 +69,20 @@
 //! ratios also differ with the mix of prompts a worker gets: 0.1 cost half a point on
 //! the synthetic Mooncake trace, 0.2 nothing (docs/BENCHMARKS.md).
 //!
+//! Homing prefers room: a candidate whose engine has not evicted a device block since
+//! its cache was last cleared takes a cold prefix before one that has, whatever the
+//! rendezvous order says (`home_prefers_room`). The index sees the engines' removals,
+//! and an engine evicts only to make room, so "has not evicted" means "has room". Why:
+//! after an engine restarts, is added or has its cache reset, the others hold the
+//! tenants that lived on it as well as their own and evict in turn; a tenant they
+//! evict comes back cold, and for half of them the rendezvous home is one of those
+//! full caches, which takes it back at the cost of another tenant while the empty
+//! engine waits for warm-up to send it load. Caching the prefix where there is room
+//! evicts nothing. The rule acts only while some candidates have room and others do
+//! not: a steady fleet's engines all evict (or none does), and it ends by itself once
+//! the new engine has filled. (A worker that publishes no removals counts as having
+//! room.) Measured in real time on the restart scenario (docs/BENCHMARKS.md).
+//!
 //! Why the locality term: with the DESIGN cost alone, a request leaves its prefix holder
 //! as soon as the holder's queued prefill outweighs the cached prefix. That is the
 //! earliest start for this request, but the fleet then recomputes the prefix, and a
@@ -168,6 +182,9 @@ pub struct KvAwareConfig {
     /// candidate's: a worker whose cache thrashes is no home for one more prefix. 1
     /// or more disables the bound.
     pub home_hit_ratio_slack: f64,
+    /// Cold homing prefers a candidate whose engine has not evicted since its cache was
+    /// last cleared (it has room) to one that would evict for the prompt.
+    pub home_prefers_room: bool,
     /// 0 = argmin; > 0 samples with a softmax at this temperature.
     pub temperature: f64,
     /// Credit for a block held in host memory (1.0 = as good as device).
@@ -188,6 +205,7 @@ impl Default for KvAwareConfig {
             warmup_fraction: 0.5,
             cold_homing: true,
             home_hit_ratio_slack: 0.2,
+            home_prefers_room: true,
             temperature: 0.0,
             host_credit: 0.5,
             disk_credit: 0.25,
@@ -270,12 +288,14 @@ impl RoutingPolicy for KvAwarePolicy {
         let prompt_blocks = f64::from(req.prompt_tokens) / block_size;
         let costs = self.costs(&mut lines, &cached.blocks, prompt_blocks, block_size);
         let entries = index.entries_of(view.candidates);
+        let evicting = index.evicting_of(view.candidates);
         let choice = self.choose(
             &lines,
             &cached.blocks,
             &costs,
             keys,
             &entries,
+            &evicting,
             &credits,
             prompt_blocks,
         );
@@ -434,6 +454,7 @@ impl KvAwarePolicy {
         costs: &[f64],
         keys: &[crate::BlockKey],
         entries: &[usize],
+        evicting: &[bool],
         credits: &[PrefillCredit],
         prompt_blocks: f64,
     ) -> Choice {
@@ -448,18 +469,37 @@ impl KvAwarePolicy {
                 .map(|&i| costs[i])
                 .fold(f64::INFINITY, f64::min);
             let slack = c.overlap_weight * prompt_blocks;
-            let best_hit_ratio = eligible
-                .iter()
-                .map(|&i| credits[i].cache_hit_ratio)
-                .fold(0.0, f64::max);
-            eligible
+            let within_load: Vec<usize> = eligible
                 .iter()
                 .copied()
                 .filter(|&i| costs[i] <= cheapest + slack)
-                .filter(|&i| credits[i].cache_hit_ratio >= best_hit_ratio - c.home_hit_ratio_slack)
-                .max_by_key(|&i| {
-                    xxh3_64_with_seed(&first.0.to_le_bytes(), u64::from(lines[i].worker.0))
-                })
+                .collect();
+            // A candidate with room (no eviction since its cache was cleared) takes the
+            // prefix before one that would evict for it (the module comment says why).
+            let with_room: Vec<usize> = within_load
+                .iter()
+                .copied()
+                .filter(|&i| !evicting[i])
+                .collect();
+            let prefer_room =
+                c.home_prefers_room && !with_room.is_empty() && with_room.len() < within_load.len();
+            let homes = if prefer_room {
+                with_room
+            } else {
+                let best_hit_ratio = eligible
+                    .iter()
+                    .map(|&i| credits[i].cache_hit_ratio)
+                    .fold(0.0, f64::max);
+                within_load
+                    .into_iter()
+                    .filter(|&i| {
+                        credits[i].cache_hit_ratio >= best_hit_ratio - c.home_hit_ratio_slack
+                    })
+                    .collect()
+            };
+            homes.into_iter().max_by_key(|&i| {
+                xxh3_64_with_seed(&first.0.to_le_bytes(), u64::from(lines[i].worker.0))
+            })
         });
         let index = if let Some(home) = home {
             home

@@ -816,6 +816,77 @@ fn kv_aware_cold_homing_passes_over_a_worker_whose_cache_thrashes() {
     assert_eq!(route(&bounded).worker, home);
 }
 
+/// Plays the engine evicting what [`engine_caches`] stored from `tokens` on `worker`.
+fn engine_evicts(index: &mut PrefixIndex, worker: WorkerId, tokens: &[u32]) {
+    let hashes: Vec<u64> = index
+        .hasher()
+        .block_keys(tokens)
+        .iter()
+        .rev()
+        .map(|k| k.0 ^ (u64::from(worker.0) << 40))
+        .collect();
+    let removed = index.apply_removed(WorkerRef::new(worker, 0), &hashes, Some(Tier::Device));
+    assert_eq!(removed.removed, hashes.len());
+}
+
+/// Cold homing prefers room: a prompt cached nowhere whose home has evicted since its
+/// cache was last cleared (it is full, and caching this prefix costs it another) goes
+/// to a candidate that has not (an engine just restarted, added or reset), and home
+/// again once both evict; a cleared cache has room again.
+#[test]
+fn kv_aware_cold_homing_prefers_a_worker_with_room() {
+    let ledger = Ledger::new(BS);
+    let mut index = new_index();
+    let ws = workers(2);
+    let policy = KvAwarePolicy::new(KvAwareConfig::default(), None);
+    let prompt: Vec<u32> = (0..1024).map(|t| 777_000 + t).collect();
+    let keys = index.hasher().block_keys(&prompt);
+    let route = |index: &PrefixIndex| {
+        select(&policy, Some(&keys), 1024, None, &ws, &ledger, Some(index)).unwrap()
+    };
+    let home = route(&index).worker;
+    let other = ws.iter().copied().find(|w| *w != home).unwrap();
+    // Another tenant's prefix came and went on the home: its engine evicts.
+    let evicted: Vec<u32> = (0..512).map(|t| 888_000 + t).collect();
+    engine_caches(&mut index, home, &evicted);
+    assert_eq!(route(&index).worker, home, "caching is not evicting");
+    engine_evicts(&mut index, home, &evicted);
+    assert_eq!(index.evicting_of(&[home, other]), vec![true, false]);
+    let moved = route(&index);
+    assert_eq!(moved.worker, other, "{moved:?}");
+    assert!(moved.reason.starts_with("cold miss"), "{}", moved.reason);
+    // Both evict: the prompt's own home again.
+    engine_caches(&mut index, other, &evicted);
+    engine_evicts(&mut index, other, &evicted);
+    assert_eq!(route(&index).worker, home);
+    // The home's engine restarts (its cache is cleared): it has room again.
+    index.clear(WorkerRef::new(home, 0));
+    assert_eq!(index.evicting_of(&[home, other]), vec![false, true]);
+    assert_eq!(route(&index).worker, home);
+    index.clear(WorkerRef::new(other, 0));
+    engine_caches(&mut index, home, &evicted);
+    engine_evicts(&mut index, home, &evicted);
+    assert_eq!(route(&index).worker, other, "a cleared cache has room");
+    // A host-tier eviction is not the device cache making room.
+    let host = WorkerId(7);
+    let host_hashes = [1u64, 2];
+    index
+        .apply_stored(
+            WorkerRef::new(host, 0),
+            &StoredBlocks {
+                engine_hashes: &host_hashes,
+                parent_engine_hash: None,
+                token_ids: &evicted[..2 * BS as usize],
+                block_size: BS,
+                tier: Tier::Host,
+                lora_name: None,
+            },
+        )
+        .unwrap();
+    index.apply_removed(WorkerRef::new(host, 0), &host_hashes, Some(Tier::Host));
+    assert_eq!(index.evicting_of(&[host]), vec![false]);
+}
+
 /// Four workers; worker 0 caches a conversation's history and has prompts of the given
 /// sizes queued (booked, prefill not done); the next turn adds 512 new tokens.
 struct QueuedHolder {
