@@ -765,6 +765,10 @@ pub struct WireSnapshot {
     /// Root-to-parent key paths of blocks after a hole (absent from older replicas).
     #[serde(default)]
     pub hole_paths: Vec<Vec<u64>>,
+    /// Whether the engine had evicted since its cache was last cleared (absent from
+    /// older replicas: taken as not).
+    #[serde(default)]
+    pub evicting: bool,
 }
 
 impl WireSnapshot {
@@ -788,6 +792,7 @@ impl WireSnapshot {
                 .iter()
                 .map(|p| p.iter().map(|k| k.0).collect())
                 .collect(),
+            evicting: s.evicting,
         }
     }
 
@@ -813,6 +818,7 @@ impl WireSnapshot {
                 .map(|p| p.into_iter().map(BlockKey).collect())
                 .collect(),
             last_seq: self.last_seq,
+            evicting: self.evicting,
         })
     }
 }
@@ -1303,6 +1309,31 @@ fn decide_for_peer(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A worker rank's snapshot travels whole, the engine's evicting flag included;
+    /// an older replica's snapshot (no flag, no hole paths) loads as not evicting.
+    #[test]
+    fn a_snapshot_travels_with_its_evicting_flag() {
+        let rank = RankSnapshot {
+            blocks: vec![HeldBlock {
+                key: BlockKey(7),
+                parent: None,
+                engine_hash: 70,
+                tier: Tier::Device,
+            }],
+            hole_paths: vec![vec![BlockKey(1), BlockKey(2)]],
+            last_seq: 9,
+            evicting: true,
+        };
+        let json = serde_json::to_string(&WireSnapshot::from_rank(&rank)).unwrap();
+        let back: WireSnapshot = serde_json::from_str(&json).unwrap();
+        assert_eq!(back.into_rank(), Some(rank));
+        let older: WireSnapshot =
+            serde_json::from_str(r#"{"last_seq": 3, "blocks": [[7, null, 70, 0]]}"#).unwrap();
+        let older = older.into_rank().unwrap();
+        assert!(!older.evicting);
+        assert_eq!(older.blocks.len(), 1);
+    }
 
     #[test]
     fn a_leaders_refusal_says_whether_to_ask_it_again_soon() {

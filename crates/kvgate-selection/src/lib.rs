@@ -425,6 +425,7 @@ impl SelectionService {
             blocks: index.export_worker(at),
             hole_paths: index.hole_paths(at),
             last_seq,
+            evicting: index.evicting(at),
         })
     }
 

@@ -564,6 +564,22 @@ impl PrefixIndex {
         }
     }
 
+    /// Whether a worker rank's engine evicted a device block since its cache was last
+    /// cleared (see [`Self::evicting_of`]).
+    pub fn evicting(&self, at: WorkerRef) -> bool {
+        self.slot_state(at).is_some_and(|s| s.evicting)
+    }
+
+    /// Records what another router saw of a worker rank's evictions (a loaded
+    /// snapshot): a rank that evicted stays so until its cache is cleared.
+    pub fn set_evicting(&mut self, at: WorkerRef, evicting: bool) {
+        if let Some(slot) = self.slot_of.get(&at).copied() {
+            if let Some(state) = self.slot_mut(slot) {
+                state.evicting |= evicting;
+            }
+        }
+    }
+
     /// The last event sequence number a worker rank's entries reflect (`None` before
     /// any, and after a clear).
     pub fn applied_seq(&self, at: WorkerRef) -> Option<u64> {
