@@ -28,6 +28,7 @@ enum Command {
     },
     Abort(RequestId),
     Reset(bool, oneshot::Sender<bool>),
+    Hang(Duration),
 }
 
 /// Cheap, cloneable access to the engine loop.
@@ -81,6 +82,13 @@ impl EngineHandle {
             .send(Command::Reset(reset_running_requests, reply))
             .map_err(|_| EngineStopped)?;
         rx.await.map_err(|_| EngineStopped)
+    }
+
+    /// Fault: the engine loop stops for `d` (no step, no token, no KV event, no new
+    /// request taken in) while the HTTP server keeps answering, as a vLLM engine core
+    /// that hangs behind a live API server.
+    pub fn hang(&self, d: Duration) -> Result<(), EngineStopped> {
+        self.tx.send(Command::Hang(d)).map_err(|_| EngineStopped)
     }
 
     /// The state after the latest step.
@@ -139,6 +147,8 @@ struct LoopState {
     sim: Simulator,
     subscribers: FxHashMap<RequestId, mpsc::UnboundedSender<TokenOutput>>,
     publisher: Option<KvPublisher>,
+    /// A hang asked for and not begun yet.
+    hang: Option<Duration>,
 }
 
 impl LoopState {
@@ -167,6 +177,7 @@ impl LoopState {
                 };
                 let _ = reply.send(done);
             }
+            Command::Hang(d) => self.hang = Some(d),
         }
     }
 
@@ -194,6 +205,7 @@ async fn run_loop(
         sim,
         subscribers: FxHashMap::default(),
         publisher,
+        hang: None,
     };
     let mut deadline = Instant::now();
     loop {
@@ -214,6 +226,14 @@ async fn run_loop(
         }
         while let Ok(cmd) = rx.try_recv() {
             st.handle(cmd);
+        }
+        if let Some(d) = st.hang.take() {
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = tokio::time::sleep(d) => {}
+            }
+            deadline = Instant::now();
+            continue;
         }
         let Some(out) = st.sim.step() else {
             continue;

@@ -59,6 +59,7 @@ pub fn router(state: AppState) -> Router {
         .route("/kv_transfer/pull", post(kv_transfer_pull))
         .route("/fault/kv_events/pause", post(fault_pause_events))
         .route("/fault/kv_events/garbage", post(fault_garbage_events))
+        .route("/fault/engine/hang", post(fault_hang_engine))
         .fallback(not_found)
         .layer(body_limit)
         .with_state(state)
@@ -350,6 +351,19 @@ async fn fault_pause_events(State(st): State<AppState>, Query(q): Query<PauseQue
             StatusCode::OK.into_response()
         }
         None => error(StatusCode::NOT_FOUND, "KV events are off"),
+    }
+}
+
+/// Fault injection (not a vLLM endpoint): the engine loop hangs for `ms` while this
+/// server keeps answering (`/health` included), as a vLLM engine core stopped behind
+/// its API server.
+async fn fault_hang_engine(State(st): State<AppState>, Query(q): Query<PauseQuery>) -> Response {
+    match st.engine.hang(std::time::Duration::from_millis(q.ms)) {
+        Ok(()) => StatusCode::OK.into_response(),
+        Err(_) => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the engine is shutting down",
+        ),
     }
 }
 
