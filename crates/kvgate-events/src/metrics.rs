@@ -339,6 +339,15 @@ impl EventMetrics {
         self.workers.write().entry(worker).or_default().clone()
     }
 
+    /// Event batches applied for `worker` so far (0 when none, without creating its
+    /// counters).
+    pub fn batches_of(&self, worker: WorkerId) -> u64 {
+        self.workers
+            .read()
+            .get(&worker)
+            .map_or(0, |c| c.batches.load(Ordering::Relaxed))
+    }
+
     /// Drops a removed worker's counters (its series disappear from the next scrape).
     pub fn forget(&self, worker: WorkerId) {
         self.workers.write().remove(&worker);

@@ -73,6 +73,13 @@ impl Breaker {
         self.open.load(Ordering::Relaxed) && self.open.swap(false, Ordering::AcqRel)
     }
 
+    /// Opens the breaker now, whatever the failure count (a stalled engine). Returns
+    /// true when it was closed.
+    pub fn trip(&self) -> bool {
+        self.opened_at_ms.store(self.now_ms(), Ordering::Relaxed);
+        !self.open.swap(true, Ordering::AcqRel)
+    }
+
     /// Records a failure. Returns true when this failure opened the breaker.
     pub fn record_failure(&self, threshold: u32) -> bool {
         let n = self

@@ -181,6 +181,8 @@ pub struct ServeArgs {
     pub failure_threshold: Option<u32>,
     #[arg(long, help_heading = UPSTREAM, help = with_default("How long an open circuit breaker keeps a worker out, ms", HealthConfig::default().open_ms))]
     pub breaker_open_ms: Option<u64>,
+    #[arg(long, help_heading = UPSTREAM, help = with_default("A worker whose engine sends no answer byte and no KV event for this long while it holds requests is stalled: out of rotation, its requests cut off (waiting ones go elsewhere), until a one-token completion answers; ms (0 = off; only workers that publish KV events)", HealthConfig::default().stall_ms))]
+    pub stall_timeout_ms: Option<u64>,
     #[arg(long, help_heading = UPSTREAM, help = with_default("Attempts per request on distinct workers before giving up (1 = no retry)", FailoverConfig::default().max_attempts))]
     pub max_attempts: Option<u32>,
     #[arg(long, help_heading = UPSTREAM, help = with_default("Backoff before the first retry, ms (doubles per attempt)", FailoverConfig::default().backoff_ms))]
@@ -405,6 +407,7 @@ impl ServeArgs {
         set(&mut c.health.timeout_ms, &self.health_timeout_ms);
         set(&mut c.health.failure_threshold, &self.failure_threshold);
         set(&mut c.health.open_ms, &self.breaker_open_ms);
+        set(&mut c.health.stall_ms, &self.stall_timeout_ms);
         set(&mut c.failover.max_attempts, &self.max_attempts);
         set(&mut c.failover.backoff_ms, &self.retry_backoff_ms);
         set(&mut c.ledger_ttl_secs, &self.ledger_ttl_secs);

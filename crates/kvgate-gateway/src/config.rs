@@ -767,6 +767,11 @@ pub struct HealthConfig {
     pub failure_threshold: u32,
     /// How long an open breaker keeps a worker out before a probe may close it.
     pub open_ms: u64,
+    /// A worker that holds routed requests while its engine sends no answer byte and
+    /// publishes no KV event for this long is stalled: out of rotation, its requests
+    /// cut off, until a one-token completion answers (stall.rs; only workers that
+    /// publish KV events; 0 = off).
+    pub stall_ms: u64,
 }
 
 impl Default for HealthConfig {
@@ -777,6 +782,7 @@ impl Default for HealthConfig {
             path: "/health".into(),
             failure_threshold: 3,
             open_ms: 5_000,
+            stall_ms: 60_000,
         }
     }
 }

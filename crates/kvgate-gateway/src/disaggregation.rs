@@ -404,7 +404,7 @@ async fn transfer_params_of(accepted: Accepted) -> Result<Value, String> {
             Ok(Err(e)) => return Err(format!("its answer broke off: {e}")),
             Err(_) => return Err("its answer did not arrive in time".into()),
         },
-        () = cut_off.cancelled() => return Err("it was declared dead while answering".into()),
+        () = cut_off.cancelled() => return Err("it was taken out of rotation (dead or stalled) while answering".into()),
     };
     drop(lease);
     transfer_params_in(&body)

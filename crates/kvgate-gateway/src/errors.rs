@@ -237,14 +237,15 @@ impl ApiError {
         )
     }
 
-    /// 502: the worker was declared dead (health checks) while the request was on it.
+    /// 502: the worker was declared dead (health checks) or stalled while the request
+    /// was on it.
     pub fn worker_gone(worker: &str) -> Self {
         Self::new(
             StatusCode::BAD_GATEWAY,
             "upstream_error",
             "worker_down",
             format!(
-                "worker {worker} was declared dead by health checks while serving this request"
+                "worker {worker} was taken out of rotation (its engine died or stalled) while serving this request"
             ),
         )
     }

@@ -322,6 +322,9 @@ pub(crate) async fn call_workers(
         };
         let failed = match sent {
             Ok(resp) => {
+                if booked {
+                    worker.progress.touch();
+                }
                 let status = resp.status();
                 if status.is_server_error() {
                     worker_failed(gw, model, &worker, Failure::Request("error status"));

@@ -7,8 +7,11 @@
 //! in flight on it cut off, so none waits on a dead engine longer than about
 //! `failure_threshold × interval + timeout`; it returns to rotation on its next
 //! successful probe), and the sweep that frees bookings older
-//! than the TTL (a backstop; freed bookings are counted). Health never touches the
-//! ledger's per-worker load. Both tasks stop on gateway shutdown.
+//! than the TTL (a backstop; freed bookings are counted). A worker whose engine
+//! stalled (stall.rs) is cut off the same way, without a purge (its engine may
+//! resume with its cache), and is probed with a one-token completion instead of its
+//! health path until it generates again. Health never touches the ledger's per-worker
+//! load. Both tasks stop on gateway shutdown.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,6 +22,7 @@ use tokio::task::JoinSet;
 use crate::gateway::Gateway;
 use crate::proxy::{get_status, SendError};
 use crate::registry::{Endpoint, ModelState, Worker};
+use crate::stall::{generation_probe, ProbeAnswer};
 
 /// What a worker failed at.
 #[derive(Clone, Copy, Debug)]
@@ -69,6 +73,33 @@ pub(crate) fn worker_failed(gw: &Gateway, model: &ModelState, worker: &Worker, f
     }
 }
 
+/// Takes a worker whose engine stalled (stall.rs) out of rotation and cuts off its
+/// requests in flight: those still waiting for a first byte go to another worker,
+/// streams under way end with an error event. Its index entries stay (the engine may
+/// resume with its cache); it comes back when a generation probe answers.
+pub(crate) fn worker_stalled(gw: &Gateway, model: &ModelState, worker: &Worker, stall: Duration) {
+    if worker.progress.set_stalled(true) {
+        return;
+    }
+    if worker.breaker.trip() {
+        gw.metrics
+            .health_transitions
+            .with_label_values(&[&*model.name, &*worker.url, "open"])
+            .inc();
+    }
+    gw.metrics
+        .worker_stalls
+        .with_label_values(&[&*model.name, &*worker.url])
+        .inc();
+    tracing::warn!(
+        model = %model.name,
+        worker = %worker.url,
+        stall_ms = stall.as_millis() as u64,
+        "worker stalled: requests in flight and no answer byte or KV event from its engine; taken out of rotation, its requests cut off"
+    );
+    worker.cut_off_in_flight();
+}
+
 /// Counts a success, logging when it closes an open breaker.
 pub(crate) fn worker_ok(gw: &Gateway, model: &ModelState, worker: &Worker) {
     if worker.breaker.record_success() {
@@ -100,6 +131,9 @@ pub async fn run_health_checks(gw: Arc<Gateway>) {
             for worker in model.workers().iter() {
                 let (gw, model, worker) = (gw.clone(), model.clone(), worker.clone());
                 set.spawn(async move {
+                    if worker.progress.is_stalled() && !probe_stalled(&gw, &model, &worker).await {
+                        return;
+                    }
                     match probe(&gw, &worker).await {
                         Ok(s) if s.is_success() => worker_ok(&gw, &model, &worker),
                         Ok(s) => {
@@ -115,6 +149,29 @@ pub async fn run_health_checks(gw: Arc<Gateway>) {
             }
         }
         while set.join_next().await.is_some() {}
+    }
+}
+
+/// The health check of a stalled worker: a one-token completion. Returns whether the
+/// plain health check should decide next (the engine generated, or the probe's answer
+/// cannot tell); false keeps the worker out.
+async fn probe_stalled(gw: &Gateway, model: &ModelState, worker: &Worker) -> bool {
+    match generation_probe(gw, model, worker).await {
+        ProbeAnswer::Generated => {
+            worker.progress.set_stalled(false);
+            worker.progress.touch();
+            tracing::info!(model = %model.name, worker = %worker.url, "stalled worker's engine generates again");
+            true
+        }
+        ProbeAnswer::CannotTell(why) => {
+            worker.progress.set_stalled(false);
+            tracing::warn!(model = %model.name, worker = %worker.url, why, "a generation probe cannot tell whether the stalled worker's engine works; its health check decides");
+            true
+        }
+        ProbeAnswer::Silent(why) => {
+            worker_failed(gw, model, worker, Failure::HealthCheck(&why));
+            false
+        }
     }
 }
 

@@ -36,6 +36,7 @@ pub mod proxy;
 pub mod registry;
 pub mod routing;
 pub mod server;
+pub mod stall;
 
 pub use config::{
     Config, DiscoveredPorts, FailoverConfig, HealthConfig, LimitsConfig, ModelConfig, PeersConfig,

@@ -32,6 +32,7 @@ pub struct Metrics {
     pub reported_prompt_tokens: IntCounterVec,
     pub cached_tokens_error: HistogramVec,
     pub health_transitions: IntCounterVec,
+    pub worker_stalls: IntCounterVec,
     pub index_purged_entries: IntCounterVec,
     worker_in_flight: IntGaugeVec,
     worker_prefill_tokens: IntGaugeVec,
@@ -137,6 +138,7 @@ impl Metrics {
             reported_prompt_tokens: counter(&r, "kvgate_reported_prompt_tokens_total", "usage.prompt_tokens reported by engines", &["model"])?,
             cached_tokens_error: histogram(&r, "kvgate_cached_tokens_prediction_error", "Engine-reported minus predicted cached tokens, per request", &["model"], error_buckets())?,
             health_transitions: counter(&r, "kvgate_worker_health_transitions_total", "Circuit breaker transitions", &["model", "worker", "to"])?,
+            worker_stalls: counter(&r, "kvgate_worker_stalls_total", "Times a worker was taken out of rotation because its engine sent no answer byte and no KV event for health.stall_ms while it held requests", &["model", "worker"])?,
             index_purged_entries: counter(&r, "kvgate_index_purged_entries_total", "Index entries purged for dead or removed workers", &["model"])?,
             worker_in_flight: igauge(&r, "kvgate_worker_in_flight", "Requests in flight per worker (ledger)", mw)?,
             worker_prefill_tokens: igauge(&r, "kvgate_worker_prefill_tokens", "Uncached prompt tokens waiting for prefill per worker (ledger)", mw)?,
@@ -201,6 +203,7 @@ impl Metrics {
             self.health_transitions
                 .with_label_values(&[model, worker, to]);
         }
+        self.worker_stalls.with_label_values(&[model, worker]);
     }
 
     /// Renders every metric in the Prometheus text format. `fill` sets the

@@ -213,6 +213,9 @@ impl Body for ObservedBody {
             }
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some(data) = frame.data_ref() {
+                    if let Some(lease) = &this.obs.life.lease {
+                        lease.worker().progress.touch();
+                    }
                     this.obs.observe(data);
                 }
                 if this.inner.is_end_stream() {

@@ -86,7 +86,7 @@ impl std::fmt::Display for SendError {
             }
             SendError::Timeout => f.write_str("upstream first-byte timeout"),
             SendError::WorkerDown => {
-                f.write_str("the worker was declared dead by health checks before it answered")
+                f.write_str("the worker was taken out of rotation (its engine died or stalled) before it answered")
             }
         }
     }

@@ -58,6 +58,9 @@ pub struct Worker {
     authority: Authority,
     paths: [PathAndQuery; 5],
     pub breaker: Breaker,
+    /// When its engine last showed progress, and whether it is out as stalled
+    /// (stall.rs).
+    pub progress: crate::stall::Progress,
     pub config: WorkerConfig,
     /// Cancelled (and replaced) when health checks declare the worker dead, so requests
     /// in flight on it end now instead of waiting on an engine that will not answer.
@@ -101,6 +104,7 @@ impl Worker {
                 path(Endpoint::Metrics.path())?,
             ],
             breaker: Breaker::new(),
+            progress: crate::stall::Progress::default(),
             config,
             cut_off: Mutex::new(CancellationToken::new()),
         })
@@ -121,7 +125,7 @@ impl Worker {
     }
 
     /// The signal a request on this worker watches: cancelled when the worker is
-    /// declared dead while the request is in flight.
+    /// declared dead or stalled while the request is in flight.
     pub(crate) fn cut_off_signal(&self) -> CancellationToken {
         self.cut_off.lock().clone()
     }

@@ -418,6 +418,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
     let tasks = vec![
         tokio::spawn(crate::health::run_health_checks(gw.clone())),
         tokio::spawn(crate::health::run_ledger_sweep(gw.clone())),
+        tokio::spawn(crate::stall::run_stall_watch(gw.clone())),
         tokio::spawn(crate::engine_load::run_engine_queue_reads(gw.clone())),
         tokio::spawn(crate::peers::run_publisher(gw.clone())),
         tokio::spawn(crate::peers::run_followers(gw.clone())),

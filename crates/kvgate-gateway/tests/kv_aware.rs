@@ -251,3 +251,136 @@ async fn requests_are_pinned_to_the_rank_holding_their_prompt() {
     assert_eq!(front.stats.last_dp_rank.lock().as_deref(), None);
     gw.shutdown().await;
 }
+
+/// An engine core that hangs behind an API server that still answers (vLLM's
+/// `/health` says 200 while its engine process is stopped): once it has held requests
+/// for `health.stall_ms` without an answer byte or a KV event, kvgate takes it out of
+/// rotation and cuts its requests off, so those waiting for their first event finish
+/// on the other worker instead of waiting out the hang (the first-byte timeout is 600
+/// s); while it hangs a one-token probe keeps it out, and once it generates again it is
+/// back in rotation.
+#[tokio::test]
+async fn a_stalled_engine_is_cut_off_and_rejoins_once_it_generates() {
+    let mut engines = Vec::new();
+    for _ in 0..2 {
+        engines.push(
+            spawn(EngineConfig {
+                speedup: 20.0,
+                ..EngineConfig::default()
+            })
+            .await
+            .unwrap(),
+        );
+    }
+    let mut cfg = config(&[], PolicyKind::KvAware);
+    cfg.health.interval_ms = 200;
+    cfg.health.timeout_ms = 500;
+    cfg.health.stall_ms = 1_000;
+    cfg.models[0].remote_tokenize = true;
+    cfg.models[0].block_size = 16;
+    cfg.models[0].workers = engines
+        .iter()
+        .map(|e| WorkerConfig {
+            kv_events: e.kv_events_endpoint.clone(),
+            ..WorkerConfig::new(e.base_url())
+        })
+        .collect();
+    let gw = start(cfg).await.unwrap();
+    let g = gw.gateway().clone();
+    eventually("event streams connected", || {
+        let s = g.events.snapshot();
+        s.workers.len() == 2 && s.workers.iter().all(|w| w.connected)
+    })
+    .await;
+    let c = client();
+    let url = gw.url();
+    let send = |prompt: String, stream: bool| {
+        let c = c.clone();
+        let url = url.clone();
+        async move {
+            let body = json!({"model": "m", "prompt": prompt, "max_tokens": 4, "stream": stream});
+            let r = c
+                .post(format!("{url}/v1/completions"))
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            let status = r.status();
+            let worker = worker_of(&r);
+            let text = r.text().await.unwrap();
+            (status, worker, text)
+        }
+    };
+    // Both engines serve and publish KV events (a SUB socket misses what is published
+    // before it connects, so until each engine's events were seen).
+    for i in 0.. {
+        send(format!("warm {i} {}", "x ".repeat(64)), false).await;
+        let s = g.events.snapshot();
+        if s.workers.iter().all(|w| w.batches > 0) {
+            break;
+        }
+        assert!(i < 200, "events never arrived: {s:?}");
+    }
+    let hung = engines[0].base_url();
+    let healthy = engines[1].base_url();
+    let raw = reqwest::Client::new();
+    let r = raw
+        .post(format!("{hung}/fault/engine/hang?ms=6000"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let health = raw.get(format!("{hung}/health")).send().await.unwrap();
+    assert_eq!(health.status(), 200, "the API server still answers");
+    // Streams sent during the hang, two of them to the hung engine (their prompts'
+    // homes), all end whole on the other engine, before the hang is over.
+    let mut prompts = Vec::new();
+    for i in 0..200 {
+        let prompt = format!("during {i}");
+        let body = json!({"model": "m", "prompt": prompt, "max_tokens": 4});
+        if explain(&c, &url, &body).await["worker"] == hung.as_str() {
+            prompts.push(prompt);
+        }
+        if prompts.len() == 2 {
+            break;
+        }
+    }
+    assert_eq!(prompts.len(), 2);
+    prompts.extend(["other 1".to_string(), "other 2".to_string()]);
+    let started = std::time::Instant::now();
+    let outcomes = futures::future::join_all(prompts.into_iter().map(|p| send(p, true))).await;
+    for (status, worker, text) in &outcomes {
+        assert_eq!(*status, 200, "{text}");
+        assert_eq!(worker, &healthy, "{text}");
+        assert!(text.contains("[DONE]"), "{text}");
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(6),
+        "they waited for the hang to end: {:?}",
+        started.elapsed()
+    );
+    let metrics = metrics_text(&c, &url).await;
+    let stalls = format!("kvgate_worker_stalls_total{{model=\"m\",worker=\"{hung}\"}}");
+    assert_eq!(gauge_value(&metrics, &stalls), Some(1.0), "{metrics}");
+    // While it hangs it stays out (its health check says 200; the generation probe
+    // gets nothing).
+    for i in 0..4 {
+        let (status, worker, _) = send(format!("still {i}"), false).await;
+        assert_eq!((status.as_u16(), worker), (200, healthy.clone()));
+    }
+    // Once its engine generates again it is back in rotation.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let (status, worker, _) = send("after".into(), false).await;
+        assert_eq!(status, 200);
+        if worker == hung {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the engine never came back"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    gw.shutdown().await;
+}
