@@ -10,11 +10,12 @@ use std::time::Duration;
 use common::*;
 use kvgate_core::{PolicyKind, WorkerRef};
 use kvgate_gateway::{start, WorkerConfig};
-use kvgate_mock_engine::{spawn, EngineConfig};
+use kvgate_mock_engine::{spawn, EngineConfig, RunningEngine};
 use serde_json::{json, Value};
 
-#[tokio::test]
-async fn repeated_prompt_follows_its_cached_prefix() {
+/// Two simulated engines with KV events (and replay) and a kv_aware config in front
+/// of them (remote tokenization, block size 16).
+async fn two_engines_with_events() -> (Vec<RunningEngine>, kvgate_gateway::Config) {
     let mut engines = Vec::new();
     for _ in 0..2 {
         engines.push(
@@ -37,13 +38,25 @@ async fn repeated_prompt_follows_its_cached_prefix() {
             ..WorkerConfig::new(e.base_url())
         })
         .collect();
-    let gw = start(cfg).await.unwrap();
+    (engines, cfg)
+}
+
+/// Waits until the gateway's subscribers hold a live connection to both engines.
+async fn until_events_connected(gw: &kvgate_gateway::RunningGateway) {
     let g = gw.gateway().clone();
     eventually("event streams connected", || {
         let s = g.events.snapshot();
         s.workers.len() == 2 && s.workers.iter().all(|w| w.connected)
     })
     .await;
+}
+
+#[tokio::test]
+async fn repeated_prompt_follows_its_cached_prefix() {
+    let (engines, cfg) = two_engines_with_events().await;
+    let gw = start(cfg).await.unwrap();
+    let g = gw.gateway().clone();
+    until_events_connected(&gw).await;
 
     let c = client();
     let prompt: String = (0..300).map(|i| format!("w{} ", i * 7 % 101)).collect();
@@ -261,37 +274,13 @@ async fn requests_are_pinned_to_the_rank_holding_their_prompt() {
 /// back in rotation.
 #[tokio::test]
 async fn a_stalled_engine_is_cut_off_and_rejoins_once_it_generates() {
-    let mut engines = Vec::new();
-    for _ in 0..2 {
-        engines.push(
-            spawn(EngineConfig {
-                speedup: 20.0,
-                ..EngineConfig::default()
-            })
-            .await
-            .unwrap(),
-        );
-    }
-    let mut cfg = config(&[], PolicyKind::KvAware);
+    let (engines, mut cfg) = two_engines_with_events().await;
     cfg.health.interval_ms = 200;
     cfg.health.timeout_ms = 500;
     cfg.health.stall_ms = 1_000;
-    cfg.models[0].remote_tokenize = true;
-    cfg.models[0].block_size = 16;
-    cfg.models[0].workers = engines
-        .iter()
-        .map(|e| WorkerConfig {
-            kv_events: e.kv_events_endpoint.clone(),
-            ..WorkerConfig::new(e.base_url())
-        })
-        .collect();
     let gw = start(cfg).await.unwrap();
     let g = gw.gateway().clone();
-    eventually("event streams connected", || {
-        let s = g.events.snapshot();
-        s.workers.len() == 2 && s.workers.iter().all(|w| w.connected)
-    })
-    .await;
+    until_events_connected(&gw).await;
     let c = client();
     let url = gw.url();
     let send = |prompt: String, stream: bool| {
