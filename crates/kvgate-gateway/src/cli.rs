@@ -181,7 +181,7 @@ pub struct ServeArgs {
     pub failure_threshold: Option<u32>,
     #[arg(long, help_heading = UPSTREAM, help = with_default("How long an open circuit breaker keeps a worker out, ms", HealthConfig::default().open_ms))]
     pub breaker_open_ms: Option<u64>,
-    #[arg(long, help_heading = UPSTREAM, help = with_default("A worker whose engine sends no answer byte and no KV event for this long while it holds requests is stalled: out of rotation, its requests cut off (waiting ones go elsewhere), until a one-token completion answers; ms (0 = off; only workers that publish KV events)", HealthConfig::default().stall_ms))]
+    #[arg(long, help_heading = UPSTREAM, help = with_default("A worker whose engine sends no answer byte and no KV event for this long while it holds requests is stalled: out of rotation, its requests cut off (waiting ones go elsewhere), until a one-token completion answers; ms (0 = off; only workers whose KV events kvgate reads, as kv_aware does)", HealthConfig::default().stall_ms))]
     pub stall_timeout_ms: Option<u64>,
     #[arg(long, help_heading = UPSTREAM, help = with_default("Attempts per request on distinct workers before giving up (1 = no retry)", FailoverConfig::default().max_attempts))]
     pub max_attempts: Option<u32>,

@@ -769,8 +769,8 @@ pub struct HealthConfig {
     pub open_ms: u64,
     /// A worker that holds routed requests while its engine sends no answer byte and
     /// publishes no KV event for this long is stalled: out of rotation, its requests
-    /// cut off, until a one-token completion answers (stall.rs; only workers that
-    /// publish KV events; 0 = off).
+    /// cut off, until a one-token completion answers (stall.rs; only workers whose KV
+    /// events kvgate reads, as kv_aware does; 0 = off).
     pub stall_ms: u64,
 }
 
