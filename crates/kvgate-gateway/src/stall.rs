@@ -10,9 +10,10 @@
 //! prefill and during decode, a block every `block_size` tokens), so a long
 //! non-streamed generation is not taken for a stall. The rule judges only workers whose
 //! KV events kvgate reads (kv_aware's) and has seen (it has no signal for a
-//! non-streamed answer without them; those keep the first-byte timeout). A stalled worker leaves rotation at once and its
-//! requests are cut off (health.rs's `worker_stalled`: those waiting for their first
-//! byte go to another worker, streams under way end with an error event). It comes
+//! non-streamed answer without them; those keep the first-byte timeout). A stalled
+//! worker leaves rotation at once and its requests are cut off (health.rs's
+//! `worker_stalled`: those waiting for their first byte go to another worker, streams
+//! under way end with an error event). It comes
 //! back only when the engine generates again: the health checks probe it with a
 //! one-token completion instead of `GET /health` (a 2xx within the probe timeout
 //! brings it back; a timeout keeps it out; an answer that cannot tell, such as an

@@ -331,10 +331,19 @@ impl PrefixIndex {
 
     /// Entries held by each of `workers` (all its ranks together), in `workers` order.
     pub fn entries_of(&self, workers: &[WorkerId]) -> Vec<usize> {
-        let mut out = vec![0usize; workers.len()];
+        self.per_worker(workers, |n, s| *n += s.entries)
+    }
+
+    /// One value per worker of `workers` (in that order), folded over its ranks' slots.
+    fn per_worker<T: Default + Clone>(
+        &self,
+        workers: &[WorkerId],
+        add: impl Fn(&mut T, &SlotState),
+    ) -> Vec<T> {
+        let mut out = vec![T::default(); workers.len()];
         for state in self.slots.iter().flatten() {
             if let Some(i) = workers.iter().position(|w| *w == state.at.worker) {
-                out[i] += state.entries;
+                add(&mut out[i], state);
             }
         }
         out
@@ -344,13 +353,7 @@ impl PrefixIndex {
     /// cache was last cleared, in `workers` order: a worker that has not has room, and
     /// one the index knows nothing of holds nothing.
     pub fn evicting_of(&self, workers: &[WorkerId]) -> Vec<bool> {
-        let mut out = vec![false; workers.len()];
-        for state in self.slots.iter().flatten() {
-            if let Some(i) = workers.iter().position(|w| *w == state.at.worker) {
-                out[i] |= state.evicting;
-            }
-        }
-        out
+        self.per_worker(workers, |e, s| *e |= s.evicting)
     }
 
     /// The (tier, engine hash) holders of `slot` at block `pos`.
