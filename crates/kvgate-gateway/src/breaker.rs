@@ -3,7 +3,8 @@
 //! Owns one worker's consecutive-failure count and open/closed state. Failures come
 //! from proxied requests (connect errors, 5xx before the first byte, first-byte
 //! timeouts) and from active health checks; `failure_threshold` consecutive ones open
-//! the breaker and take the worker out of every policy's candidate set. The half-open
+//! the breaker and take the worker out of every policy's candidate set (a stalled
+//! engine trips it at once). The half-open
 //! probe is the next active health check (or, with active checks off, the next request
 //! after `open_ms`): its success closes the breaker, its failure re-arms it.
 //! It must not touch the ledger or the index (health never resets load).
@@ -92,8 +93,7 @@ impl Breaker {
             return false;
         }
         if n >= threshold {
-            self.opened_at_ms.store(self.now_ms(), Ordering::Relaxed);
-            return !self.open.swap(true, Ordering::AcqRel);
+            return self.trip();
         }
         false
     }
