@@ -4,9 +4,9 @@
 //! from proxied requests (connect errors, 5xx before the first byte, first-byte
 //! timeouts) and from active health checks; `failure_threshold` consecutive ones open
 //! the breaker and take the worker out of every policy's candidate set (a stalled
-//! engine trips it at once). The half-open
-//! probe is the next active health check (or, with active checks off, the next request
-//! after `open_ms`): its success closes the breaker, its failure re-arms it.
+//! engine trips it at once). The half-open probe is the next active health check (or,
+//! with active checks off, the next request after `open_ms`): its success closes the
+//! breaker, its failure re-arms it.
 //! It must not touch the ledger or the index (health never resets load).
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
