@@ -6,15 +6,23 @@
 //! It must not know about workers, tiers or engines.
 //!
 //! A block's key is computed in two steps. First its *content hash*
-//! `c = xxh3_64(tokens of the block, seed = root)`, which does not depend on the parent
-//! (so the CPU hashes many blocks of a prompt in parallel); then the chain step
+//! `c = gxhash64(tokens of the block)`, which does not depend on the parent (so the
+//! CPU hashes many blocks of a prompt in parallel); then the chain step
 //! `key = mix(parent key, c)`, where `mix(a, b)` is the folded 64×64→128-bit multiply
 //! of wyhash/rapidhash (`lo ^ hi` of `(a ^ K0) * (b ^ K1)`), one multiply of latency per
 //! block. The root seed is derived from the model-wide salt and the request's LoRA
 //! adapter name and is also the parent of the first block, so a key identifies the
 //! whole prefix up to and including its block. A trailing partial block is not a block
 //! and gets no key.
-
+//!
+//! Why gxhash: hashing is most of a lookup (an 8,192-token prompt is 512 blocks), and
+//! gxhash's AES rounds hash a 16-token block in about a third of xxh3's time, so a
+//! prompt's keys cost little more than the serial chain step (docs/BENCHMARKS.md, "Block
+//! keys with gxhash"). It needs the CPU's AES instructions at build time
+//! (`.cargo/config.toml`) and at run time ([`cpu_can_hash_blocks`]). Its output is the
+//! same on every platform for one version, which is pinned: replicas compare keys
+//! (snapshots, decisions at a leader), so every replica of a fleet must run the same
+//! scheme, and [`BlockHasher::fingerprint`] lets them check that they do.
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
@@ -33,8 +41,31 @@ impl std::fmt::Display for ZeroBlockSize {
 }
 impl std::error::Error for ZeroBlockSize {}
 
-/// Domain separator so an empty salt still yields a fixed, non-zero root seed.
-const ROOT_DOMAIN: &[u8] = b"kvgate/block-key/v1";
+/// Domain separator so an empty salt still yields a fixed, non-zero root seed. Its
+/// version names the key scheme: v1 hashed block contents with xxh3, v2 with gxhash.
+const ROOT_DOMAIN: &[u8] = b"kvgate/block-key/v2";
+
+/// Whether this CPU has the instructions block hashing was built with (AES-NI on
+/// x86-64; checked through CPUID, because the build's target features make the
+/// standard runtime check answer yes at compile time). A binary started on a CPU
+/// without them would die of an illegal instruction at the first request; `kvgate`
+/// checks this first and says why instead.
+pub fn cpu_can_hash_blocks() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // CPUID leaf 1, ECX bit 25: AES-NI; bit 19 is SSE4.1, not needed; SSE2 is
+        // part of x86-64.
+        #[allow(unused_unsafe)]
+        let leaf = unsafe { std::arch::x86_64::__cpuid(1) };
+        leaf.ecx & (1 << 25) != 0
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        // aarch64 builds need the crypto extension; every aarch64 server CPU in use
+        // has it, and the standard check cannot tell (it is decided at compile time).
+        true
+    }
+}
 
 /// Chain step: the folded multiply of wyhash/rapidhash over the parent key and the
 /// block's content hash. The constants are the first digits of pi (as in rapidhash's
@@ -110,13 +141,19 @@ impl BlockHasher {
         BlockKey(mix(parent, self.content_hash(block_tokens)))
     }
 
-    /// Hash of one block's tokens alone (salted by the root seed, not chained).
+    /// Hash of one block's tokens alone (not chained, not salted: the salt enters
+    /// through the chain, whose first parent is the root seed).
     #[inline]
     fn content_hash(&self, block_tokens: &[u32]) -> u64 {
-        xxh3_64_with_seed(
-            bytemuck::cast_slice::<u32, u8>(block_tokens),
-            self.root_seed,
-        )
+        gxhash::gxhash64(bytemuck::cast_slice::<u32, u8>(block_tokens), 0)
+    }
+
+    /// A number that differs between two hashers that would key the same tokens
+    /// differently: the key of a fixed probe block, so it covers the key scheme, the
+    /// block size and the salt. Replicas compare it before they exchange keys.
+    pub fn fingerprint(&self) -> u64 {
+        let probe: Vec<u32> = (0..self.block_size).collect();
+        self.chain(None, &probe).0
     }
 
     /// Keys of every full block of `tokens`, from the start of the sequence.
@@ -150,6 +187,9 @@ impl BlockHasher {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const KEY_1234: u64 = 0x236a_c7c6_5ea3_ad5d;
+    const KEY_TWO_BLOCKS: u64 = 0x7068_104c_9db7_85bd;
 
     #[test]
     fn zero_block_size_is_rejected() {
@@ -189,6 +229,47 @@ mod tests {
         );
         let salted = BlockHasher::with_salt(2, b"tenant-7").unwrap();
         assert_ne!(salted.block_keys(&t), base);
+    }
+
+    /// Replicas and releases must agree on keys: a dependency update or a platform
+    /// whose keys differ fails here, not silently in a mixed fleet.
+    #[test]
+    fn keys_are_the_same_in_every_build() {
+        let h = BlockHasher::new(4).unwrap();
+        let keys = h.block_keys(&[1, 2, 3, 4, 151_643, 0, 7, u32::MAX]);
+        assert_eq!(
+            keys,
+            vec![BlockKey(KEY_1234), BlockKey(KEY_TWO_BLOCKS)],
+            "block keys changed: {keys:x?}"
+        );
+    }
+
+    #[test]
+    fn distinct_blocks_get_distinct_keys() {
+        let h = BlockHasher::new(16).unwrap();
+        let mut seen = std::collections::HashSet::new();
+        // Blocks that differ in one token, anywhere, by one.
+        for i in 0..50_000u32 {
+            let mut block = [1_000_000u32; 16];
+            block[(i % 16) as usize] = i / 16;
+            assert!(seen.insert(h.block_keys(&block)[0]), "collision at {i}");
+        }
+    }
+
+    #[test]
+    fn fingerprint_tells_schemes_apart() {
+        let h = BlockHasher::new(16).unwrap();
+        assert_eq!(h.fingerprint(), BlockHasher::new(16).unwrap().fingerprint());
+        assert_ne!(h.fingerprint(), BlockHasher::new(32).unwrap().fingerprint());
+        assert_ne!(
+            h.fingerprint(),
+            BlockHasher::with_salt(16, b"x").unwrap().fingerprint()
+        );
+    }
+
+    #[test]
+    fn this_cpu_can_hash_blocks() {
+        assert!(cpu_can_hash_blocks());
     }
 
     #[test]

@@ -616,6 +616,13 @@ impl PyTokenizer {
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    if !kvgate_core::cpu_can_hash_blocks() {
+        // Refused at import, not an illegal instruction at the first request.
+        return Err(pyo3::exceptions::PyImportError::new_err(
+            "kvgate: this CPU lacks the AES instructions (AES-NI) kvgate's block hashing is \
+             built on; every x86-64 server CPU since 2010 has them",
+        ));
+    }
     m.add_class::<PySelectionService>()?;
     m.add_class::<PySelection>()?;
     m.add_class::<PyWorkerScore>()?;

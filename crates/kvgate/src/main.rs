@@ -68,6 +68,14 @@ fn init_logging(filter: &str, json: bool) {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if !kvgate_core::cpu_can_hash_blocks() {
+        eprintln!(
+            "kvgate: this CPU lacks the AES instructions (AES-NI) kvgate's block hashing \
+             is built on; every x86-64 server CPU since 2010 has them. In a virtual \
+             machine, expose the host CPU's features (e.g. QEMU's -cpu host)."
+        );
+        return ExitCode::FAILURE;
+    }
     init_logging(&cli.log, cli.log_json);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
