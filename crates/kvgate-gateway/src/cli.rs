@@ -116,6 +116,10 @@ pub struct ServeArgs {
     /// A LoRA adapter name served by the workers (repeat).
     #[arg(long = "lora-adapter", value_name = "NAME", help_heading = MODEL)]
     pub lora_adapters: Vec<String>,
+    /// Extra salt folded into block keys (the same on every replica of the fleet;
+    /// YAML `hash_salt`).
+    #[arg(long, value_name = "TEXT", help_heading = MODEL)]
+    pub hash_salt: Option<String>,
     #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: weight of prefill work against decode work", KvAwareConfig::default().overlap_weight))]
     pub overlap_weight: Option<f64>,
     #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: weight of the prefill already queued on a worker against this request's own uncached blocks", KvAwareConfig::default().prefill_queue_weight))]
@@ -232,6 +236,7 @@ fn has_model_flags(a: &ServeArgs) -> bool {
         || !a.kv_events_replay.is_empty()
         || a.kv_fallback.is_some()
         || !a.lora_adapters.is_empty()
+        || a.hash_salt.is_some()
 }
 
 impl ServeArgs {
@@ -320,6 +325,7 @@ impl ServeArgs {
             kv_fallback: self.kv_fallback,
             session_header: self.session_header.clone(),
             lora_adapters: self.lora_adapters.clone(),
+            hash_salt: self.hash_salt.clone(),
             kv_topic: self.kv_topic.clone(),
             engine_metrics_interval_ms: self.engine_metrics_interval_ms,
             workers_dns: self.workers_dns.as_ref().map(|name| WorkersDnsConfig {

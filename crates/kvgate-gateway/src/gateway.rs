@@ -109,6 +109,7 @@ impl Gateway {
                         config.peers.clone(),
                         config.admin_token.clone(),
                         mc.name.clone(),
+                        pool.selection.hasher().fingerprint(),
                     ));
                 }
             }

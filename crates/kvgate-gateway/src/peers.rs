@@ -753,6 +753,26 @@ pub struct SnapshotRequest {
     pub worker: String,
     #[serde(default)]
     pub rank: u32,
+    /// The asker's [`BlockHasher::fingerprint`](kvgate_core::BlockHasher::fingerprint)
+    /// (absent from replicas before key scheme v2): a snapshot is keyed by the
+    /// serving replica's hasher, useless to one that keys prompts otherwise.
+    #[serde(default)]
+    pub key_fingerprint: Option<u64>,
+}
+
+/// Whether a peer keys prompts as this replica does (`theirs`: the fingerprint it sent;
+/// none from a replica older than key scheme v2). Keys of another scheme, block size
+/// or salt match nothing here, and a snapshot or decision made with them would look
+/// valid while routing blind, so they are refused with a reason.
+pub fn same_keys(ours: u64, theirs: Option<u64>) -> Result<(), String> {
+    match theirs {
+        Some(t) if t == ours => Ok(()),
+        Some(t) => Err(format!(
+            "block keys differ (fingerprint {t:016x} there, {ours:016x} here): another kvgate \
+             version, block size or hash salt"
+        )),
+        None => Err("block keys of an older kvgate (no key fingerprint)".to_owned()),
+    }
 }
 
 /// A worker rank's index entries as they travel: `[key, parent or null, engine hash,
@@ -769,10 +789,13 @@ pub struct WireSnapshot {
     /// older replicas: taken as not).
     #[serde(default)]
     pub evicting: bool,
+    /// The serving replica's key fingerprint (see [`SnapshotRequest`]).
+    #[serde(default)]
+    pub key_fingerprint: Option<u64>,
 }
 
 impl WireSnapshot {
-    fn from_rank(s: &RankSnapshot) -> Self {
+    fn from_rank(s: &RankSnapshot, key_fingerprint: u64) -> Self {
         Self {
             last_seq: s.last_seq,
             blocks: s
@@ -793,6 +816,7 @@ impl WireSnapshot {
                 .map(|p| p.iter().map(|k| k.0).collect())
                 .collect(),
             evicting: s.evicting,
+            key_fingerprint: Some(key_fingerprint),
         }
     }
 
@@ -848,12 +872,22 @@ pub async fn serve_snapshot(
     let Some((model, worker)) = found else {
         return ApiError::not_found(format!("unknown worker {:?}", req.worker)).into_response();
     };
+    let fingerprint = model.selection.hasher().fingerprint();
+    if let Err(why) = same_keys(fingerprint, req.key_fingerprint) {
+        return ApiError::new(
+            StatusCode::CONFLICT,
+            "invalid_request_error",
+            "key_scheme_mismatch",
+            format!("no snapshot: {why}"),
+        )
+        .into_response();
+    }
     let id = worker.id;
     // Exporting a large index takes a while: off the async workers.
     let snapshot =
         tokio::task::spawn_blocking(move || model.selection.snapshot_rank(id, req.rank)).await;
     match snapshot {
-        Ok(Some(s)) => Json(WireSnapshot::from_rank(&s)).into_response(),
+        Ok(Some(s)) => Json(WireSnapshot::from_rank(&s, fingerprint)).into_response(),
         Ok(None) => ApiError::not_found(format!(
             "no KV events of {} rank {} applied here yet",
             worker.url, req.rank
@@ -865,13 +899,15 @@ pub async fn serve_snapshot(
 
 /// The index bootstrap a model's KV-event subscribers use: asks each peer (the
 /// configured URLs, then the DNS name's addresses) in turn for its snapshot of the
-/// worker rank, and returns the first one given.
+/// worker rank, and returns the first one given whose keys are keyed as this pool's
+/// (`key_fingerprint`, [`same_keys`]).
 pub fn bootstrap(
     client: HttpClient,
     hub: Arc<PeerHub>,
     cfg: PeersConfig,
     admin_token: Option<String>,
     model: String,
+    key_fingerprint: u64,
 ) -> Bootstrap {
     Arc::new(move |worker: String, rank: u32| {
         let (client, hub, cfg, token, model) = (
@@ -888,11 +924,15 @@ pub fn bootstrap(
                 model,
                 worker,
                 rank,
+                key_fingerprint: Some(key_fingerprint),
             };
             for peer in candidates {
                 match fetch_snapshot(&client, &hub, token.as_deref(), &peer, &request).await {
                     Ok(s) => return Some(s),
-                    Err(why) => {
+                    Err(SnapshotRefused::OtherKeys(why)) => {
+                        tracing::warn!(%peer, worker = %request.worker, rank, %why, "not loading this peer's index snapshot: its block keys are not ours (every replica must run the same kvgate version, block size and hash salt)")
+                    }
+                    Err(SnapshotRefused::Failed(why)) => {
                         tracing::debug!(%peer, worker = %request.worker, rank, %why, "no index snapshot from this peer")
                     }
                 }
@@ -902,42 +942,70 @@ pub fn bootstrap(
     })
 }
 
+/// Why a peer gave no snapshot.
+enum SnapshotRefused {
+    /// Its keys are not this replica's ([`same_keys`]): worth a warning.
+    OtherKeys(String),
+    /// No snapshot (none applied there, unreachable, malformed).
+    Failed(String),
+}
+
 async fn fetch_snapshot(
     client: &HttpClient,
     hub: &PeerHub,
     token: Option<&str>,
     peer: &str,
     request: &SnapshotRequest,
-) -> Result<RankSnapshot, String> {
-    let body = serde_json::to_vec(request).map_err(|e| e.to_string())?;
+) -> Result<RankSnapshot, SnapshotRefused> {
+    let failed = |e: &dyn std::fmt::Display| SnapshotRefused::Failed(e.to_string());
+    let body = serde_json::to_vec(request).map_err(|e| failed(&e))?;
     let mut req = peer_request(
         http::Method::POST,
         format!("{peer}{INDEX_PATH}"),
         Bytes::from(body),
         hub,
         token,
-    )?;
+    )
+    .map_err(SnapshotRefused::Failed)?;
     req.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
+    let ours = request.key_fingerprint.unwrap_or_default();
     let answer = async {
-        let resp = client.request(req).await.map_err(|e| e.to_string())?;
-        if resp.status() != StatusCode::OK {
-            return Err(format!("answered {}", resp.status()));
-        }
+        let resp = client.request(req).await.map_err(|e| failed(&e))?;
+        let status = resp.status();
         let body = http_body_util::Limited::new(resp.into_body(), MAX_SNAPSHOT_BYTES)
             .collect()
             .await
-            .map_err(|e| e.to_string())?
+            .map_err(|e| failed(&e))?
             .to_bytes();
-        let wire: WireSnapshot = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
+        if status != StatusCode::OK {
+            let why = format!(
+                "answered {status}: {}",
+                String::from_utf8_lossy(&body[..body.len().min(200)])
+            );
+            return Err(if error_code(&body).as_deref() == Some("key_scheme_mismatch") {
+                SnapshotRefused::OtherKeys(why)
+            } else {
+                SnapshotRefused::Failed(why)
+            });
+        }
+        let wire: WireSnapshot = serde_json::from_slice(&body).map_err(|e| failed(&e))?;
+        same_keys(ours, wire.key_fingerprint).map_err(SnapshotRefused::OtherKeys)?;
         wire.into_rank()
-            .ok_or_else(|| "a block names an unknown tier".to_owned())
+            .ok_or_else(|| failed(&"a block names an unknown tier"))
     };
     tokio::time::timeout(SNAPSHOT_TIMEOUT, answer)
         .await
-        .map_err(|_| "timed out".to_owned())?
+        .map_err(|_| failed(&"timed out"))?
+}
+
+/// The `error.code` of an OpenAI-style error body.
+fn error_code(body: &[u8]) -> Option<String> {
+    serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v["error"]["code"].as_str().map(str::to_owned))
 }
 
 /// What a replica asks the leader to choose.
@@ -965,6 +1033,10 @@ pub struct DecideRequest {
     /// cached.
     #[serde(default)]
     pub kv_transferred: bool,
+    /// The asker's key fingerprint (see [`SnapshotRequest`]); the leader refuses
+    /// `keys` made by another hasher (409 `key_scheme_mismatch`).
+    #[serde(default)]
+    pub key_fingerprint: Option<u64>,
 }
 
 /// The leader's choice: the worker and what the asker's booking of it should predict.
@@ -974,6 +1046,10 @@ pub struct DecideAnswer {
     pub predicted_cached_tokens: u32,
     pub indexed_cached_tokens: u32,
     pub credited_tokens: u32,
+    /// The leader's key fingerprint (absent from a leader older than key scheme v2,
+    /// which would have read the keys as its own).
+    #[serde(default)]
+    pub key_fingerprint: Option<u64>,
 }
 
 /// A choice made at the leader, for this replica to book.
@@ -1024,6 +1100,7 @@ pub async fn choose_at_leader(
         expected_output_tokens: p.max_tokens,
         kv_transferred: p.kv_transferred,
         session_key: session_key.map(str::to_owned),
+        key_fingerprint: Some(model.selection.hasher().fingerprint()),
     };
     let outcome = |o: &str| {
         gw.metrics
@@ -1079,6 +1156,18 @@ pub async fn choose_at_leader(
             return None;
         }
     };
+    if request.keys.is_some() {
+        let ours = request.key_fingerprint.unwrap_or_default();
+        if let Err(why) = same_keys(ours, answer.key_fingerprint) {
+            // Chosen blind to this prompt's cache: not used, and settled at once.
+            gw.peers.settle(id, || ());
+            if gw.peers.skip_leader(LEADER_UNSUPPORTED_BACKOFF) {
+                tracing::warn!(%leader, peer = %url, %why, backoff = ?LEADER_UNSUPPORTED_BACKOFF, "the leader keys prompts otherwise (every replica must run the same kvgate version, block size and hash salt); choosing here");
+            }
+            outcome("fallback");
+            return None;
+        }
+    }
     let url_answered = crate::config::normalize_url(&answer.worker);
     let Some(worker) = candidates.iter().find(|w| *w.url == *url_answered).cloned() else {
         // Settled at once: nothing here will book it.
@@ -1154,12 +1243,13 @@ fn refusal(status: StatusCode, body: &[u8]) -> LeaderRefused {
         "answered {status}: {}",
         String::from_utf8_lossy(&body[..body.len().min(200)])
     );
-    let code = serde_json::from_slice::<serde_json::Value>(body)
-        .ok()
-        .and_then(|v| v["error"]["code"].as_str().map(str::to_owned));
+    let code = error_code(body);
     match status {
         StatusCode::CONFLICT if code.as_deref() == Some("not_following") => {
             LeaderRefused::NotFollowing(why)
+        }
+        StatusCode::CONFLICT if code.as_deref() == Some("key_scheme_mismatch") => {
+            LeaderRefused::Unsupported(why)
         }
         StatusCode::CONFLICT => LeaderRefused::ThisRequest(why),
         StatusCode::NOT_FOUND if code.as_deref() != Some("model_not_found") => {
@@ -1255,6 +1345,12 @@ fn decide_for_peer(
             "none of the candidates is a healthy worker here".into(),
         ));
     }
+    let fingerprint = model.selection.hasher().fingerprint();
+    if req.keys.is_some() {
+        if let Err(why) = same_keys(fingerprint, req.key_fingerprint) {
+            return Err(refuse("key_scheme_mismatch", why));
+        }
+    }
     let keys: Option<Vec<BlockKey>> = req
         .keys
         .as_ref()
@@ -1303,6 +1399,7 @@ fn decide_for_peer(
         predicted_cached_tokens: decision.predicted_cached_tokens,
         indexed_cached_tokens: decision.indexed_cached_tokens,
         credited_tokens: decision.credited_tokens,
+        key_fingerprint: Some(fingerprint),
     })
 }
 
@@ -1325,7 +1422,7 @@ mod tests {
             last_seq: 9,
             evicting: true,
         };
-        let json = serde_json::to_string(&WireSnapshot::from_rank(&rank)).unwrap();
+        let json = serde_json::to_string(&WireSnapshot::from_rank(&rank, 5)).unwrap();
         let back: WireSnapshot = serde_json::from_str(&json).unwrap();
         assert_eq!(back.into_rank(), Some(rank));
         let older: WireSnapshot =
@@ -1333,6 +1430,32 @@ mod tests {
         let older = older.into_rank().unwrap();
         assert!(!older.evicting);
         assert_eq!(older.blocks.len(), 1);
+    }
+
+    /// Keys are exchanged only between replicas that key prompts alike: a snapshot or
+    /// decision request from an older kvgate (no fingerprint) or another hasher is
+    /// refused, and so is such an answer.
+    #[test]
+    fn keys_travel_only_between_replicas_that_key_alike() {
+        let ours = kvgate_core::BlockHasher::new(16).unwrap().fingerprint();
+        let salted = kvgate_core::BlockHasher::with_salt(16, b"tenant")
+            .unwrap()
+            .fingerprint();
+        assert_eq!(same_keys(ours, Some(ours)), Ok(()));
+        assert!(same_keys(ours, Some(salted)).is_err());
+        assert!(same_keys(ours, None).is_err());
+        // What an older replica sends parses, without a fingerprint.
+        let older: SnapshotRequest =
+            serde_json::from_str(r#"{"model": "m", "worker": "http://w"}"#).unwrap();
+        assert_eq!(older.key_fingerprint, None);
+        let older: DecideAnswer = serde_json::from_str(
+            r#"{"worker": "http://w", "predicted_cached_tokens": 1, "indexed_cached_tokens": 1, "credited_tokens": 0}"#,
+        )
+        .unwrap();
+        assert_eq!(older.key_fingerprint, None);
+        let older: WireSnapshot =
+            serde_json::from_str(r#"{"last_seq": 3, "blocks": []}"#).unwrap();
+        assert_eq!(older.key_fingerprint, None);
     }
 
     #[test]
@@ -1358,6 +1481,12 @@ mod tests {
             StatusCode::CONFLICT,
             &json("no_candidate"),
             LeaderRefused::ThisRequest,
+        );
+        // Keys of another scheme: not this request's fault; ask again much later.
+        is(
+            StatusCode::CONFLICT,
+            &json("key_scheme_mismatch"),
+            LeaderRefused::Unsupported,
         );
         // A kvgate without the endpoint (its route fallback), and an unknown model there.
         is(

@@ -181,6 +181,7 @@ const SERVE_FLAGS_WITHOUT_DEFAULT: &[&str] = &[
     "--kv-events-replay",
     "--kv-fallback",
     "--lora-adapter",
+    "--hash-salt",
     "--seed",
     "--api-key",
     "--admin-token",

@@ -544,7 +544,7 @@ async fn a_late_replica_routes_to_cached_prefixes_from_the_engines_replay_buffer
 async fn a_late_replica_loads_a_peers_index_snapshot_where_replay_buffers_fall_short() {
     let logs = tempfile::tempdir().unwrap();
     let fleet = engines_with(2, &["--replay-buffer", "2"], logs.path()).await;
-    let ports = free_ports(3).unwrap();
+    let ports = free_ports(4).unwrap();
     let url = |i: usize| format!("http://127.0.0.1:{}", ports[i]);
     let _r1 = kv_replica("r1", ports[0], &fleet, &[], logs.path()).await;
     let served = serve_tenants(&url(0), 6).await;
@@ -573,6 +573,20 @@ async fn a_late_replica_loads_a_peers_index_snapshot_where_replay_buffers_fall_s
     assert_eq!(
         metric(&url(2), "kvgate_kv_events_incomplete_starts_total").await,
         0.0
+    );
+
+    // A replica that keys prompts otherwise (here another salt; in a rolling upgrade,
+    // another key scheme) loads no snapshot from the peer: its keys would match
+    // nothing it looks up. It starts as one without peers does.
+    let mut salted = peer.clone();
+    salted.extend(["--hash-salt".to_owned(), "another".to_owned()]);
+    let _r3 = kv_replica("r3", ports[3], &fleet, &salted, logs.path()).await;
+    until_metric(&url(3), "kvgate_kv_events_connected", 2.0).await;
+    assert!(metric(&url(3), "kvgate_kv_events_incomplete_starts_total").await >= 1.0);
+    assert_eq!(
+        metric(&url(3), "kvgate_kv_events_snapshot_loads_total").await,
+        0.0,
+        "a snapshot keyed by another hasher is refused"
     );
 }
 
