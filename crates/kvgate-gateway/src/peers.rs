@@ -985,11 +985,13 @@ async fn fetch_snapshot(
                 "answered {status}: {}",
                 String::from_utf8_lossy(&body[..body.len().min(200)])
             );
-            return Err(if error_code(&body).as_deref() == Some("key_scheme_mismatch") {
-                SnapshotRefused::OtherKeys(why)
-            } else {
-                SnapshotRefused::Failed(why)
-            });
+            return Err(
+                if error_code(&body).as_deref() == Some("key_scheme_mismatch") {
+                    SnapshotRefused::OtherKeys(why)
+                } else {
+                    SnapshotRefused::Failed(why)
+                },
+            );
         }
         let wire: WireSnapshot = serde_json::from_slice(&body).map_err(|e| failed(&e))?;
         same_keys(ours, wire.key_fingerprint).map_err(SnapshotRefused::OtherKeys)?;
@@ -1453,8 +1455,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(older.key_fingerprint, None);
-        let older: WireSnapshot =
-            serde_json::from_str(r#"{"last_seq": 3, "blocks": []}"#).unwrap();
+        let older: WireSnapshot = serde_json::from_str(r#"{"last_seq": 3, "blocks": []}"#).unwrap();
         assert_eq!(older.key_fingerprint, None);
     }
 

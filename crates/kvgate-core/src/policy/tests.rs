@@ -1033,18 +1033,21 @@ fn kv_aware_defaults_keep_a_short_history_behind_a_long_queue() {
 /// the index, so the index never holds the tenant's prompt), and kv_aware keeps
 /// routing the tenant's requests. A credit that each decision renewed kept that worker
 /// ahead forever; a credit that ends with its request's prefill leaves both workers at
-/// zero cached, so load decides and the idle, just-added worker takes its share.
+/// zero cached, so the tenants' homes and load decide and the just-added worker takes
+/// its share. Eight tenants, so that which worker a tenant's cold prompt homes on
+/// (a rendezvous of its key) is not one coin flip (with one tenant, the test passed or
+/// failed with the key scheme).
 #[test]
 fn kv_aware_credit_ends_with_the_prefill_so_an_added_worker_gets_traffic() {
     let ledger = Ledger::new(BS);
     let index = new_index();
     let policy = KvAwarePolicy::new(KvAwareConfig::default(), Some(9));
-    let tenant: Vec<u32> = (0..1536).collect();
     let mut counts = [0usize; 2];
     let mut running: std::collections::VecDeque<BookingGuard> = Default::default();
     for i in 0..200u32 {
         // Worker 1 joins after 20 requests.
         let ws = if i < 20 { workers(1) } else { workers(2) };
+        let tenant: Vec<u32> = (0..1536).map(|t| (i % 8) * 10_000 + t).collect();
         let mut prompt = tenant.clone();
         prompt.extend((0..64).map(|t| 100_000 + i * 100 + t));
         let keys = index.hasher().block_keys(&prompt);
