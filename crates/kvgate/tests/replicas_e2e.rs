@@ -773,3 +773,42 @@ async fn replicas_choose_at_one_leader_and_carry_on_without_it() {
     let counts = per_worker(&held);
     assert!(counts.values().all(|&n| n == 3), "{counts:?}");
 }
+
+/// kv_aware replicas deciding at a leader send it the prompt's block keys: one that
+/// keys prompts as the leader does is answered; one that keys them otherwise (here
+/// another salt; in a rolling upgrade, another key scheme) is refused, chooses itself
+/// and passes the leader over, instead of having its keys scored against an index
+/// keyed otherwise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_chooses_only_for_replicas_that_key_prompts_as_it_does() {
+    let logs = tempfile::tempdir().unwrap();
+    let fleet = engines(2, logs.path()).await;
+    let ports = free_ports(3).unwrap();
+    let url = |i: usize| format!("http://127.0.0.1:{}", ports[i]);
+    let mut replicas = Vec::new();
+    for (i, id) in ["a", "b", "c"].into_iter().enumerate() {
+        let mut args = vec!["--replica-id".to_owned(), id.to_owned()];
+        for (j, port) in ports.iter().enumerate() {
+            if j != i {
+                args.extend(["--peer".to_owned(), format!("http://127.0.0.1:{port}")]);
+            }
+        }
+        if id == "c" {
+            args.extend(["--hash-salt".to_owned(), "another".to_owned()]);
+        }
+        replicas.push(kv_replica(id, ports[i], &fleet, &args, logs.path()).await);
+    }
+    for i in 0..3 {
+        until_metric(&url(i), "kvgate_peers_connected", 2.0).await;
+    }
+    let decisions = "kvgate_peer_decisions_total";
+    let count = async |i: usize, outcome: &str| {
+        labelled(&url(i), decisions, &format!("outcome=\"{outcome}\"")).await
+    };
+    serve_tenants(&url(1), 1).await;
+    assert_eq!(count(1, "asked").await, 1.0, "b keys as a does");
+    serve_tenants(&url(2), 1).await;
+    assert_eq!(count(2, "asked").await, 0.0, "c's keys are not a's");
+    assert_eq!(count(2, "fallback").await, 1.0);
+    assert_eq!(count(0, "served").await, 1.0, "a chose for b only");
+}
