@@ -152,7 +152,8 @@ impl BlockHasher {
     /// differently: the key of a fixed probe block, so it covers the key scheme, the
     /// block size and the salt. Replicas compare it before they exchange keys.
     pub fn fingerprint(&self) -> u64 {
-        let probe: Vec<u32> = (0..self.block_size).collect();
+        // On the stack for every usual block size: replicas compute it per decision.
+        let probe: smallvec::SmallVec<[u32; 64]> = (0..self.block_size).collect();
         self.chain(None, &probe).0
     }
 
