@@ -620,7 +620,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         // Refused at import, not an illegal instruction at the first request.
         return Err(pyo3::exceptions::PyImportError::new_err(
             "kvgate: this CPU lacks the AES instructions (AES-NI) kvgate's block hashing is \
-             built on; every x86-64 server CPU since 2010 has them",
+             built on; Intel Xeons have had them since 2010, AMD CPUs since 2011",
         ));
     }
     m.add_class::<PySelectionService>()?;

@@ -71,7 +71,7 @@ fn main() -> ExitCode {
     if !kvgate_core::cpu_can_hash_blocks() {
         eprintln!(
             "kvgate: this CPU lacks the AES instructions (AES-NI) kvgate's block hashing \
-             is built on; every x86-64 server CPU since 2010 has them. In a virtual \
+             is built on; Intel Xeons have had them since 2010, AMD CPUs since 2011. In a virtual \
              machine, expose the host CPU's features (e.g. QEMU's -cpu host)."
         );
         return ExitCode::FAILURE;
