@@ -403,13 +403,26 @@ async fn mesh_replica(
     fleet: &Fleet,
     logs: &std::path::Path,
 ) -> ManagedChild {
+    replica(
+        name,
+        "127.0.0.1",
+        ports[i],
+        fleet,
+        &peer_args(id, i, ports),
+        logs,
+    )
+    .await
+}
+
+/// The flags of replica `id` on `ports[i]` that follows every other port as a peer.
+fn peer_args(id: &str, i: usize, ports: &[u16]) -> Vec<String> {
     let mut args = vec!["--replica-id".to_owned(), id.to_owned()];
     for (j, port) in ports.iter().enumerate() {
         if j != i {
             args.extend(["--peer".to_owned(), format!("http://127.0.0.1:{port}")]);
         }
     }
-    replica(name, "127.0.0.1", ports[i], fleet, &args, logs).await
+    args
 }
 
 /// `kvgate serve` with kv_aware over the fleet's engines, their KV events and replay
@@ -787,12 +800,7 @@ async fn a_leader_chooses_only_for_replicas_that_key_prompts_as_it_does() {
     let url = |i: usize| format!("http://127.0.0.1:{}", ports[i]);
     let mut replicas = Vec::new();
     for (i, id) in ["a", "b", "c"].into_iter().enumerate() {
-        let mut args = vec!["--replica-id".to_owned(), id.to_owned()];
-        for (j, port) in ports.iter().enumerate() {
-            if j != i {
-                args.extend(["--peer".to_owned(), format!("http://127.0.0.1:{port}")]);
-            }
-        }
+        let mut args = peer_args(id, i, &ports);
         if id == "c" {
             args.extend(["--hash-salt".to_owned(), "another".to_owned()]);
         }
