@@ -18,11 +18,12 @@
 //! Why gxhash: hashing is most of a lookup (an 8,192-token prompt is 512 blocks), and
 //! with gxhash's AES rounds a prompt's keys cost little more than the serial chain
 //! step: 512 blocks of 16 tokens in 0.87 µs, against 2.08 µs with xxh3 and 0.83 µs for
-//! the chain step alone (docs/BENCHMARKS.md, "Block keys with gxhash"). It needs the CPU's AES instructions at build time
-//! (`.cargo/config.toml`) and at run time ([`cpu_can_hash_blocks`]). Its output is the
-//! same on every platform for one version, which is pinned: replicas compare keys
-//! (snapshots, decisions at a leader), so every replica of a fleet must run the same
-//! scheme, and [`BlockHasher::fingerprint`] lets them check that they do.
+//! the chain step alone (docs/BENCHMARKS.md, "Block keys with gxhash"). It needs the
+//! CPU's AES instructions at build time (`.cargo/config.toml`) and at run time
+//! ([`cpu_can_hash_blocks`]). Its output is the same on every platform for one version,
+//! which is pinned: replicas compare keys (snapshots, decisions at a leader), so every
+//! replica of a fleet must run the same scheme, and [`BlockHasher::fingerprint`] lets
+//! them check that they do.
 
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
@@ -50,7 +51,7 @@ const ROOT_DOMAIN: &[u8] = b"kvgate/block-key/v2";
 /// x86-64; checked through CPUID, because the build's target features make the
 /// standard runtime check answer yes at compile time). A binary started on a CPU
 /// without them would die of an illegal instruction at the first request; `kvgate`
-/// checks this first and says why instead.
+/// checks this first and says why instead ([`CPU_CANNOT_HASH_BLOCKS`]).
 pub fn cpu_can_hash_blocks() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -68,6 +69,12 @@ pub fn cpu_can_hash_blocks() -> bool {
         true
     }
 }
+
+/// What the binary and the Python module say when [`cpu_can_hash_blocks`] is false.
+pub const CPU_CANNOT_HASH_BLOCKS: &str = "kvgate: this CPU lacks the AES instructions \
+    (AES-NI) kvgate's block hashing is built on; Intel Xeons have had them since 2010, AMD \
+    CPUs since 2011. In a virtual machine, expose the host CPU's features (e.g. QEMU's -cpu \
+    host).";
 
 /// Chain step: the folded multiply of wyhash/rapidhash over the parent key and the
 /// block's content hash. The constants are the first digits of pi (as in rapidhash's

@@ -18,7 +18,7 @@ pub mod ledger;
 pub mod peer_loads;
 pub mod policy;
 
-pub use hashing::{cpu_can_hash_blocks, BlockHasher, BlockKey};
+pub use hashing::{cpu_can_hash_blocks, BlockHasher, BlockKey, CPU_CANNOT_HASH_BLOCKS};
 pub use ids::{Tier, WorkerId, WorkerRef};
 pub use index::{
     HeldBlock, IndexConfig, IndexStats, Overlap, OverlapScores, PrefixIndex, RemoveOutcome,

@@ -874,13 +874,7 @@ pub async fn serve_snapshot(
     };
     let fingerprint = model.selection.hasher().fingerprint();
     if let Err(why) = same_keys(fingerprint, req.key_fingerprint) {
-        return ApiError::new(
-            StatusCode::CONFLICT,
-            "invalid_request_error",
-            "key_scheme_mismatch",
-            format!("no snapshot: {why}"),
-        )
-        .into_response();
+        return keys_refused(format!("no snapshot: {why}")).into_response();
     }
     let id = worker.id;
     // Exporting a large index takes a while: off the async workers.
@@ -981,10 +975,7 @@ async fn fetch_snapshot(
             .map_err(|e| failed(&e))?
             .to_bytes();
         if status != StatusCode::OK {
-            let why = format!(
-                "answered {status}: {}",
-                String::from_utf8_lossy(&body[..body.len().min(200)])
-            );
+            let why = answered(status, &body);
             return Err(
                 if error_code(&body).as_deref() == Some("key_scheme_mismatch") {
                     SnapshotRefused::OtherKeys(why)
@@ -1001,6 +992,24 @@ async fn fetch_snapshot(
     tokio::time::timeout(SNAPSHOT_TIMEOUT, answer)
         .await
         .map_err(|_| failed(&"timed out"))?
+}
+
+/// The 409 a replica answers a peer whose keys are not its own ([`same_keys`]).
+fn keys_refused(why: String) -> ApiError {
+    ApiError::new(
+        StatusCode::CONFLICT,
+        "invalid_request_error",
+        "key_scheme_mismatch",
+        why,
+    )
+}
+
+/// A peer's answer other than 200, for logs: its status and the start of its body.
+fn answered(status: StatusCode, body: &[u8]) -> String {
+    format!(
+        "answered {status}: {}",
+        String::from_utf8_lossy(&body[..body.len().min(200)])
+    )
 }
 
 /// The `error.code` of an OpenAI-style error body.
@@ -1091,6 +1100,7 @@ pub async fn choose_at_leader(
         .find(|(m, _)| std::ptr::eq(m.as_ref(), model))
         .map_or("", |(_, pool)| pool);
     let id = gw.peers.next_choice.fetch_add(1, Ordering::Relaxed);
+    let fingerprint = model.selection.hasher().fingerprint();
     let request = DecideRequest {
         model: model.name.to_string(),
         pool: pool.to_owned(),
@@ -1102,7 +1112,7 @@ pub async fn choose_at_leader(
         expected_output_tokens: p.max_tokens,
         kv_transferred: p.kv_transferred,
         session_key: session_key.map(str::to_owned),
-        key_fingerprint: Some(model.selection.hasher().fingerprint()),
+        key_fingerprint: Some(fingerprint),
     };
     let outcome = |o: &str| {
         gw.metrics
@@ -1159,8 +1169,7 @@ pub async fn choose_at_leader(
         }
     };
     if request.keys.is_some() {
-        let ours = request.key_fingerprint.unwrap_or_default();
-        if let Err(why) = same_keys(ours, answer.key_fingerprint) {
+        if let Err(why) = same_keys(fingerprint, answer.key_fingerprint) {
             // Chosen blind to this prompt's cache: not used, and settled at once.
             gw.peers.settle(id, || ());
             if gw.peers.skip_leader(LEADER_UNSUPPORTED_BACKOFF) {
@@ -1241,10 +1250,7 @@ async fn ask_leader(
 
 /// Why a leader's answer other than 200 gave no choice.
 fn refusal(status: StatusCode, body: &[u8]) -> LeaderRefused {
-    let why = format!(
-        "answered {status}: {}",
-        String::from_utf8_lossy(&body[..body.len().min(200)])
-    );
+    let why = answered(status, body);
     let code = error_code(body);
     match status {
         StatusCode::CONFLICT if code.as_deref() == Some("not_following") => {
@@ -1350,7 +1356,7 @@ fn decide_for_peer(
     let fingerprint = model.selection.hasher().fingerprint();
     if req.keys.is_some() {
         if let Err(why) = same_keys(fingerprint, req.key_fingerprint) {
-            return Err(refuse("key_scheme_mismatch", why));
+            return Err(keys_refused(why));
         }
     }
     let keys: Option<Vec<BlockKey>> = req

@@ -619,8 +619,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     if !kvgate_core::cpu_can_hash_blocks() {
         // Refused at import, not an illegal instruction at the first request.
         return Err(pyo3::exceptions::PyImportError::new_err(
-            "kvgate: this CPU lacks the AES instructions (AES-NI) kvgate's block hashing is \
-             built on; Intel Xeons have had them since 2010, AMD CPUs since 2011",
+            kvgate_core::CPU_CANNOT_HASH_BLOCKS,
         ));
     }
     m.add_class::<PySelectionService>()?;

@@ -69,11 +69,7 @@ fn init_logging(filter: &str, json: bool) {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if !kvgate_core::cpu_can_hash_blocks() {
-        eprintln!(
-            "kvgate: this CPU lacks the AES instructions (AES-NI) kvgate's block hashing \
-             is built on; Intel Xeons have had them since 2010, AMD CPUs since 2011. In a virtual \
-             machine, expose the host CPU's features (e.g. QEMU's -cpu host)."
-        );
+        eprintln!("{}", kvgate_core::CPU_CANNOT_HASH_BLOCKS);
         return ExitCode::FAILURE;
     }
     init_logging(&cli.log, cli.log_json);
