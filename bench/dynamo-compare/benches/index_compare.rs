@@ -11,7 +11,7 @@ mod common;
 mod support;
 
 use std::hint::black_box;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use dynamo_kv_router::indexer::RadixTree;
@@ -76,6 +76,57 @@ fn benches(c: &mut Criterion) {
         assert_eq!(ours, theirs, "both indexes must agree on the overlap");
     }
 
+    // The same comparisons interleaved: one kvgate run and one dynamo run per round, in
+    // alternating order, so a machine whose speed drifts during the run (it is shared)
+    // slows both sides of each ratio alike.
+    let removals: Vec<Vec<u64>> = s.churn.iter().map(StoredEvent::leaf_first).collect();
+    let mut id = 1u64 << 40;
+    let events = interleaved(
+        101,
+        || {
+            for ev in &s.churn {
+                ev.apply_to(&mut kv);
+            }
+            for (ev, hashes) in s.churn.iter().zip(&removals).rev() {
+                kv.apply_removed(
+                    WorkerRef::new(WorkerId(ev.worker), 0),
+                    hashes,
+                    Some(Tier::Device),
+                );
+            }
+        },
+        || {
+            for ev in &s.churn {
+                id += 1;
+                let _ = dy.apply_event(dyn_stored(ev, id));
+            }
+            for ev in s.churn.iter().rev() {
+                id += 1;
+                let _ = dy.apply_event(dyn_removed(ev, id));
+            }
+        },
+    );
+    eprintln!("events interleaved: kvgate's rate / dynamo's {events}");
+    let lookups = interleaved(
+        101,
+        || {
+            for tokens in &s.queries {
+                black_box(kv.overlaps(&hasher.block_keys(tokens)));
+            }
+        },
+        || {
+            for tokens in &s.queries {
+                let local = compute_block_hash_for_seq(
+                    tokens,
+                    BLOCK_SIZE as u32,
+                    BlockHashOptions::default(),
+                );
+                black_box(dy.find_matches(local, false));
+            }
+        },
+    );
+    eprintln!("lookup interleaved: kvgate's rate / dynamo's {lookups}");
+
     let mut g = c.benchmark_group("lookup_8k_tokens_1M_blocks_16_workers");
     g.sample_size(30)
         .warm_up_time(Duration::from_secs(1))
@@ -105,7 +156,6 @@ fn benches(c: &mut Criterion) {
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(5));
     g.throughput(Throughput::Elements(2 * s.churn_blocks as u64));
-    let removals: Vec<Vec<u64>> = s.churn.iter().map(StoredEvent::leaf_first).collect();
     g.bench_function("kvgate", |b| {
         b.iter(|| {
             for ev in &s.churn {
@@ -120,7 +170,6 @@ fn benches(c: &mut Criterion) {
             }
         })
     });
-    let mut id = 1u64 << 40;
     g.bench_function("dynamo", |b| {
         b.iter(|| {
             for ev in &s.churn {
@@ -134,6 +183,43 @@ fn benches(c: &mut Criterion) {
         })
     });
     g.finish();
+}
+
+/// Times `ours` and `theirs` once per round for `rounds` rounds, alternating which goes
+/// first, and summarizes each round's ratio of their time to ours (our rate over
+/// theirs): the median with the lowest and highest round, and each side's median time.
+fn interleaved(rounds: usize, mut ours: impl FnMut(), mut theirs: impl FnMut()) -> String {
+    let time = |f: &mut dyn FnMut()| {
+        let start = Instant::now();
+        f();
+        start.elapsed().as_secs_f64()
+    };
+    let mut rows: Vec<(f64, f64)> = (0..rounds)
+        .map(|round| {
+            if round % 2 == 0 {
+                let a = time(&mut ours);
+                (a, time(&mut theirs))
+            } else {
+                let b = time(&mut theirs);
+                (time(&mut ours), b)
+            }
+        })
+        .collect();
+    // The first rounds warm both up.
+    rows.drain(..rounds / 10);
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        (v[v.len() / 2], v[0], v[v.len() - 1])
+    };
+    let (ratio, low, high) = median(rows.iter().map(|(a, b)| b / a).collect());
+    let (ours_s, _, _) = median(rows.iter().map(|r| r.0).collect());
+    let (theirs_s, _, _) = median(rows.iter().map(|r| r.1).collect());
+    format!(
+        "median {ratio:.2}x (rounds {low:.2}x..{high:.2}x, {} rounds; median {:.2} ms against {:.2} ms)",
+        rows.len(),
+        ours_s * 1e3,
+        theirs_s * 1e3
+    )
 }
 
 criterion_group!(compare, benches);

@@ -2,87 +2,118 @@
 //! tree: the index's only per-(block, worker) table, so its size is most of the index's
 //! memory and its cache misses most of an event's cost.
 //!
-//! An open-addressing table with Robin Hood linear probing and 12-byte slots: a 24-bit
-//! tag of the engine hash with the entry's distance from its home slot, and the block's
-//! position. The full engine hash is not stored here (the tree's cover keeps it), so a
-//! lookup confirms a tag match against the tree (`is_it`); a removal or a move names
-//! the position it expects. No tombstones (a removal shifts the rest of its run back),
-//! so churn at a flat size keeps the table flat. Its size is any number, not a power of
-//! two (a tag is mapped to a home slot by a multiply), and it grows by an eighth when
-//! 7/8 full, so it runs between 78% and 87.5% full where a general-purpose table with
-//! power-of-two sizes runs between 44% and 87.5% (and a table at its peak steps up by
-//! an eighth, not a doubling). Robin Hood order (entries sorted by distance from their
-//! home) ends a lookup for an absent hash early; slots past the last home take the
-//! runs that would wrap, so a probe never wraps. Owns only storage and lookup; what a
-//! position means is `tree.rs`'s.
+//! Bucketed cuckoo hashing: each entry lives in one of two buckets chosen by a 32-bit
+//! tag of the engine hash, and a bucket is one 64-byte cache line holding five entries
+//! (a tag and the block's position each) and its count. A lookup, an insert of a new
+//! hash and a removal each read those two lines and nothing else (no probe runs, no
+//! shifting), and [`EngineMap::touch`] prefetches both, so a chunk of an event's hashes
+//! has its lines in flight together before it is applied. An insert that finds both
+//! buckets full moves an entry to its other bucket (both are derived from the tag, so
+//! the map needs no more of the hash), and so on up to `MAX_KICKS` times. The full
+//! engine hash is not stored here (the tree's cover keeps it), so a lookup confirms a
+//! tag match against the tree (`is_it`); a removal or a move names the position it
+//! expects. Removing an entry moves its bucket's last entry into its place, so churn at a
+//! flat size keeps the table flat. The bucket count is any number, not a power of two
+//! (a tag is mapped to a bucket by a multiply), and it grows by an eighth when 7/8 full,
+//! so the map runs between about 78% and 87.5% full: 12.8 bytes per slot, about 15.5
+//! per entry. Owns only storage and lookup; what a position means is `tree.rs`'s.
 
 use super::tree::{Pos, NO_NODE};
 
-/// One slot: `meta` is a 24-bit tag of the engine hash over the entry's distance from
-/// its home slot plus one (0: empty).
+/// Entries per bucket: five (4-byte tag, 8-byte position) pairs and a count fill one
+/// cache line.
+const WAYS: usize = 5;
+
+/// How many entries an insert may move before the map grows instead.
+const MAX_KICKS: usize = 128;
+
 #[derive(Clone, Copy, Debug)]
-struct Slot {
-    meta: u32,
-    pos: Pos,
+#[repr(C, align(64))]
+struct Bucket {
+    tags: [u32; WAYS],
+    pos: [Pos; WAYS],
+    len: u32,
 }
 
-const EMPTY: Slot = Slot {
-    meta: 0,
-    pos: Pos {
+const EMPTY: Bucket = Bucket {
+    tags: [0; WAYS],
+    pos: [Pos {
         node: NO_NODE,
         abs: 0,
-    },
+    }; WAYS],
+    len: 0,
 };
-
-/// Longest distance an entry may be from its home; beyond it the table grows. Slots
-/// past the last home absorb runs that would wrap around, so a probe never wraps.
-const MAX_DISTANCE: usize = 254;
 
 #[derive(Debug, Default)]
 pub(super) struct EngineMap {
-    /// `homes` slots and room for the runs that start near the end (or none).
-    slots: Vec<Slot>,
-    /// Slots an entry's home can be.
-    homes: usize,
+    buckets: Vec<Bucket>,
     len: usize,
+    /// State of the generator that picks which entry an insert moves (a fixed seed:
+    /// the map's layout is a function of its operations).
+    kicks: u32,
 }
 
-/// The 24-bit tag of an engine hash (which may be a small integer): the high bits of
-/// a 64-bit mix of it.
+/// The 32-bit tag of an engine hash (which may be a small integer): the high half of
+/// the hash, folded, times an odd constant (Fibonacci hashing).
 #[inline]
 fn tag_of(engine_hash: u64) -> u32 {
-    let x = (engine_hash ^ (engine_hash >> 29)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    ((x ^ (x >> 32)) >> 40) as u32
+    ((engine_hash ^ (engine_hash >> 32)).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32) as u32
 }
 
+/// A second mix of a tag, for its second bucket: the product's high bits depend on
+/// all of the tag's, so tags that share a first bucket are spread over second ones.
 #[inline]
-fn meta(tag: u32, distance: usize) -> u32 {
-    tag << 8 | (distance as u32 + 1)
+fn remix(tag: u32) -> u32 {
+    tag.wrapping_mul(0x85eb_ca6b)
 }
 
 impl EngineMap {
+    /// The two buckets a tag's entry may be in (the same one only in a one-bucket map).
     #[inline]
-    fn home(&self, tag: u32) -> usize {
-        ((u64::from(tag) * self.homes as u64) >> 24) as usize
+    fn buckets_of(&self, tag: u32) -> (usize, usize) {
+        let m = self.buckets.len();
+        let first = ((u64::from(tag) * m as u64) >> 32) as usize;
+        // Another mix of the tag picks an offset in 1..m, so the second bucket differs
+        // from the first and is independent of it.
+        let mixed = u64::from(remix(tag));
+        let second = first + 1 + ((mixed * (m as u64 - 1)) >> 32) as usize;
+        (first, if second >= m { second - m } else { second })
     }
 
-    /// The slot whose entry has `tag` and passes `hit`, walking the tag's run.
+    /// The (bucket, index) whose entry has `tag` and passes `hit`.
     #[inline]
-    fn find(&self, tag: u32, mut hit: impl FnMut(Pos) -> bool) -> Option<usize> {
+    fn find(&self, tag: u32, hit: impl FnMut(Pos) -> bool) -> Option<(usize, usize)> {
         if self.len == 0 {
             return None;
         }
-        let home = self.home(tag);
-        for d in 0..=MAX_DISTANCE {
-            let s = &self.slots[home + d];
-            // Robin Hood order: an entry nearer its home than we are to ours ends the
-            // run we could be in (an empty slot has distance "-1").
-            let theirs = (s.meta & 0xff) as usize;
-            if theirs < d + 1 {
-                return None;
+        let (a, b) = self.buckets_of(tag);
+        self.find_in(tag, a, b, hit)
+    }
+
+    /// [`Self::find`] in buckets `a` and `b` (the tag's).
+    #[inline]
+    fn find_in(
+        &self,
+        tag: u32,
+        a: usize,
+        b: usize,
+        mut hit: impl FnMut(Pos) -> bool,
+    ) -> Option<(usize, usize)> {
+        for at in [a, b] {
+            let bucket = &self.buckets[at];
+            // All five tags compared at once (the loop compiles to a vector compare),
+            // so the only branch per bucket is whether any matched.
+            let mut matches = 0u32;
+            for (i, t) in bucket.tags.iter().enumerate() {
+                matches |= u32::from(*t == tag) << i;
             }
-            if s.meta == meta(tag, d) && hit(s.pos) {
-                return Some(home + d);
+            matches &= (1u32 << bucket.len) - 1;
+            while matches != 0 {
+                let i = matches.trailing_zeros() as usize;
+                if hit(bucket.pos[i]) {
+                    return Some((at, i));
+                }
+                matches &= matches - 1;
             }
         }
         None
@@ -92,18 +123,20 @@ impl EngineMap {
     #[inline]
     pub fn get(&self, engine_hash: u64, is_it: impl FnMut(Pos) -> bool) -> Option<Pos> {
         self.find(tag_of(engine_hash), is_it)
-            .map(|i| self.slots[i].pos)
+            .map(|(b, i)| self.buckets[b].pos[i])
     }
 
-    /// Reads the slot where `engine_hash`'s run starts, without depending on it: a
-    /// chunk's lines are requested together (their cache misses overlap) before the
-    /// lookups that need them.
+    /// Starts loading the two lines `engine_hash`'s entry can be in, without waiting
+    /// for them: a chunk's lines are requested together (their cache misses overlap)
+    /// before the operations that need them.
     #[inline]
-    pub fn touch(&self, engine_hash: u64) -> u32 {
-        if self.slots.is_empty() {
-            return 0;
+    pub fn touch(&self, engine_hash: u64) {
+        if self.buckets.is_empty() {
+            return;
         }
-        self.slots[self.home(tag_of(engine_hash))].meta
+        let (a, b) = self.buckets_of(tag_of(engine_hash));
+        prefetch(&self.buckets[a]);
+        prefetch(&self.buckets[b]);
     }
 
     /// Maps `engine_hash` to `pos`; returns where it was before (an entry `is_it`
@@ -116,91 +149,135 @@ impl EngineMap {
     ) -> Option<Pos> {
         debug_assert!(pos.node != NO_NODE);
         let tag = tag_of(engine_hash);
-        if let Some(i) = self.find(tag, is_it) {
-            return Some(std::mem::replace(&mut self.slots[i].pos, pos));
+        if self.buckets.is_empty() {
+            self.resize(4);
         }
-        if (self.len + 1) * 8 > self.homes * 7 {
-            self.resize(self.homes + self.homes / 8);
+        let (mut a, mut b) = self.buckets_of(tag);
+        if let Some((at, i)) = self.find_in(tag, a, b, is_it) {
+            return Some(std::mem::replace(&mut self.buckets[at].pos[i], pos));
         }
-        while !self.place(tag, pos) {
-            self.resize(self.homes + self.homes / 8);
+        if (self.len + 1) * 8 > self.buckets.len() * WAYS * 7 {
+            self.resize(self.grown());
+            (a, b) = self.buckets_of(tag);
+        }
+        let emptier = if self.buckets[a].len <= self.buckets[b].len {
+            a
+        } else {
+            b
+        };
+        if !self.push(emptier, tag, pos) {
+            self.place_moving(tag, pos, emptier);
         }
         None
     }
 
-    /// Puts an entry known to be absent into its Robin Hood place: before the first
-    /// entry nearer its home than the new one would be, the rest of the run shifted one
-    /// slot on. False (nothing changed) when that would put an entry further than
-    /// `MAX_DISTANCE` from its home.
-    fn place(&mut self, tag: u32, pos: Pos) -> bool {
-        let home = self.home(tag);
-        let mut at = None;
-        let mut i = home;
-        loop {
-            let Some(s) = self.slots.get(i) else {
-                return false;
-            };
-            if s.meta == 0 {
-                break;
-            }
-            let theirs = (s.meta & 0xff) as usize - 1;
-            if at.is_none() && theirs < i - home {
-                at = Some(i);
-            }
-            if at.is_some() && theirs >= MAX_DISTANCE {
-                return false;
-            }
-            i += 1;
+    /// Places an entry whose buckets are both full (`at` is one of them), growing the
+    /// map if moving entries does not make room.
+    #[cold]
+    fn place_moving(&mut self, tag: u32, pos: Pos, at: usize) {
+        let mut left = self.move_into(at, tag, pos);
+        while let Some((tag, pos)) = left {
+            self.resize(self.grown());
+            left = self.place(tag, pos);
         }
-        let empty = i;
-        let at = at.unwrap_or(empty);
-        if at - home > MAX_DISTANCE {
+    }
+
+    fn grown(&self) -> usize {
+        self.buckets.len() + self.buckets.len() / 8 + 1
+    }
+
+    /// Puts an entry known to be absent into the emptier of its buckets, or, both being
+    /// full, moves entries to make room (`move_into`). Returns the entry left without a
+    /// place, if any.
+    fn place(&mut self, tag: u32, pos: Pos) -> Option<(u32, Pos)> {
+        let (a, b) = self.buckets_of(tag);
+        let at = if self.buckets[a].len <= self.buckets[b].len {
+            a
+        } else {
+            b
+        };
+        if self.push(at, tag, pos) {
+            return None;
+        }
+        self.move_into(at, tag, pos)
+    }
+
+    /// Puts an entry into the full bucket `at` in place of one that moves to its other
+    /// bucket, and so on; returns the entry left without a place after `MAX_KICKS`
+    /// moves (the map then holds every other entry).
+    fn move_into(&mut self, at: usize, tag: u32, pos: Pos) -> Option<(u32, Pos)> {
+        let mut carried = (tag, pos);
+        let mut at = at;
+        for _ in 0..MAX_KICKS {
+            // xorshift32 (from a non-zero seed): which of the full bucket's entries
+            // moves on.
+            if self.kicks == 0 {
+                self.kicks = 0x9e37_79b9;
+            }
+            self.kicks ^= self.kicks << 13;
+            self.kicks ^= self.kicks >> 17;
+            self.kicks ^= self.kicks << 5;
+            let victim = self.kicks as usize % WAYS;
+            let bucket = &mut self.buckets[at];
+            let moved = (bucket.tags[victim], bucket.pos[victim]);
+            bucket.tags[victim] = carried.0;
+            bucket.pos[victim] = carried.1;
+            carried = moved;
+            let (x, y) = self.buckets_of(carried.0);
+            at = if at == x { y } else { x };
+            if self.push(at, carried.0, carried.1) {
+                return None;
+            }
+        }
+        Some(carried)
+    }
+
+    /// Appends an entry to bucket `at` if it has room.
+    #[inline]
+    fn push(&mut self, at: usize, tag: u32, pos: Pos) -> bool {
+        let bucket = &mut self.buckets[at];
+        let i = bucket.len as usize;
+        if i == WAYS {
             return false;
         }
-        for j in (at..empty).rev() {
-            let mut s = self.slots[j];
-            s.meta += 1;
-            self.slots[j + 1] = s;
-        }
-        self.slots[at] = Slot {
-            meta: meta(tag, at - home),
-            pos,
-        };
+        bucket.tags[i] = tag;
+        bucket.pos[i] = pos;
+        bucket.len += 1;
         self.len += 1;
         true
     }
 
     /// Unmaps `engine_hash` if it points at `pos`; returns whether it did.
     pub fn remove_at(&mut self, engine_hash: u64, pos: Pos) -> bool {
-        let Some(mut hole) = self.find(tag_of(engine_hash), |p| p == pos) else {
+        let Some((b, i)) = self.find(tag_of(engine_hash), |p| p == pos) else {
             return false;
         };
+        let bucket = &mut self.buckets[b];
+        let last = bucket.len as usize - 1;
+        bucket.tags[i] = bucket.tags[last];
+        bucket.pos[i] = bucket.pos[last];
+        bucket.len -= 1;
         self.len -= 1;
-        // Shift the rest of the run back one slot (each one nearer its home).
-        while hole + 1 < self.slots.len() && (self.slots[hole + 1].meta & 0xff) > 1 {
-            let mut s = self.slots[hole + 1];
-            s.meta -= 1;
-            self.slots[hole] = s;
-            hole += 1;
-        }
-        self.slots[hole] = EMPTY;
-        if self.len * 4 < self.homes && self.homes > 64 {
-            self.resize(self.len * 8 / 5 + 16);
+        if self.len * 4 < self.slots() && self.buckets.len() > 16 {
+            // Back to about 62% full.
+            self.resize(self.len * 8 / (5 * WAYS) + 4);
         }
         true
     }
 
     /// Points `engine_hash`'s entry at `old` to node `node` instead (same offset).
     pub fn repoint(&mut self, engine_hash: u64, old: Pos, node: u32) {
-        if let Some(i) = self.find(tag_of(engine_hash), |p| p == old) {
-            self.slots[i].pos.node = node;
+        if let Some((b, i)) = self.find(tag_of(engine_hash), |p| p == old) {
+            self.buckets[b].pos[i].node = node;
         }
     }
 
     /// Every position an engine hash points at (a block held at several tiers under
     /// different hashes appears once per hash).
     pub fn positions(&self) -> impl Iterator<Item = Pos> + '_ {
-        self.slots.iter().filter(|s| s.meta != 0).map(|s| s.pos)
+        self.buckets
+            .iter()
+            .flat_map(|b| b.pos[..b.len as usize].iter().copied())
     }
 
     #[cfg(test)]
@@ -208,28 +285,43 @@ impl EngineMap {
         self.len
     }
 
-    #[cfg(test)]
-    fn homes(&self) -> usize {
-        self.homes
+    fn slots(&self) -> usize {
+        self.buckets.len() * WAYS
     }
 
-    fn resize(&mut self, homes: usize) {
-        let entries: Vec<Slot> = std::mem::take(&mut self.slots)
-            .into_iter()
-            .filter(|s| s.meta != 0)
-            .collect();
-        let mut homes = homes.max(16);
-        loop {
-            self.slots = vec![EMPTY; homes + MAX_DISTANCE.min(homes) + 1];
-            self.homes = homes;
+    /// Rebuilds the map with `buckets` buckets (more if its entries do not fit).
+    fn resize(&mut self, buckets: usize) {
+        let old = std::mem::take(&mut self.buckets);
+        let mut size = buckets.max(4);
+        'fit: loop {
+            self.buckets = vec![EMPTY; size];
             self.len = 0;
-            if entries.iter().all(|s| self.place(s.meta >> 8, s.pos)) {
-                return;
+            for bucket in &old {
+                for i in 0..bucket.len as usize {
+                    if self.place(bucket.tags[i], bucket.pos[i]).is_some() {
+                        size += size / 8 + 1;
+                        continue 'fit;
+                    }
+                }
             }
-            // A run too long for the distance byte: spread further.
-            homes += homes / 4;
+            return;
         }
     }
+}
+
+/// Asks the CPU to start loading `bucket`'s line.
+#[inline]
+fn prefetch(bucket: &Bucket) {
+    // SAFETY: a prefetch is a hint that never faults, and SSE is part of every x86-64
+    // CPU (the instruction's only requirement).
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+            (bucket as *const Bucket).cast::<i8>(),
+        );
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    std::hint::black_box(bucket.len);
 }
 
 #[cfg(test)]
@@ -280,9 +372,27 @@ mod tests {
         for k in 0..100_000u64 {
             m.insert(k, pos(k, 0), |p| u64::from(p.node) == k);
             if m.len() > 1000 {
-                let load = m.len() as f64 / m.homes() as f64;
+                let load = m.len() as f64 / m.slots() as f64;
                 assert!((0.77..=0.875).contains(&load), "load {load} at {}", m.len());
             }
         }
+    }
+
+    /// Churn at a flat size (each new hash replacing an old one) keeps the map at the
+    /// size it had: no deleted slots to accumulate, no growth.
+    #[test]
+    fn churn_at_a_flat_size_keeps_the_size() {
+        let mut m = EngineMap::default();
+        for k in 0..50_000u64 {
+            m.insert(k, pos(k, 0), |p| u64::from(p.node) == k);
+        }
+        let slots = m.slots();
+        for k in 50_000..1_000_000u64 {
+            m.insert(k, pos(k, 0), |p| u64::from(p.node) == k);
+            let old = k - 50_000;
+            assert!(m.remove_at(old, pos(old, 0)));
+        }
+        assert_eq!(m.len(), 50_000);
+        assert_eq!(m.slots(), slots);
     }
 }

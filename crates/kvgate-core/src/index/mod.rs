@@ -642,22 +642,31 @@ impl PrefixIndex {
         let mut keys: SmallVec<[BlockKey; PIPELINE]> = SmallVec::new();
         let mut last_key = prev.map(|p| self.key_at(p));
         let mut done = 0;
+        self.warm(slot, blocks.engine_hashes, 0);
         for (hashes, tokens) in blocks
             .engine_hashes
             .chunks(PIPELINE)
             .zip(blocks.token_ids.chunks(PIPELINE * block_size as usize))
         {
+            // The next chunk's lines load while this one is hashed and applied.
+            self.warm(slot, blocks.engine_hashes, done + PIPELINE);
             keys.clear();
             for block in tokens.chunks_exact(block_size as usize) {
                 let key = hasher.chain(last_key, block);
                 keys.push(key);
                 last_key = Some(key);
             }
-            self.warm(slot, hashes);
             for (engine_hash, &key) in hashes.iter().zip(&keys) {
                 // The blocks still to come, so a run's storage grows once, exactly.
                 let rest = n - done;
                 done += 1;
+                if let Some(pos) = prev
+                    .and_then(|p| self.extend_cover(slot, blocks.tier, p, key, *engine_hash, rest))
+                {
+                    outcome.inserted += 1;
+                    prev = Some(pos);
+                    continue;
+                }
                 let pos = self.ensure_child(prev, key, rest);
                 let (new, pos) = self.hold(slot, blocks.tier, pos, *engine_hash, rest);
                 if new {
@@ -688,20 +697,32 @@ impl PrefixIndex {
             self.stats.unknown_removals += outcome.unknown as u64;
             return outcome;
         };
-        for chunk in engine_hashes.chunks(PIPELINE) {
-            self.warm(slot, chunk);
-            for &engine_hash in chunk {
-                let pos = self.lookup(slot, engine_hash);
-                let removed = match pos {
-                    Some(pos) => self.release(slot, pos, |c, i| {
-                        c.engine_hashes[i] == engine_hash && tier.is_none_or(|t| c.tier == t)
-                    }),
-                    None => 0,
+        self.warm(slot, engine_hashes, 0);
+        for (c, chunk) in engine_hashes.chunks(PIPELINE).enumerate() {
+            // The next chunk's lines load while this one is applied.
+            self.warm(slot, engine_hashes, (c + 1) * PIPELINE);
+            let mut k = 0;
+            while k < chunk.len() {
+                let engine_hash = chunk[k];
+                let Some(pos) = self.lookup(slot, engine_hash) else {
+                    outcome.unknown += 1;
+                    k += 1;
+                    continue;
                 };
+                let run = self.release_tip_run(slot, pos, &chunk[k..], tier);
+                if run > 0 {
+                    outcome.removed += run;
+                    k += run;
+                    continue;
+                }
+                let removed = self.release(slot, pos, |c, i| {
+                    c.engine_hashes[i] == engine_hash && tier.is_none_or(|t| c.tier == t)
+                });
                 if removed == 0 {
                     outcome.unknown += 1;
                 }
                 outcome.removed += removed;
+                k += 1;
             }
         }
         if outcome.removed > 0 && tier.is_none_or(|t| t == Tier::Device) {
@@ -745,17 +766,19 @@ impl PrefixIndex {
         removed
     }
 
-    /// Looks a chunk's engine hashes up before they are applied: the lookups are
-    /// independent, so the CPU overlaps their cache misses and the dependent updates
-    /// that follow find the lines in cache.
-    fn warm(&self, slot: u16, engine_hashes: &[u64]) {
-        let mut found = 0u32;
+    /// Prefetches the engine-hash map lines of the chunk of `engine_hashes` that starts
+    /// at `from` (`PIPELINE` hashes, or what is left): an event is applied a chunk at
+    /// a time, each chunk's lines requested together (their cache misses overlap) a
+    /// chunk before they are needed.
+    fn warm(&self, slot: u16, engine_hashes: &[u64], from: usize) {
+        let Some(chunk) = engine_hashes.get(from..) else {
+            return;
+        };
         if let Some(state) = self.slot(slot) {
-            for eh in engine_hashes {
-                found ^= state.engine_map.touch(*eh);
+            for eh in &chunk[..chunk.len().min(PIPELINE)] {
+                state.engine_map.touch(*eh);
             }
         }
-        std::hint::black_box(found);
     }
 
     /// Where `slot` holds its engine's block `engine_hash`.
@@ -858,46 +881,107 @@ impl PrefixIndex {
                 true
             }
         };
-        if self.tracking {
-            let item = QueueItem {
-                node: pos.node,
-                stamp,
-                slot,
-                tier,
-            };
-            // A run stored into one cover needs one item (the last stamp), not one per
-            // block.
-            match self.queue.back_mut() {
-                Some(b) if (b.node, b.slot, b.tier) == (item.node, slot, tier) => *b = item,
-                _ => self.queue.push_back(item),
-            }
-        }
+        self.queue_store(pos.node, stamp, slot, tier);
         if is_new {
             self.live += 1;
+            if let Some(state) = self.slot_mut(slot) {
+                state.entries += 1;
+            }
         }
-        let Some(state) = self.slots.get_mut(slot as usize).and_then(Option::as_mut) else {
+        if let Some(old) = replaced {
+            // The entry of the hash it replaced goes after the new one is mapped.
+            let pos = self.map_block(slot, pos, engine_hash);
+            self.unmap_if_unused(slot, pos, old);
             return (is_new, pos);
+        }
+        (is_new, self.map_block(slot, pos, engine_hash))
+    }
+
+    /// The common case of a store, for one block: the slot's cover at `tier` ends at
+    /// `prev`, and the block is the next one of `prev`'s run, either already there (a
+    /// prefix others hold) or appended to it (`prev` ends a leaf run). Extends the cover
+    /// (and the run) with no search and returns the block's position; `None` (nothing
+    /// changed) where `ensure_child` and `hold` must.
+    fn extend_cover(
+        &mut self,
+        slot: u16,
+        tier: Tier,
+        prev: Pos,
+        key: BlockKey,
+        engine_hash: u64,
+        rest: usize,
+    ) -> Option<Pos> {
+        let stamp = self.next_stamp.wrapping_add(1);
+        let n = self.nodes.get_mut(prev.node as usize)?;
+        let len = n.len();
+        let next = (prev.abs.checked_sub(n.base)? as usize).checked_add(1)?;
+        let append = next == len;
+        if next > len
+            || (append && (!n.children.is_empty() || n.base as usize + len >= u32::MAX as usize))
+            || (!append && n.keys[next] != key)
+        {
+            return None;
+        }
+        let cover = n.cover_mut(slot, tier)?;
+        if cover.len() != next {
+            return None;
+        }
+        tree::push_sized(&mut cover.engine_hashes, engine_hash, rest);
+        cover.stamp = stamp;
+        if append {
+            tree::push_sized(&mut n.keys, key, rest);
+        }
+        self.next_stamp = stamp;
+        let pos = Pos {
+            node: prev.node,
+            abs: prev.abs + 1,
         };
-        if is_new {
+        self.queue_store(pos.node, stamp, slot, tier);
+        self.live += 1;
+        if let Some(state) = self.slot_mut(slot) {
             state.entries += 1;
         }
+        Some(self.map_block(slot, pos, engine_hash))
+    }
+
+    /// Notes in the eviction queue (when it is kept) that `slot` stored into its cover
+    /// of `node` at `tier`.
+    fn queue_store(&mut self, node: u32, stamp: u32, slot: u16, tier: Tier) {
+        if !self.tracking {
+            return;
+        }
+        let item = QueueItem {
+            node,
+            stamp,
+            slot,
+            tier,
+        };
+        // A run stored into one cover needs one item (the last stamp), not one per
+        // block.
+        match self.queue.back_mut() {
+            Some(b) if (b.node, b.slot, b.tier) == (node, slot, tier) => *b = item,
+            _ => self.queue.push_back(item),
+        }
+    }
+
+    /// Maps `engine_hash` to the block at `pos` that `slot` now holds under it, and
+    /// returns where that block is afterwards: if the hash meant another block of the
+    /// slot before (a reset we did not see), that block is released first, which may
+    /// move this one to another node.
+    fn map_block(&mut self, slot: u16, pos: Pos, engine_hash: u64) -> Pos {
+        let Some(state) = self.slots.get_mut(slot as usize).and_then(Option::as_mut) else {
+            return pos;
+        };
         let nodes = &self.nodes;
         let before = state.engine_map.insert(engine_hash, pos, |p| {
             holds_under(nodes, slot, p, engine_hash)
         });
-        if let Some(old) = replaced {
-            self.unmap_if_unused(slot, pos, old);
-        }
-        if let Some(elsewhere) = before.filter(|p| *p != pos) {
-            // The engine hash meant another block before (a reset we did not see).
-            let removed = self.release(slot, elsewhere, |c, i| c.engine_hashes[i] == engine_hash);
-            self.stats.removed_blocks += removed as u64;
-            // That may have moved this block to another node.
-            if let Some(p) = self.lookup(slot, engine_hash) {
-                pos = p;
-            }
-        }
-        (is_new, pos)
+        let Some(elsewhere) = before.filter(|p| *p != pos) else {
+            return pos;
+        };
+        let removed = self.release(slot, elsewhere, |c, i| c.engine_hashes[i] == engine_hash);
+        self.stats.removed_blocks += removed as u64;
+        self.lookup(slot, engine_hash).unwrap_or(pos)
     }
 
     /// Drops the slot's map entry for `engine_hash` at `pos` unless one of its tiers
@@ -976,6 +1060,77 @@ impl PrefixIndex {
         }
         self.prune(node);
         removed
+    }
+
+    /// The common case of a removal, in bulk: `hashes` are, from the first on, the tip
+    /// blocks of the slot's only cover in `pos`'s node, from `pos` back towards the
+    /// node's start (an engine frees a request's blocks leaf first). Removes that run
+    /// with one trim of the cover and one prune, finding each block after the first
+    /// through the cover instead of the engine-hash map, and returns its length; 0 (and
+    /// nothing changed) where the case does not apply and [`Self::release`] must.
+    fn release_tip_run(
+        &mut self,
+        slot: u16,
+        pos: Pos,
+        hashes: &[u64],
+        tier: Option<Tier>,
+    ) -> usize {
+        let node = pos.node;
+        let Some(n) = self.nodes.get(node as usize) else {
+            return 0;
+        };
+        if !n.is_live() || pos.abs < n.base {
+            return 0;
+        }
+        let i = n.index(pos.abs);
+        let range = n.slot_range(slot);
+        // Another tier's cover of the same slot may hold these blocks under the same
+        // hashes; the general path sorts that out.
+        if range.len() != 1 {
+            return 0;
+        }
+        let at = range.start;
+        let cover = &n.covers[at];
+        if cover.len() != i + 1 || tier.is_some_and(|t| cover.tier != t) {
+            return 0;
+        }
+        let Some(state) = self.slots.get_mut(slot as usize).and_then(Option::as_mut) else {
+            return 0;
+        };
+        let mut run = 0;
+        // Each block's map entry must name this very block (`remove_at` checks it), as
+        // the first's did when it was looked up.
+        while run < hashes.len()
+            && run <= i
+            && cover.engine_hashes[i - run] == hashes[run]
+            && state.engine_map.remove_at(
+                hashes[run],
+                Pos {
+                    node,
+                    abs: pos.abs - run as u32,
+                },
+            )
+        {
+            run += 1;
+        }
+        if run == 0 {
+            return 0;
+        }
+        state.entries -= run;
+        self.live -= run;
+        let n = &mut self.nodes[node as usize];
+        let cover = &mut n.covers[at];
+        cover.engine_hashes.truncate(i + 1 - run);
+        tree::shrink_trimmed(&mut cover.engine_hashes);
+        if cover.engine_hashes.is_empty() {
+            n.covers.remove(at);
+            self.covers -= 1;
+            if self.tracking {
+                self.slot_left_child(slot, node);
+            }
+        }
+        self.prune(node);
+        run
     }
 
     fn clear_slot(&mut self, slot: u16) -> usize {
