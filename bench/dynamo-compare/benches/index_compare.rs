@@ -4,6 +4,11 @@
 //!   with ~1,000,000 (block, worker) entries over 16 workers;
 //! - events: apply a batch of BlockStored (hashing their token ids, as each router's
 //!   event ingestion must) and then the matching BlockRemoved.
+//!
+//! Each is measured twice: interleaved first (one run of each index per round, in
+//! alternating order, printed as the median ratio: a machine whose speed drifts slows
+//! both sides of a round alike, and each side runs after the other has used the
+//! caches), then as criterion groups (each index's iterations back to back).
 //! Results and the command: docs/BENCHMARKS.md.
 
 mod common;

@@ -6,10 +6,13 @@
 //! tag of the engine hash, and a bucket is one 64-byte cache line holding five entries
 //! (a tag and the block's position each) and its count. A lookup, an insert of a new
 //! hash and a removal each read those two lines and nothing else (no probe runs, no
-//! shifting), and [`EngineMap::touch`] prefetches both, so a chunk of an event's hashes
-//! has its lines in flight together before it is applied. An insert that finds both
+//! shifting), and [`EngineMap::touch`] prefetches both, so the index keeps the lines of
+//! an event's next few blocks in flight while it applies one. An insert that finds both
 //! buckets full moves an entry to its other bucket (both are derived from the tag, so
-//! the map needs no more of the hash), and so on up to `MAX_KICKS` times. The full
+//! the map needs no more of the hash), and so on up to `MAX_KICKS` times; an entry
+//! still without a place grows the map, or, in a map at most half full (where the cause
+//! is more hashes sharing a tag than two buckets hold, not a lack of room), goes to a
+//! small stash searched after the buckets. The full
 //! engine hash is not stored here (the tree's cover keeps it), so a lookup confirms a
 //! tag match against the tree (`is_it`); a removal or a move names the position it
 //! expects. Removing an entry moves its bucket's last entry into its place, so churn at a
@@ -24,8 +27,13 @@ use super::tree::{Pos, NO_NODE};
 /// cache line.
 const WAYS: usize = 5;
 
-/// How many entries an insert may move before the map grows instead.
+/// How many entries an insert may move before the map grows (or stashes) instead.
 const MAX_KICKS: usize = 128;
+
+/// Where an entry is: a bucket and an index in it, or (`STASH`, an index in the stash).
+type At = (usize, usize);
+
+const STASH: usize = usize::MAX;
 
 #[derive(Clone, Copy, Debug)]
 #[repr(C, align(64))]
@@ -47,6 +55,10 @@ const EMPTY: Bucket = Bucket {
 #[derive(Debug, Default)]
 pub(super) struct EngineMap {
     buckets: Vec<Bucket>,
+    /// Entries with no place in their buckets (see the module comment): empty unless
+    /// an engine sends many hashes whose tags collide.
+    stash: Vec<(u32, Pos)>,
+    /// Entries in the buckets and the stash.
     len: usize,
     /// State of the generator that picks which entry an insert moves (a fixed seed:
     /// the map's layout is a function of its operations).
@@ -80,25 +92,25 @@ impl EngineMap {
         (first, if second >= m { second - m } else { second })
     }
 
-    /// The (bucket, index) whose entry has `tag` and passes `hit`.
+    /// Where the entry is that has `tag` and passes `hit`.
     #[inline]
-    fn find(&self, tag: u32, hit: impl FnMut(Pos) -> bool) -> Option<(usize, usize)> {
+    fn find(&self, tag: u32, mut hit: impl FnMut(Pos) -> bool) -> Option<At> {
         if self.len == 0 {
             return None;
         }
         let (a, b) = self.buckets_of(tag);
-        self.find_in(tag, a, b, hit)
+        self.find_in(tag, a, b, &mut hit)
     }
 
-    /// [`Self::find`] in buckets `a` and `b` (the tag's).
+    /// [`Self::find`] given the tag's buckets `a` and `b`.
     #[inline]
     fn find_in(
         &self,
         tag: u32,
         a: usize,
         b: usize,
-        mut hit: impl FnMut(Pos) -> bool,
-    ) -> Option<(usize, usize)> {
+        hit: &mut impl FnMut(Pos) -> bool,
+    ) -> Option<At> {
         for at in [a, b] {
             let bucket = &self.buckets[at];
             // All five tags compared at once (the loop compiles to a vector compare),
@@ -116,14 +128,34 @@ impl EngineMap {
                 matches &= matches - 1;
             }
         }
-        None
+        if self.stash.is_empty() {
+            return None;
+        }
+        self.stash
+            .iter()
+            .position(|(t, p)| *t == tag && hit(*p))
+            .map(|i| (STASH, i))
+    }
+
+    #[inline]
+    fn pos_mut(&mut self, (b, i): At) -> &mut Pos {
+        if b == STASH {
+            &mut self.stash[i].1
+        } else {
+            &mut self.buckets[b].pos[i]
+        }
     }
 
     /// Where `engine_hash` is; `is_it` confirms that a candidate position holds it.
     #[inline]
     pub fn get(&self, engine_hash: u64, is_it: impl FnMut(Pos) -> bool) -> Option<Pos> {
-        self.find(tag_of(engine_hash), is_it)
-            .map(|(b, i)| self.buckets[b].pos[i])
+        self.find(tag_of(engine_hash), is_it).map(|(b, i)| {
+            if b == STASH {
+                self.stash[i].1
+            } else {
+                self.buckets[b].pos[i]
+            }
+        })
     }
 
     /// Starts loading the two lines `engine_hash`'s entry can be in, without waiting
@@ -145,7 +177,7 @@ impl EngineMap {
         &mut self,
         engine_hash: u64,
         pos: Pos,
-        is_it: impl FnMut(Pos) -> bool,
+        mut is_it: impl FnMut(Pos) -> bool,
     ) -> Option<Pos> {
         debug_assert!(pos.node != NO_NODE);
         let tag = tag_of(engine_hash);
@@ -153,8 +185,8 @@ impl EngineMap {
             self.resize(4);
         }
         let (mut a, mut b) = self.buckets_of(tag);
-        if let Some((at, i)) = self.find_in(tag, a, b, is_it) {
-            return Some(std::mem::replace(&mut self.buckets[at].pos[i], pos));
+        if let Some(at) = self.find_in(tag, a, b, &mut is_it) {
+            return Some(std::mem::replace(self.pos_mut(at), pos));
         }
         if (self.len + 1) * 8 > self.buckets.len() * WAYS * 7 {
             self.resize(self.grown());
@@ -171,12 +203,18 @@ impl EngineMap {
         None
     }
 
-    /// Places an entry whose buckets are both full (`at` is one of them), growing the
-    /// map if moving entries does not make room.
+    /// Places an entry whose buckets are both full (`at` is one of them): moves
+    /// entries to make room, grows the map while that fails, and stashes what still has
+    /// no place in a map at most half full (growing it further would not help).
     #[cold]
     fn place_moving(&mut self, tag: u32, pos: Pos, at: usize) {
         let mut left = self.move_into(at, tag, pos);
         while let Some((tag, pos)) = left {
+            if self.len * 2 <= self.slots() {
+                self.stash.push((tag, pos));
+                self.len += 1;
+                return;
+            }
             self.resize(self.grown());
             left = self.place(tag, pos);
         }
@@ -252,11 +290,15 @@ impl EngineMap {
         let Some((b, i)) = self.find(tag_of(engine_hash), |p| p == pos) else {
             return false;
         };
-        let bucket = &mut self.buckets[b];
-        let last = bucket.len as usize - 1;
-        bucket.tags[i] = bucket.tags[last];
-        bucket.pos[i] = bucket.pos[last];
-        bucket.len -= 1;
+        if b == STASH {
+            self.stash.swap_remove(i);
+        } else {
+            let bucket = &mut self.buckets[b];
+            let last = bucket.len as usize - 1;
+            bucket.tags[i] = bucket.tags[last];
+            bucket.pos[i] = bucket.pos[last];
+            bucket.len -= 1;
+        }
         self.len -= 1;
         if self.len * 4 < self.slots() && self.buckets.len() > 16 {
             // Back to about 62% full.
@@ -267,8 +309,8 @@ impl EngineMap {
 
     /// Points `engine_hash`'s entry at `old` to node `node` instead (same offset).
     pub fn repoint(&mut self, engine_hash: u64, old: Pos, node: u32) {
-        if let Some((b, i)) = self.find(tag_of(engine_hash), |p| p == old) {
-            self.buckets[b].pos[i].node = node;
+        if let Some(at) = self.find(tag_of(engine_hash), |p| p == old) {
+            self.pos_mut(at).node = node;
         }
     }
 
@@ -278,6 +320,7 @@ impl EngineMap {
         self.buckets
             .iter()
             .flat_map(|b| b.pos[..b.len as usize].iter().copied())
+            .chain(self.stash.iter().map(|(_, p)| *p))
     }
 
     #[cfg(test)]
@@ -289,22 +332,21 @@ impl EngineMap {
         self.buckets.len() * WAYS
     }
 
-    /// Rebuilds the map with `buckets` buckets (more if its entries do not fit).
+    /// Rebuilds the map with `buckets` buckets; an entry that finds no place (which
+    /// takes a tag shared by more entries than two buckets hold) goes to the stash.
     fn resize(&mut self, buckets: usize) {
-        let old = std::mem::take(&mut self.buckets);
-        let mut size = buckets.max(4);
-        'fit: loop {
-            self.buckets = vec![EMPTY; size];
-            self.len = 0;
-            for bucket in &old {
-                for i in 0..bucket.len as usize {
-                    if self.place(bucket.tags[i], bucket.pos[i]).is_some() {
-                        size += size / 8 + 1;
-                        continue 'fit;
-                    }
-                }
+        let old = std::mem::replace(&mut self.buckets, vec![EMPTY; buckets.max(4)]);
+        let stashed = std::mem::take(&mut self.stash);
+        self.len = 0;
+        let entries = old
+            .iter()
+            .flat_map(|b| (0..b.len as usize).map(move |i| (b.tags[i], b.pos[i])))
+            .chain(stashed);
+        for (tag, pos) in entries {
+            if let Some(left) = self.place(tag, pos) {
+                self.stash.push(left);
+                self.len += 1;
             }
-            return;
         }
     }
 }
@@ -376,6 +418,46 @@ mod tests {
                 assert!((0.77..=0.875).contains(&load), "load {load} at {}", m.len());
             }
         }
+    }
+
+    /// Hashes whose tags collide (an engine could send them) fit in neither of their
+    /// two buckets beyond ten; the rest is stashed, and the map neither grows without
+    /// bound nor loses one.
+    #[test]
+    fn hashes_sharing_a_tag_are_stashed_not_grown_for() {
+        // tag_of is (fold(h) * C) >> 32 with fold an involution: invert it for 60 hashes
+        // whose products share their high half.
+        let inverse = {
+            let c = 0x9e37_79b9_7f4a_7c15u64;
+            let mut x = c;
+            for _ in 0..5 {
+                x = x.wrapping_mul(2u64.wrapping_sub(c.wrapping_mul(x)));
+            }
+            x
+        };
+        let hashes: Vec<u64> = (0..60u64)
+            .map(|i| {
+                let folded = ((0x1234_5678u64 << 32) | i).wrapping_mul(inverse);
+                folded ^ (folded >> 32)
+            })
+            .collect();
+        assert!(hashes.iter().all(|h| tag_of(*h) == 0x1234_5678));
+        let mut m = EngineMap::default();
+        for (n, h) in hashes.iter().enumerate() {
+            let is = |p: Pos| u64::from(p.abs) == *h & 0xffff_ffff;
+            assert_eq!(m.insert(*h, pos(n as u64, *h as u32), is), None);
+        }
+        assert_eq!(m.len(), 60);
+        assert!(m.slots() < 200, "grew to {} slots", m.slots());
+        for (n, h) in hashes.iter().enumerate() {
+            let is = |p: Pos| u64::from(p.abs) == *h & 0xffff_ffff;
+            assert_eq!(m.get(*h, is), Some(pos(n as u64, *h as u32)));
+        }
+        assert_eq!(m.positions().count(), 60);
+        for (n, h) in hashes.iter().enumerate() {
+            assert!(m.remove_at(*h, pos(n as u64, *h as u32)));
+        }
+        assert_eq!(m.len(), 0);
     }
 
     /// Churn at a flat size (each new hash replacing an old one) keeps the map at the

@@ -62,9 +62,9 @@ use crate::ids::{Tier, WorkerId, WorkerRef};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct IndexConfig {
     /// Maximum number of (block, worker rank, tier) entries kept. Memory: the engine's
-    /// hash of each entry (8 bytes) and its engine-hash map entry (12 bytes, about 14
-    /// with the table's free room), plus each distinct block's key (8 bytes) and a node
-    /// per run: about 30 bytes per entry (docs/BENCHMARKS.md, "A radix tree of runs").
+    /// hash of each entry (8 bytes) and its engine-hash map entry (12.8 bytes, about
+    /// 15.5 with the table's free room), plus each distinct block's key (8 bytes) and a
+    /// node per run: about 31 bytes per entry (docs/BENCHMARKS.md, "Memory and churn").
     pub max_blocks: usize,
 }
 
@@ -227,9 +227,14 @@ struct QueueItem {
     tier: Tier,
 }
 
-/// Blocks of an event whose engine hashes are looked up together before they are
-/// applied (see `warm`).
-const PIPELINE: usize = 32;
+/// How many blocks ahead of the one being applied an event's engine-hash map lines
+/// are prefetched (`prefetch_ahead`), and how many blocks a store hashes at a time.
+/// Far enough ahead for a line to arrive from memory, near enough that the lines in
+/// flight (two per block) stay within what the CPU can track: with the caches cold
+/// (another index's work in between), prefetching 32 blocks ahead, in chunks, made a
+/// stored block cost 2.4x what 8 did; 8 and 12 were as fast as each other, 4 and 16
+/// slower (docs/BENCHMARKS.md, "Event apply").
+const PIPELINE: usize = 8;
 
 /// Maximum number of worker ranks one index tracks at once.
 pub const MAX_SLOTS: usize = u16::MAX as usize;
@@ -642,14 +647,12 @@ impl PrefixIndex {
         let mut keys: SmallVec<[BlockKey; PIPELINE]> = SmallVec::new();
         let mut last_key = prev.map(|p| self.key_at(p));
         let mut done = 0;
-        self.warm(slot, blocks.engine_hashes, 0);
+        self.prefetch(slot, &blocks.engine_hashes[..n.min(PIPELINE)]);
         for (hashes, tokens) in blocks
             .engine_hashes
             .chunks(PIPELINE)
             .zip(blocks.token_ids.chunks(PIPELINE * block_size as usize))
         {
-            // The next chunk's lines load while this one is hashed and applied.
-            self.warm(slot, blocks.engine_hashes, done + PIPELINE);
             keys.clear();
             for block in tokens.chunks_exact(block_size as usize) {
                 let key = hasher.chain(last_key, block);
@@ -659,6 +662,7 @@ impl PrefixIndex {
             for (engine_hash, &key) in hashes.iter().zip(&keys) {
                 // The blocks still to come, so a run's storage grows once, exactly.
                 let rest = n - done;
+                self.prefetch_ahead(slot, blocks.engine_hashes, done);
                 done += 1;
                 if let Some(pos) = prev
                     .and_then(|p| self.extend_cover(slot, blocks.tier, p, key, *engine_hash, rest))
@@ -697,33 +701,30 @@ impl PrefixIndex {
             self.stats.unknown_removals += outcome.unknown as u64;
             return outcome;
         };
-        self.warm(slot, engine_hashes, 0);
-        for (c, chunk) in engine_hashes.chunks(PIPELINE).enumerate() {
-            // The next chunk's lines load while this one is applied.
-            self.warm(slot, engine_hashes, (c + 1) * PIPELINE);
-            let mut k = 0;
-            while k < chunk.len() {
-                let engine_hash = chunk[k];
-                let Some(pos) = self.lookup(slot, engine_hash) else {
-                    outcome.unknown += 1;
-                    k += 1;
-                    continue;
-                };
-                let run = self.release_tip_run(slot, pos, &chunk[k..], tier);
-                if run > 0 {
-                    outcome.removed += run;
-                    k += run;
-                    continue;
-                }
-                let removed = self.release(slot, pos, |c, i| {
-                    c.engine_hashes[i] == engine_hash && tier.is_none_or(|t| c.tier == t)
-                });
-                if removed == 0 {
-                    outcome.unknown += 1;
-                }
-                outcome.removed += removed;
+        self.prefetch(slot, &engine_hashes[..engine_hashes.len().min(PIPELINE)]);
+        let mut k = 0;
+        while k < engine_hashes.len() {
+            let engine_hash = engine_hashes[k];
+            self.prefetch_ahead(slot, engine_hashes, k);
+            let Some(pos) = self.lookup(slot, engine_hash) else {
+                outcome.unknown += 1;
                 k += 1;
+                continue;
+            };
+            let run = self.release_tip_run(slot, pos, &engine_hashes[k..], tier);
+            if run > 0 {
+                outcome.removed += run;
+                k += run;
+                continue;
             }
+            let removed = self.release(slot, pos, |c, i| {
+                c.engine_hashes[i] == engine_hash && tier.is_none_or(|t| c.tier == t)
+            });
+            if removed == 0 {
+                outcome.unknown += 1;
+            }
+            outcome.removed += removed;
+            k += 1;
         }
         if outcome.removed > 0 && tier.is_none_or(|t| t == Tier::Device) {
             if let Some(state) = self.slot_mut(slot) {
@@ -766,18 +767,23 @@ impl PrefixIndex {
         removed
     }
 
-    /// Prefetches the engine-hash map lines of the chunk of `engine_hashes` that starts
-    /// at `from` (`PIPELINE` hashes, or what is left): an event is applied a chunk at
-    /// a time, each chunk's lines requested together (their cache misses overlap) a
-    /// chunk before they are needed.
-    fn warm(&self, slot: u16, engine_hashes: &[u64], from: usize) {
-        let Some(chunk) = engine_hashes.get(from..) else {
-            return;
-        };
+    /// Starts loading the engine-hash map lines of `engine_hashes` (see
+    /// [`EngineMap::touch`]).
+    fn prefetch(&self, slot: u16, engine_hashes: &[u64]) {
         if let Some(state) = self.slot(slot) {
-            for eh in &chunk[..chunk.len().min(PIPELINE)] {
+            for eh in engine_hashes {
                 state.engine_map.touch(*eh);
             }
+        }
+    }
+
+    /// Called as an event's block `at` is applied: starts loading the map lines of the
+    /// block `PIPELINE` further on, so that many blocks' lines are in flight while
+    /// blocks are applied and each arrives before it is needed.
+    #[inline]
+    fn prefetch_ahead(&self, slot: u16, engine_hashes: &[u64], at: usize) {
+        if let Some(eh) = engine_hashes.get(at + PIPELINE) {
+            self.prefetch(slot, std::slice::from_ref(eh));
         }
     }
 
@@ -1112,6 +1118,11 @@ impl PrefixIndex {
             )
         {
             run += 1;
+            // The caller prefetched up to the first block's `PIPELINE`-th successor;
+            // keep that distance as the run goes on.
+            if let Some(eh) = hashes.get(run + PIPELINE) {
+                state.engine_map.touch(*eh);
+            }
         }
         if run == 0 {
             return 0;
