@@ -7,19 +7,22 @@
 //! (a tag and the block's position each) and its count. A lookup, an insert of a new
 //! hash and a removal each read those two lines and nothing else (no probe runs, no
 //! shifting), and [`EngineMap::touch`] prefetches both, so the index keeps the lines of
-//! an event's next few blocks in flight while it applies one. An insert that finds both
-//! buckets full moves an entry to its other bucket (both are derived from the tag, so
-//! the map needs no more of the hash), and so on up to `MAX_KICKS` times; an entry
-//! still without a place grows the map, or, in a map at most half full (where the cause
-//! is more hashes sharing a tag than two buckets hold, not a lack of room), goes to a
-//! small stash searched after the buckets. The full
-//! engine hash is not stored here (the tree's cover keeps it), so a lookup confirms a
-//! tag match against the tree (`is_it`); a removal or a move names the position it
-//! expects. Removing an entry moves its bucket's last entry into its place, so churn at a
-//! flat size keeps the table flat. The bucket count is any number, not a power of two
-//! (a tag is mapped to a bucket by a multiply), and it grows by an eighth when 7/8 full,
-//! so the map runs between about 78% and 87.5% full: 12.8 bytes per slot, about 15.5
-//! per entry. Owns only storage and lookup; what a position means is `tree.rs`'s.
+//! an event's next few blocks in flight while it applies one.
+//!
+//! An insert that finds both buckets full moves an entry to its other bucket (both are
+//! derived from the tag, so the map needs no more of the hash), and so on up to
+//! `MAX_KICKS` times; an entry still without a place grows the map, or, in a map at
+//! most half full (where the cause is more hashes sharing a tag than two buckets hold,
+//! not a lack of room), goes to a small stash searched after the buckets. Removing an
+//! entry moves its bucket's last entry into its place, so churn at a flat size keeps
+//! the table flat. The bucket count is any number, not a power of two (a tag is mapped
+//! to a bucket by a multiply), and it grows by an eighth when 7/8 full, so the map runs
+//! between about 78% and 87.5% full: 12.8 bytes per slot, about 15.5 per entry.
+//!
+//! The full engine hash is not stored here (the tree's cover keeps it), so a lookup
+//! confirms a tag match against the tree (`is_it`); a removal or a move names the
+//! position it expects. Owns only storage and lookup; what a position means is
+//! `tree.rs`'s.
 
 use super::tree::{Pos, NO_NODE};
 
