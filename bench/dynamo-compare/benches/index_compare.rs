@@ -45,6 +45,33 @@ fn dyn_removed(ev: &StoredEvent, id: u64) -> RouterEvent {
     common::removed(ev.worker, id, ev.engine_hashes.iter().rev().copied())
 }
 
+/// The event workload on kvgate: every churn event stored, then removed leaf first
+/// (`removals`), newest first.
+fn kvgate_events(kv: &mut PrefixIndex, churn: &[StoredEvent], removals: &[Vec<u64>]) {
+    for ev in churn {
+        ev.apply_to(kv);
+    }
+    for (ev, hashes) in churn.iter().zip(removals).rev() {
+        kv.apply_removed(
+            WorkerRef::new(WorkerId(ev.worker), 0),
+            hashes,
+            Some(Tier::Device),
+        );
+    }
+}
+
+/// The same workload on dynamo-kv-router, its events numbered from `id` on.
+fn dynamo_events(dy: &mut RadixTree, churn: &[StoredEvent], id: &mut u64) {
+    for ev in churn {
+        *id += 1;
+        let _ = dy.apply_event(dyn_stored(ev, *id));
+    }
+    for ev in churn.iter().rev() {
+        *id += 1;
+        let _ = dy.apply_event(dyn_removed(ev, *id));
+    }
+}
+
 fn benches(c: &mut Criterion) {
     // Fleet-wide consistent engine hashes: dynamo's radix tree requires them.
     let s = scenario(BLOCK_SIZE, WORKERS, ENTRIES, QUERY_TOKENS, true);
@@ -88,28 +115,8 @@ fn benches(c: &mut Criterion) {
     let mut id = 1u64 << 40;
     let events = interleaved(
         101,
-        || {
-            for ev in &s.churn {
-                ev.apply_to(&mut kv);
-            }
-            for (ev, hashes) in s.churn.iter().zip(&removals).rev() {
-                kv.apply_removed(
-                    WorkerRef::new(WorkerId(ev.worker), 0),
-                    hashes,
-                    Some(Tier::Device),
-                );
-            }
-        },
-        || {
-            for ev in &s.churn {
-                id += 1;
-                let _ = dy.apply_event(dyn_stored(ev, id));
-            }
-            for ev in s.churn.iter().rev() {
-                id += 1;
-                let _ = dy.apply_event(dyn_removed(ev, id));
-            }
-        },
+        || kvgate_events(&mut kv, &s.churn, &removals),
+        || dynamo_events(&mut dy, &s.churn, &mut id),
     );
     eprintln!("events interleaved: kvgate's rate / dynamo's {events}");
     let lookups = interleaved(
@@ -162,30 +169,10 @@ fn benches(c: &mut Criterion) {
         .measurement_time(Duration::from_secs(5));
     g.throughput(Throughput::Elements(2 * s.churn_blocks as u64));
     g.bench_function("kvgate", |b| {
-        b.iter(|| {
-            for ev in &s.churn {
-                ev.apply_to(&mut kv);
-            }
-            for (ev, hashes) in s.churn.iter().zip(&removals).rev() {
-                kv.apply_removed(
-                    WorkerRef::new(WorkerId(ev.worker), 0),
-                    hashes,
-                    Some(Tier::Device),
-                );
-            }
-        })
+        b.iter(|| kvgate_events(&mut kv, &s.churn, &removals))
     });
     g.bench_function("dynamo", |b| {
-        b.iter(|| {
-            for ev in &s.churn {
-                id += 1;
-                let _ = dy.apply_event(dyn_stored(ev, id));
-            }
-            for ev in s.churn.iter().rev() {
-                id += 1;
-                let _ = dy.apply_event(dyn_removed(ev, id));
-            }
-        })
+        b.iter(|| dynamo_events(&mut dy, &s.churn, &mut id))
     });
     g.finish();
 }

@@ -83,7 +83,7 @@ fn remix(tag: u32) -> u32 {
 }
 
 impl EngineMap {
-    /// The two buckets a tag's entry may be in (the same one only in a one-bucket map).
+    /// The two buckets a tag's entry may be in (distinct: a map has at least four).
     #[inline]
     fn buckets_of(&self, tag: u32) -> (usize, usize) {
         let m = self.buckets.len();
@@ -149,21 +149,25 @@ impl EngineMap {
         }
     }
 
+    #[inline]
+    fn pos_at(&self, (b, i): At) -> Pos {
+        if b == STASH {
+            self.stash[i].1
+        } else {
+            self.buckets[b].pos[i]
+        }
+    }
+
     /// Where `engine_hash` is; `is_it` confirms that a candidate position holds it.
     #[inline]
     pub fn get(&self, engine_hash: u64, is_it: impl FnMut(Pos) -> bool) -> Option<Pos> {
-        self.find(tag_of(engine_hash), is_it).map(|(b, i)| {
-            if b == STASH {
-                self.stash[i].1
-            } else {
-                self.buckets[b].pos[i]
-            }
-        })
+        self.find(tag_of(engine_hash), is_it)
+            .map(|at| self.pos_at(at))
     }
 
     /// Starts loading the two lines `engine_hash`'s entry can be in, without waiting
-    /// for them: a chunk's lines are requested together (their cache misses overlap)
-    /// before the operations that need them.
+    /// for them: the index requests a block's lines a few blocks before it applies it,
+    /// so their cache misses overlap with the work in between.
     #[inline]
     pub fn touch(&self, engine_hash: u64) {
         if self.buckets.is_empty() {
