@@ -58,6 +58,14 @@ impl PrefixIndex {
                 self.queue.push_back(QueueItem { stamp, ..item });
                 continue;
             }
+            // The next blocks this cover will give up (the cap's excess, at most the
+            // cover, and no more than a prefetch distance): their map lines load while
+            // the tip is released. A cover trimmed further comes back here, and its
+            // lines already in cache cost little to ask for again.
+            let ahead = (self.live - self.config.max_blocks)
+                .min(cover.len())
+                .min(super::PIPELINE);
+            self.prefetch(item.slot, &cover.engine_hashes[cover.len() - ahead..]);
             let pos = Pos {
                 node: item.node,
                 abs: n.base + last as u32,
