@@ -331,7 +331,9 @@ pub struct ScenariosArgs {
     /// Per-request timeout in seconds.
     #[arg(long, default_value_t = 120.0)]
     pub request_timeout: f64,
-    /// Output folder (scenarios.md, scenarios.json, <scenario>-share.svg, logs/).
+    /// Output folder (scenarios.md, scenarios.json, <scenario>-share.svg, and logs/ with
+    /// each row's process logs and requests.jsonl: every request's tenant, cached tokens
+    /// and responder).
     #[arg(long, default_value = "bench-out/scenarios")]
     pub out_dir: PathBuf,
 }

@@ -51,6 +51,9 @@ pub struct Outcome {
     pub cached_tokens: Option<u64>,
     /// Value of the `x-kvgate-worker` response header.
     pub worker: Option<String>,
+    /// The answer's `id` (its first event's), which names the engine behind routers
+    /// that add no header (the mock engine's ids carry its process id).
+    pub response_id: Option<String>,
 }
 
 impl Outcome {
@@ -266,6 +269,9 @@ impl StreamState {
         let Ok(v) = serde_json::from_str::<Value>(data) else {
             return;
         };
+        if out.response_id.is_none() {
+            out.response_id = v.get("id").and_then(Value::as_str).map(str::to_string);
+        }
         if let Some(err) = v.get("error") {
             out.error = Some("stream_error".into());
             out.error_detail = Some(err.to_string().chars().take(300).collect());
@@ -367,6 +373,23 @@ mod tests {
             &mut out,
         );
         assert_eq!(out.error.as_deref(), Some("stream_error"));
+    }
+
+    #[test]
+    fn the_answer_id_is_the_first_events() {
+        let mut st = StreamState::default();
+        let mut out = Outcome::default();
+        st.event(
+            r#"{"id":"cmpl-a","choices":[{"text":"x"}]}"#,
+            Duration::from_millis(5),
+            &mut out,
+        );
+        st.event(
+            r#"{"id":"cmpl-b","choices":[{"text":"y"}]}"#,
+            Duration::from_millis(6),
+            &mut out,
+        );
+        assert_eq!(out.response_id.as_deref(), Some("cmpl-a"));
     }
 
     #[test]

@@ -529,6 +529,8 @@ async fn run_row(
     let watched_share = window_share(&counts, &bypass_done, shape.watched, from, to);
     let phases =
         change_done.map(|done| phases(&outcomes, cfg.change_at.as_secs_f64(), done.as_secs_f64()));
+    write_request_log(&log_dir.join("requests.jsonl"), &outcomes, &workload)
+        .context("writing the row's request log")?;
     let run = RunResult { outcomes, wall };
     let mut report = Report::from_run(&spec.label(), &run);
     if report.per_worker.is_empty() {
@@ -546,6 +548,35 @@ async fn run_row(
         bypass_requests: bypass_done.len(),
         phases,
     })
+}
+
+/// One line per routed request, in request order: its tenant, when it was sent, how it
+/// ended, what the engine served from cache, and who answered (the router's worker
+/// header and the answer's id, which names the mock engine's process). What a row's
+/// totals cannot show, such as where each tenant lived over time, can be read from it.
+fn write_request_log(
+    path: &Path,
+    outcomes: &[Outcome],
+    workload: &TenantWorkload,
+) -> anyhow::Result<()> {
+    let mut text = String::new();
+    for o in outcomes {
+        let line = serde_json::json!({
+            "id": o.id,
+            "tenant": workload.tenant(o.id),
+            "sent_s": o.sent_at.as_secs_f64(),
+            "ttft_ms": o.ttft.map(|t| t.as_secs_f64() * 1e3),
+            "e2e_ms": o.e2e.as_secs_f64() * 1e3,
+            "prompt_tokens": o.prompt_tokens,
+            "cached_tokens": o.cached_tokens,
+            "error": o.error,
+            "worker": o.worker,
+            "response_id": o.response_id,
+        });
+        text.push_str(&line.to_string());
+        text.push('\n');
+    }
+    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
 }
 
 /// `concurrency` senders, each sending the next request as soon as its previous one

@@ -163,7 +163,14 @@ async fn generate(st: AppState, kind: PromptKind, raw: Bytes) -> Response {
     };
     let meta = ResponseMeta {
         kind,
-        id: format!("{prefix}-mock{:x}{:06x}", st.created, n),
+        // The process id tells a fleet's engines (and an engine's restarts) apart in a
+        // client's record of who answered, behind routers that add no header of their own.
+        id: format!(
+            "{prefix}-mock{:x}-{:x}-{:06x}",
+            st.created,
+            std::process::id(),
+            n
+        ),
         created: unix_now(),
         model: params.model.clone().unwrap_or_else(|| st.model.clone()),
     };

@@ -33,6 +33,7 @@ fn outcome(r: &RequestRecord) -> Outcome {
         completion_tokens: u64::from(r.output_tokens),
         cached_tokens: r.cached_tokens.map(u64::from),
         worker: r.engine.map(engine_name),
+        response_id: None,
     }
 }
 

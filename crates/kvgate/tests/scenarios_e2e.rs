@@ -115,4 +115,23 @@ async fn a_hung_engine_holds_no_request_past_the_health_bound() {
     let sent = [phases.before.sent, phases.during.sent, phases.after.sent];
     assert!(sent.iter().all(|n| *n > 0), "{phases:?}");
     assert_eq!(sent.iter().sum::<usize>(), report.requests, "{phases:?}");
+    // The row's request log: one line per request, naming who answered. The mock
+    // engine's answer ids carry its process id, so the engine that stayed up, the one
+    // that hung and its restart are three responders.
+    let log =
+        std::fs::read_to_string(out.path().join("logs/restart/kv_aware/requests.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = log
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), report.requests);
+    let responders: std::collections::BTreeSet<&str> = lines
+        .iter()
+        .filter_map(|l| l["response_id"].as_str())
+        .filter_map(|id| id.split('-').nth(2))
+        .collect();
+    assert_eq!(responders.len(), 3, "{responders:?}");
+    assert!(lines
+        .iter()
+        .all(|l| l["tenant"].as_u64().is_some_and(|t| t < 8)));
 }
