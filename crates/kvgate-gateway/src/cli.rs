@@ -179,6 +179,8 @@ pub struct ServeArgs {
     pub request_timeout_ms: Option<u64>,
     #[arg(long, help_heading = UPSTREAM, help = with_default("Active health check interval, ms (0 = off)", HealthConfig::default().interval_ms))]
     pub health_interval_ms: Option<u64>,
+    #[arg(long, help_heading = UPSTREAM, help = with_default("Health check interval for a worker out of rotation, so a restarted engine is back within it, ms (0 = the regular interval)", HealthConfig::default().unhealthy_interval_ms))]
+    pub health_unhealthy_interval_ms: Option<u64>,
     #[arg(long, help_heading = UPSTREAM, help = with_default("Health check timeout, ms", HealthConfig::default().timeout_ms))]
     pub health_timeout_ms: Option<u64>,
     #[arg(long, help_heading = UPSTREAM, help = with_default("Consecutive failures that take a worker out of rotation", HealthConfig::default().failure_threshold))]
@@ -410,6 +412,10 @@ impl ServeArgs {
         set(&mut c.timeouts.first_byte_ms, &self.first_byte_timeout_ms);
         set(&mut c.timeouts.total_ms, &self.request_timeout_ms);
         set(&mut c.health.interval_ms, &self.health_interval_ms);
+        set(
+            &mut c.health.unhealthy_interval_ms,
+            &self.health_unhealthy_interval_ms,
+        );
         set(&mut c.health.timeout_ms, &self.health_timeout_ms);
         set(&mut c.health.failure_threshold, &self.failure_threshold);
         set(&mut c.health.open_ms, &self.breaker_open_ms);

@@ -761,6 +761,11 @@ pub struct HealthConfig {
     /// Interval between `GET {worker}{path}` checks (0 = no active checks; an open
     /// breaker then half-opens by itself after `open_ms`).
     pub interval_ms: u64,
+    /// Interval between checks of a worker out of rotation (its breaker open), so an
+    /// engine that restarts or recovers is back within this of answering rather than
+    /// within `interval_ms` (0 = the same as `interval_ms`). A stalled worker's
+    /// generation probe keeps `interval_ms`: it costs its engine a token.
+    pub unhealthy_interval_ms: u64,
     pub timeout_ms: u64,
     pub path: String,
     /// Consecutive failures (checks or proxied requests) that open the breaker.
@@ -778,6 +783,7 @@ impl Default for HealthConfig {
     fn default() -> Self {
         Self {
             interval_ms: 2_000,
+            unhealthy_interval_ms: 500,
             timeout_ms: 1_000,
             path: "/health".into(),
             failure_threshold: 3,

@@ -6,7 +6,8 @@
 //! breaker (a worker declared dead has its prefix-index entries purged and the requests
 //! in flight on it cut off, so none waits on a dead engine longer than about
 //! `failure_threshold × interval + timeout`; it returns to rotation on its next
-//! successful probe), and the sweep that frees bookings older
+//! successful probe, which comes every `unhealthy_interval_ms` while it is out), and
+//! the sweep that frees bookings older
 //! than the TTL (a backstop; freed bookings are counted). A worker whose engine
 //! stalled (stall.rs) is cut off the same way, without a purge (its engine may
 //! resume with its cache), and is probed with a one-token completion instead of its
@@ -118,17 +119,37 @@ pub(crate) async fn probe(gw: &Gateway, worker: &Worker) -> Result<StatusCode, S
     get_status(&gw.client, worker, Endpoint::Health, timeout).await
 }
 
-/// Runs health checks every `health.interval_ms` until shutdown (no-op when 0).
+/// Runs health checks until shutdown (no-op when `health.interval_ms` is 0): every
+/// worker every `interval_ms`, and a worker out of rotation (breaker open, not stalled)
+/// every `unhealthy_interval_ms` too, so a restarted engine rejoins soon after it
+/// answers. The regular cadence is kept by time, not by counting rounds, since a round
+/// lasts as long as its slowest probe (up to the health timeout).
 pub async fn run_health_checks(gw: Arc<Gateway>) {
     let cfg = gw.config.health.clone();
     if cfg.interval_ms == 0 {
         return;
     }
-    let mut ticks = gw.ticks(Duration::from_millis(cfg.interval_ms));
+    let regular = Duration::from_millis(cfg.interval_ms);
+    let period = match cfg.unhealthy_interval_ms {
+        0 => regular,
+        ms => regular.min(Duration::from_millis(ms)),
+    };
+    let mut ticks = gw.ticks(period);
+    let mut last_regular: Option<Instant> = None;
     while ticks.next().await {
+        let now = Instant::now();
+        // A round within a tenth of a period of its due time counts as on time.
+        let all = last_regular.is_none_or(|t| now.duration_since(t) + period / 10 >= regular);
+        if all {
+            last_regular = Some(now);
+        }
         let mut set = JoinSet::new();
         for model in gw.pools() {
             for worker in model.workers().iter() {
+                let out_of_rotation = worker.breaker.is_open() && !worker.progress.is_stalled();
+                if !all && !out_of_rotation {
+                    continue;
+                }
                 let (gw, model, worker) = (gw.clone(), model.clone(), worker.clone());
                 set.spawn(async move {
                     if worker.progress.is_stalled() && !probe_stalled(&gw, &model, &worker).await {

@@ -1593,3 +1593,42 @@ async fn remote_tokenization_fails_over_and_charges_the_breaker() {
     assert!(good.stats.tokenize_calls.load(Ordering::SeqCst) >= 6);
     gw.shutdown().await;
 }
+
+/// A worker out of rotation is probed at the unhealthy interval, not the regular one:
+/// an engine that comes back (a restart) rejoins within a fraction of a second although
+/// the regular checks are 30 s apart. Healthy workers keep the regular cadence.
+#[tokio::test]
+async fn a_worker_out_of_rotation_is_probed_often_and_rejoins_soon() {
+    let down = fake("down", Behavior::default()).await;
+    let up = fake("up", Behavior::default()).await;
+    down.stats.healthy.store(false, Ordering::SeqCst);
+    let mut cfg = config(&[&down.url, &up.url], PolicyKind::RoundRobin);
+    cfg.health.interval_ms = 30_000;
+    cfg.health.unhealthy_interval_ms = 50;
+    cfg.health.failure_threshold = 1;
+    let gw = start(cfg).await.unwrap();
+    let breaker_open = |i: usize| {
+        gw.gateway().model("m").unwrap().workers()[i]
+            .breaker
+            .is_open()
+    };
+    eventually("the failing worker is out of rotation", || breaker_open(0)).await;
+    assert!(!breaker_open(1));
+    // Many probes of the worker out of rotation, none of the healthy one after the
+    // first round.
+    let checks = |f: &Fake| f.stats.health_checks.load(Ordering::SeqCst);
+    let (down_checks, up_checks) = (checks(&down), checks(&up));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        checks(&down) >= down_checks + 3,
+        "{} probes",
+        checks(&down) - down_checks
+    );
+    assert_eq!(checks(&up), up_checks);
+    down.stats.healthy.store(true, Ordering::SeqCst);
+    eventually("the recovered worker is back in rotation", || {
+        !breaker_open(0)
+    })
+    .await;
+    gw.shutdown().await;
+}
