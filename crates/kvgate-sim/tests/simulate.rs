@@ -338,9 +338,9 @@ fn plan_finds_the_smallest_fleet_that_meets_the_target() {
 /// and 8 pile up too but one rule alone gains under 5 points there; over seeds 0-9
 /// kv_aware holds 87.4-89.7% and prefix_affinity 79.0-89.6% (`kvgate simulate
 /// scenarios --scenarios steady --num-blocks 400 --duration 120 --seed S`).
-#[test]
-fn kv_aware_spreads_tenants_that_one_cache_cannot_hold() {
-    let seed = 2;
+/// The steady scenario with 400-block caches (two engines, eight tenants that need 768
+/// blocks), 120 virtual seconds: the prefix hit rate of a row spec on `seed`.
+fn steady_400_hit(seed: u64) -> impl Fn(&str) -> f64 {
     let shape = kvgate_bench::scenario::Shape {
         num_blocks: 400,
         ..ScenarioKind::Steady.shape()
@@ -363,11 +363,16 @@ fn kv_aware_spreads_tenants_that_one_cache_cannot_hold() {
         restart_downtime_ms: 5_000.0,
         changes: Vec::new(),
     };
-    let hit = |spec: &str| {
+    move |spec: &str| {
         let r = parse_rows(spec, &[], 16, seed).unwrap().remove(0);
         let run = simulate(&r.model, &f, &load).unwrap();
         report(spec, &run).prefix_hit_rate.unwrap()
-    };
+    }
+}
+
+#[test]
+fn kv_aware_spreads_tenants_that_one_cache_cannot_hold() {
+    let hit = steady_400_hit(2);
     let kv = hit("kv_aware");
     let pa = hit("prefix_affinity");
     // Each bound alone: the hit-ratio bound, and the preference for room (at the cold
@@ -386,6 +391,21 @@ fn kv_aware_spreads_tenants_that_one_cache_cannot_hold() {
             "{rule} alone {with}, neither {neither}"
         );
     }
+}
+
+/// Cold homing remembers where a prefix lived: on the seed where the room rule placed
+/// a tenant away from its hash home at the cold start, the tenant evicted everywhere
+/// later went to its hash home (a full cache took a fifth tenant and thrashed) unless
+/// it went back to the worker it was last routed to (`kvgate simulate scenarios
+/// --scenarios steady --num-blocks 400 --duration 120 --seed 6`: 87.4% without the
+/// memory, 89.5% with it).
+#[test]
+fn kv_aware_homes_a_prefix_on_the_worker_it_last_lived_on_once_caches_are_full() {
+    let hit = steady_400_hit(6);
+    let with = hit("kv_aware");
+    let without = hit("kv_aware@home-remembers-last=false");
+    eprintln!("with the memory {with}, without {without}");
+    assert!(with > without + 0.01, "with {with}, without {without}");
 }
 
 /// The router reads each engine's queue as the gateway scrapes its metrics: requests

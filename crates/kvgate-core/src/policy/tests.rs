@@ -831,8 +831,9 @@ fn engine_evicts(index: &mut PrefixIndex, worker: WorkerId, tokens: &[u32]) {
 
 /// Cold homing prefers room: a prompt cached nowhere whose home has evicted since its
 /// cache was last cleared (it is full, and caching this prefix costs it another) goes
-/// to a candidate that has not (an engine just restarted, added or reset), and home
-/// again once both evict; a cleared cache has room again.
+/// to a candidate that has not (an engine just restarted, added or reset), and stays
+/// there once both evict (the worker it was last routed to); a cleared cache has room
+/// again.
 #[test]
 fn kv_aware_cold_homing_prefers_a_worker_with_room() {
     let ledger = Ledger::new(BS);
@@ -855,10 +856,29 @@ fn kv_aware_cold_homing_prefers_a_worker_with_room() {
     let moved = route(&index);
     assert_eq!(moved.worker, other, "{moved:?}");
     assert!(moved.reason.starts_with("cold miss"), "{}", moved.reason);
-    // Both evict: the prompt's own home again.
+    // Both evict: the worker the prompt was last routed to keeps it (moving it to its
+    // hash home would evict there as much as it frees here); without that memory,
+    // its own home again.
     engine_caches(&mut index, other, &evicted);
     engine_evicts(&mut index, other, &evicted);
-    assert_eq!(route(&index).worker, home);
+    assert_eq!(route(&index).worker, other, "its last worker keeps it");
+    let hash_only = KvAwarePolicy::new(
+        KvAwareConfig {
+            home_remembers_last: false,
+            ..Default::default()
+        },
+        None,
+    );
+    let by_hash = select(
+        &hash_only,
+        Some(&keys),
+        1024,
+        None,
+        &ws,
+        &ledger,
+        Some(&index),
+    );
+    assert_eq!(by_hash.unwrap().worker, home);
     // The home's engine restarts (its cache is cleared): it has room again.
     index.clear(WorkerRef::new(home, 0));
     assert_eq!(index.evicting_of(&[home, other]), vec![false, true]);
