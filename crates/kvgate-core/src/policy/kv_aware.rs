@@ -588,3 +588,34 @@ impl KvAwarePolicy {
         }
     }
 }
+
+#[cfg(test)]
+mod last_homes_tests {
+    use super::*;
+
+    /// The memory keeps the last two generations of prefixes and no more: a prefix
+    /// routed within the last [`LAST_HOMES_PER_GENERATION`] distinct ones is remembered,
+    /// one routed more than two generations ago is not, and re-routing a prefix moves it
+    /// to its new worker.
+    #[test]
+    fn last_homes_are_bounded_to_two_generations() {
+        let mut homes = LastHomes::default();
+        let n = LAST_HOMES_PER_GENERATION as u64;
+        for k in 0..(2 * n + 10) {
+            homes.record(BlockKey(k), WorkerId((k % 3) as u32));
+        }
+        assert!(homes.current.len() + homes.previous.len() <= 2 * LAST_HOMES_PER_GENERATION);
+        assert_eq!(homes.get(BlockKey(0)), None, "two generations ago");
+        let recent = 2 * n + 9;
+        assert_eq!(
+            homes.get(BlockKey(recent)),
+            Some(WorkerId((recent % 3) as u32))
+        );
+        assert_eq!(
+            homes.get(BlockKey(n + 5)),
+            Some(WorkerId(((n + 5) % 3) as u32))
+        );
+        homes.record(BlockKey(recent), WorkerId(9));
+        assert_eq!(homes.get(BlockKey(recent)), Some(WorkerId(9)));
+    }
+}
