@@ -140,7 +140,7 @@ pub struct ServeArgs {
     pub home_hit_ratio_slack: Option<f64>,
     #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: cold homing prefers a worker whose engine has not evicted since its cache was last cleared (it has room: just restarted, added or reset) to a home that would evict for the prompt", KvAwareConfig::default().home_prefers_room))]
     pub home_prefers_room: Option<bool>,
-    #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: cold homing sends a prefix cached nowhere back to the worker it was last routed to when that worker is an acceptable home, before the hash", KvAwareConfig::default().home_remembers_last))]
+    #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: where every acceptable home is full (its engine evicts), cold homing sends a prefix cached nowhere back to the worker it was last routed to, if that is one of them, before the hash", KvAwareConfig::default().home_remembers_last))]
     pub home_remembers_last: Option<bool>,
     #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: softmax temperature (0 = pick the lowest cost)", KvAwareConfig::default().temperature))]
     pub temperature: Option<f64>,

@@ -96,9 +96,9 @@
 //! router's memory does. Where some home has room, the room rule decides first; where
 //! none is full yet (no engine evicts, or none reports evictions), the hash does, so
 //! an added worker still takes its share of the prefixes. Measured in `kvgate simulate
-//! scenarios` over eight seeds (docs/BENCHMARKS.md): every scenario's weakest seed rose
-//! (steady 87.4 to 89.2%), Zipf within 0.1 point; the whole traces moved by at most
-//! 0.6 points of hit rate and 1% of TTFT p90.
+//! scenarios` over eight seeds (docs/BENCHMARKS.md): the weakest seed of every scenario
+//! but Zipf rose (steady 87.4 to 89.2%), Zipf's mean moved 0.1 point; the whole traces
+//! moved by at most 0.6 points of hit rate and about 1% of TTFT p90.
 //!
 //! Why the locality term: with the DESIGN cost alone, a request leaves its prefix holder
 //! as soon as the holder's queued prefill outweighs the cached prefix. That is the
@@ -204,8 +204,9 @@ pub struct KvAwareConfig {
     /// Cold homing prefers a candidate whose engine has not evicted since its cache was
     /// last cleared (it has room) to one that would evict for the prompt.
     pub home_prefers_room: bool,
-    /// Cold homing sends a prefix back to the worker it was last routed to, when that
-    /// worker is among the acceptable homes, before asking the rendezvous hash.
+    /// Cold homing sends a prefix back to the worker it was last routed to, when every
+    /// acceptable home is full (evicts) and that worker is one of them, before asking
+    /// the rendezvous hash.
     pub home_remembers_last: bool,
     /// 0 = argmin; > 0 samples with a softmax at this temperature.
     pub temperature: f64,
