@@ -325,19 +325,6 @@ fn plan_finds_the_smallest_fleet_that_meets_the_target() {
     assert!(result.render_markdown().contains(&format!("{n} engines")));
 }
 
-/// Under cache pressure (the steady scenario's 8 tenants on two engines that hold
-/// about four each), kv_aware must not pile tenants on one engine: with seed 2 the
-/// tenants' rendezvous homes put most of them on one engine, and cold homing without
-/// its bounds keeps sending them there (78.3%; prefix_affinity's partition 79.0%).
-/// With the hit-ratio bound the thrashing engine's evicted tenants find a home on the
-/// other (88.8%); preferring a worker with room as a home does the same from the other
-/// side: while one engine evicts and the other has not yet, cold prefixes go to the one
-/// with room (89.5%, and both rules 89.5%). The seed was 6 until block keys changed
-/// (key scheme v2), which moved every tenant's rendezvous home: seed 6 now gives
-/// kv_aware 87.4% against prefix_affinity's 89.6% (neither bound 81.1%), and seeds 4
-/// and 8 pile up too but one rule alone gains under 5 points there; over seeds 0-9
-/// kv_aware holds 87.4-89.7% and prefix_affinity 79.0-89.6% (`kvgate simulate
-/// scenarios --scenarios steady --num-blocks 400 --duration 120 --seed S`).
 /// The steady scenario with 400-block caches (two engines, eight tenants that need 768
 /// blocks), 120 virtual seconds: the prefix hit rate of a row spec on `seed`.
 fn steady_400_hit(seed: u64) -> impl Fn(&str) -> f64 {
@@ -370,6 +357,20 @@ fn steady_400_hit(seed: u64) -> impl Fn(&str) -> f64 {
     }
 }
 
+/// Under cache pressure (the steady scenario's 8 tenants on two engines that hold
+/// about four each), kv_aware must not pile tenants on one engine: with seed 2 the
+/// tenants' rendezvous homes put most of them on one engine, and cold homing without
+/// its bounds keeps sending them there (78.3%; prefix_affinity's partition 79.0%).
+/// With the hit-ratio bound the thrashing engine's evicted tenants find a home on the
+/// other (88.8%); preferring a worker with room as a home does the same from the other
+/// side: while one engine evicts and the other has not yet, cold prefixes go to the one
+/// with room (89.5%, and both rules 89.5%). The seed was 6 until block keys changed
+/// (key scheme v2), which moved every tenant's rendezvous home: seed 6 then gave
+/// kv_aware 87.4% against prefix_affinity's 89.6% (neither bound 81.1%; 89.5% since
+/// cold homing remembers a prefix's last worker, the next test), and seeds 4
+/// and 8 pile up too but one rule alone gains under 5 points there; over seeds 0-9
+/// kv_aware holds 87.4-89.7% and prefix_affinity 79.0-89.6% (`kvgate simulate
+/// scenarios --scenarios steady --num-blocks 400 --duration 120 --seed S`).
 #[test]
 fn kv_aware_spreads_tenants_that_one_cache_cannot_hold() {
     let hit = steady_400_hit(2);

@@ -355,7 +355,7 @@ impl RoutingPolicy for KvAwarePolicy {
             prompt_blocks,
         );
         let i = choice.index;
-        if let (true, Some(first)) = (self.config.home_remembers_last, keys.first()) {
+        if let Some(first) = keys.first().filter(|_| self.config.home_remembers_last) {
             self.last_homes.lock().record(*first, lines[i].worker);
         }
         let bs = index.block_size();

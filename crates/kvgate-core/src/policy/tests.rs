@@ -842,9 +842,10 @@ fn kv_aware_cold_homing_prefers_a_worker_with_room() {
     let policy = KvAwarePolicy::new(KvAwareConfig::default(), None);
     let prompt: Vec<u32> = (0..1024).map(|t| 777_000 + t).collect();
     let keys = index.hasher().block_keys(&prompt);
-    let route = |index: &PrefixIndex| {
-        select(&policy, Some(&keys), 1024, None, &ws, &ledger, Some(index)).unwrap()
+    let route_by = |policy: &KvAwarePolicy, index: &PrefixIndex| {
+        select(policy, Some(&keys), 1024, None, &ws, &ledger, Some(index)).unwrap()
     };
+    let route = |index: &PrefixIndex| route_by(&policy, index);
     let home = route(&index).worker;
     let other = ws.iter().copied().find(|w| *w != home).unwrap();
     // Another tenant's prefix came and went on the home: its engine evicts.
@@ -869,16 +870,7 @@ fn kv_aware_cold_homing_prefers_a_worker_with_room() {
         },
         None,
     );
-    let by_hash = select(
-        &hash_only,
-        Some(&keys),
-        1024,
-        None,
-        &ws,
-        &ledger,
-        Some(&index),
-    );
-    assert_eq!(by_hash.unwrap().worker, home);
+    assert_eq!(route_by(&hash_only, &index).worker, home);
     // The home's engine restarts (its cache is cleared): it has room again.
     index.clear(WorkerRef::new(home, 0));
     assert_eq!(index.evicting_of(&[home, other]), vec![false, true]);
