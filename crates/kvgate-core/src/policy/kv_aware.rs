@@ -100,6 +100,28 @@
 //! but Zipf rose (steady 87.4 to 89.2%), Zipf's mean moved 0.1 point; the whole traces
 //! moved by at most 0.6 points of hit rate and about 1% of TTFT p90.
 //!
+//! Before that, where every acceptable home is full, homing asks which prefix each
+//! home's engine would evict for this one (`home_evicts_least_wanted`). An engine
+//! evicts its least recently used blocks, so its next victim is the prefix this router
+//! sent it longest ago that its index still shows; each prefix's demand is its count
+//! of requests, each weighing half as much per `home_demand_half_life_secs` since. The
+//! prompt goes to the home whose victim is clearly less wanted than every other home's
+//! (by more than two standard deviations of chance: [`DEMAND_SIGNIFICANCE`]). Why:
+//! with skewed popularity (Zipf), a rarely seen tenant cached nowhere that the hash or
+//! the last-home rule sends to the worker holding a hot tenant as its oldest entry
+//! pushes the hot tenant out, and that one comes back cold; evicting the rarer prefix
+//! keeps the fleet's cache on the prefixes that are asked for. Why only clearly less:
+//! under even demand the counts differ by chance, and the split the fleet settled into
+//! (the last-home rule) is worth more; a first version that acted on any ratio of 2
+//! moved tenants on that noise (overload −0.4 points on sixteen seeds). Measured in
+//! `kvgate simulate scenarios` over sixteen seeds (docs/BENCHMARKS.md): Zipf 61.7 to
+//! 62.9% (weakest seed 56.9 to 58.0%); steady, added, restart and reset identical;
+//! bypass and overload within 0.3 points; the whole traces within run noise. Where this
+//! router knows of no prefix a home still holds (it sent it none, or all were evicted),
+//! the rule abstains. The memory is this router's own: a gateway replica does not see
+//! what its peers sent, and requests that bypass the router refresh an engine's
+//! entries unseen.
+//!
 //! Why the locality term: with the DESIGN cost alone, a request leaves its prefix holder
 //! as soon as the holder's queued prefill outweighs the cached prefix. That is the
 //! earliest start for this request, but the fleet then recomputes the prefix, and a
@@ -145,7 +167,8 @@
 //! [`WorkerAccuracy::index_trust`]: crate::ledger::WorkerAccuracy::index_trust
 //! [`WorkerAccuracy::cache_hit_ratio`]: crate::ledger::WorkerAccuracy::cache_hit_ratio
 
-use std::time::Duration;
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use rand::rngs::SmallRng;
@@ -159,6 +182,7 @@ use super::{
 };
 use crate::hashing::BlockKey;
 use crate::ids::{Tier, WorkerId};
+use crate::index::PrefixIndex;
 use crate::ledger::PrefillCredit;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -208,6 +232,12 @@ pub struct KvAwareConfig {
     /// acceptable home is full (evicts) and that worker is one of them, before asking
     /// the rendezvous hash.
     pub home_remembers_last: bool,
+    /// Cold homing sends a prefix, when every acceptable home is full, to the one whose
+    /// engine evicts next (its least recently used prefix) the prefix least in demand,
+    /// before the last worker and the hash are asked.
+    pub home_evicts_least_wanted: bool,
+    /// Half-life of a prefix's demand (its decayed count of requests), in seconds.
+    pub home_demand_half_life_secs: f64,
     /// 0 = argmin; > 0 samples with a softmax at this temperature.
     pub temperature: f64,
     /// Credit for a block held in host memory (1.0 = as good as device).
@@ -230,6 +260,8 @@ impl Default for KvAwareConfig {
             home_hit_ratio_slack: 0.2,
             home_prefers_room: true,
             home_remembers_last: true,
+            home_evicts_least_wanted: true,
+            home_demand_half_life_secs: 60.0,
             temperature: 0.0,
             host_credit: 0.5,
             disk_credit: 0.25,
@@ -240,32 +272,158 @@ impl Default for KvAwareConfig {
 /// How many requests in flight a candidate may be ahead of a warming-up one.
 pub const WARMUP_SLACK: u32 = 1;
 
-/// How many prefixes' last workers [`LastHomes`] keeps in each of its two generations.
-const LAST_HOMES_PER_GENERATION: usize = 1 << 16;
+/// How many prefixes [`LastSent`] keeps in each of its two generations.
+const LAST_SENT_PER_GENERATION: usize = 1 << 16;
 
-/// The worker each prefix (its first block key) was last routed to, for cold homing.
-/// Bounded: two generations of at most [`LAST_HOMES_PER_GENERATION`] entries; when the
-/// current one fills it becomes the previous one and the oldest generation is dropped,
-/// so a prefix routed within the last 65,536 distinct prefixes is remembered.
-#[derive(Debug, Default)]
-struct LastHomes {
-    current: FxHashMap<BlockKey, WorkerId>,
-    previous: FxHashMap<BlockKey, WorkerId>,
+/// What kv_aware remembers of a prefix (its first block key) it routed.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct PrefixSent {
+    /// The worker it was last routed to.
+    worker: WorkerId,
+    /// Its recent demand: requests with it, each weighing half as much per half-life
+    /// that has passed since (`home_demand_half_life_secs`), as of `at`.
+    demand: f64,
+    /// When it was last routed.
+    at: Instant,
 }
 
-impl LastHomes {
-    fn get(&self, key: BlockKey) -> Option<WorkerId> {
+impl PrefixSent {
+    /// Its demand decayed to `now`.
+    fn demand_at(&self, now: Instant, half_life_secs: f64) -> f64 {
+        let elapsed = now.saturating_duration_since(self.at).as_secs_f64();
+        if half_life_secs > 0.0 {
+            self.demand * (-elapsed / half_life_secs).exp2()
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Each prefix's [`PrefixSent`], for cold homing. Bounded: two generations of at most
+/// [`LAST_SENT_PER_GENERATION`] entries; when the current one fills it becomes the
+/// previous one and the oldest generation is dropped, so a prefix routed within the
+/// last 65,536 distinct prefixes is remembered.
+#[derive(Debug, Default)]
+struct LastSent {
+    current: FxHashMap<BlockKey, PrefixSent>,
+    previous: FxHashMap<BlockKey, PrefixSent>,
+}
+
+impl LastSent {
+    fn get(&self, key: BlockKey) -> Option<PrefixSent> {
         self.current
             .get(&key)
             .or_else(|| self.previous.get(&key))
             .copied()
     }
 
-    fn record(&mut self, key: BlockKey, worker: WorkerId) {
-        if self.current.len() >= LAST_HOMES_PER_GENERATION && !self.current.contains_key(&key) {
+    fn record(&mut self, key: BlockKey, worker: WorkerId, now: Instant, half_life_secs: f64) {
+        let demand = self
+            .get(key)
+            .map_or(0.0, |p| p.demand_at(now, half_life_secs));
+        if self.current.len() >= LAST_SENT_PER_GENERATION && !self.current.contains_key(&key) {
             self.previous = std::mem::take(&mut self.current);
         }
-        self.current.insert(key, worker);
+        let sent = PrefixSent {
+            worker,
+            demand: demand + 1.0,
+            at: now,
+        };
+        self.current.insert(key, sent);
+    }
+}
+
+/// Cold homing's least-wanted rule acts only when one home's next eviction is wanted
+/// less than another's by more than this many standard deviations of chance: demands
+/// are counts of requests, and two equally wanted prefixes' counts differ by about the
+/// square root of their sum (Poisson), so under even demand the rule would act on noise
+/// and move tenants the split the fleet settled into (the last-home rule) keeps put.
+const DEMAND_SIGNIFICANCE: f64 = 2.0;
+
+/// Whether demand `least` is clearly below demand `next` ([`DEMAND_SIGNIFICANCE`]).
+fn clearly_less_wanted(least: f64, next: f64) -> bool {
+    next - least >= DEMAND_SIGNIFICANCE * (least + next).sqrt()
+}
+
+/// How many prefixes [`PrefixRecency`] remembers per worker.
+const RECENCY_PER_WORKER: usize = 1 << 16;
+
+/// When this router last sent each prefix (its first block key) to each worker, oldest
+/// first per worker, to tell which prefix a full worker's engine evicts next: engines
+/// evict the least recently used blocks, and a prefix's blocks were last used when a
+/// request with it last ran there. Bounded: at most [`RECENCY_PER_WORKER`] prefixes per
+/// worker (the oldest are forgotten first), and the order is compacted when stale
+/// entries (prefixes sent again since) outnumber the live ones.
+#[derive(Debug, Default)]
+struct PrefixRecency {
+    workers: FxHashMap<WorkerId, WorkerRecency>,
+}
+
+#[derive(Debug, Default)]
+struct WorkerRecency {
+    last_sent: FxHashMap<BlockKey, Instant>,
+    /// (time sent, prefix), in the order recorded; an entry is stale when the prefix was
+    /// sent again later (its `last_sent` differs).
+    order: VecDeque<(Instant, BlockKey)>,
+}
+
+impl WorkerRecency {
+    fn is_live(&self, (at, key): (Instant, BlockKey)) -> bool {
+        self.last_sent.get(&key) == Some(&at)
+    }
+
+    fn drop_stale_front(&mut self) {
+        while let Some(&front) = self.order.front() {
+            if self.is_live(front) {
+                break;
+            }
+            self.order.pop_front();
+        }
+    }
+}
+
+impl PrefixRecency {
+    fn record(&mut self, worker: WorkerId, key: BlockKey, now: Instant) {
+        let w = self.workers.entry(worker).or_default();
+        w.last_sent.insert(key, now);
+        w.order.push_back((now, key));
+        w.drop_stale_front();
+        if w.last_sent.len() > RECENCY_PER_WORKER {
+            if let Some((_, oldest)) = w.order.pop_front() {
+                w.last_sent.remove(&oldest);
+            }
+            w.drop_stale_front();
+        }
+        if w.order.len() > 2 * w.last_sent.len() + 64 {
+            let last_sent = &w.last_sent;
+            w.order
+                .retain(|&(at, key)| last_sent.get(&key) == Some(&at));
+        }
+    }
+
+    /// The least recently sent prefix the worker still holds, and when it was sent
+    /// (`holds` says whether its engine still caches a prefix; those it does not are
+    /// forgotten), or `None` if this router knows of no prefix it holds.
+    fn oldest_held(
+        &mut self,
+        worker: WorkerId,
+        mut holds: impl FnMut(BlockKey) -> bool,
+    ) -> Option<(Instant, BlockKey)> {
+        let w = self.workers.get_mut(&worker)?;
+        loop {
+            w.drop_stale_front();
+            let &(at, key) = w.order.front()?;
+            if holds(key) {
+                return Some((at, key));
+            }
+            w.order.pop_front();
+            w.last_sent.remove(&key);
+        }
+    }
+
+    /// Forgets workers not in `known`.
+    fn retain(&mut self, known: &[WorkerId]) {
+        self.workers.retain(|w, _| known.contains(w));
     }
 }
 
@@ -273,7 +431,8 @@ impl LastHomes {
 pub struct KvAwarePolicy {
     config: KvAwareConfig,
     rng: Mutex<SmallRng>,
-    last_homes: Mutex<LastHomes>,
+    last_sent: Mutex<LastSent>,
+    recency: Mutex<PrefixRecency>,
 }
 
 impl KvAwarePolicy {
@@ -281,7 +440,8 @@ impl KvAwarePolicy {
         Self {
             config,
             rng: rng(seed),
-            last_homes: Mutex::new(LastHomes::default()),
+            last_sent: Mutex::new(LastSent::default()),
+            recency: Mutex::new(PrefixRecency::default()),
         }
     }
 
@@ -353,10 +513,22 @@ impl RoutingPolicy for KvAwarePolicy {
             &evicting,
             &credits,
             prompt_blocks,
+            index,
+            req.now,
         );
         let i = choice.index;
-        if let Some(first) = keys.first().filter(|_| self.config.home_remembers_last) {
-            self.last_homes.lock().record(*first, lines[i].worker);
+        if let Some(first) = keys.first() {
+            let c = &self.config;
+            if c.home_remembers_last || c.home_evicts_least_wanted {
+                let half_life = c.home_demand_half_life_secs;
+                let worker = lines[i].worker;
+                self.last_sent
+                    .lock()
+                    .record(*first, worker, req.now, half_life);
+            }
+            if c.home_evicts_least_wanted {
+                self.recency.lock().record(lines[i].worker, *first, req.now);
+            }
         }
         let bs = index.block_size();
         let indexed_cached_tokens = cached.indexed_device[i] * bs;
@@ -385,6 +557,11 @@ impl RoutingPolicy for KvAwarePolicy {
             reason,
             scores: lines,
         })
+    }
+
+    fn workers_changed(&self, workers: &[(WorkerId, &str)]) {
+        let known: Vec<WorkerId> = workers.iter().map(|(w, _)| *w).collect();
+        self.recency.lock().retain(&known);
     }
 }
 
@@ -515,6 +692,8 @@ impl KvAwarePolicy {
         evicting: &[bool],
         credits: &[PrefillCredit],
         prompt_blocks: f64,
+        index: &PrefixIndex,
+        now: Instant,
     ) -> Choice {
         let c = &self.config;
         let (eligible, warmup_excluded) = self.eligible(lines, entries);
@@ -555,14 +734,22 @@ impl KvAwarePolicy {
                     })
                     .collect()
             };
-            // Where every acceptable home is full, the worker the prefix was last
-            // routed to, if it is one of them: the rendezvous hash alone would move a
-            // tenant that the room rule or the load bound once placed elsewhere (the
-            // module comment says why not).
+            // Where every acceptable home is full, the one whose engine evicts next a
+            // prefix clearly less wanted than the others' would; else the worker the
+            // prefix was last routed to, if it is one of them: the rendezvous hash
+            // alone would move a tenant that the room rule or the load bound once
+            // placed elsewhere (the module comment says why not).
             let all_full = homes.iter().all(|&i| evicting[i]);
+            let least_wanted = (c.home_evicts_least_wanted && all_full && homes.len() > 1)
+                .then(|| self.evicts_least_wanted(lines, &homes, index, now))
+                .flatten();
+            if least_wanted.is_some() {
+                return least_wanted;
+            }
             let last = (c.home_remembers_last && all_full)
-                .then(|| self.last_homes.lock().get(*first))
+                .then(|| self.last_sent.lock().get(*first))
                 .flatten()
+                .map(|sent| sent.worker)
                 .and_then(|w| homes.iter().copied().find(|&i| lines[i].worker == w));
             last.or_else(|| {
                 homes.into_iter().max_by_key(|&i| {
@@ -588,35 +775,145 @@ impl KvAwarePolicy {
             warmup_excluded,
         }
     }
+
+    /// Of `homes` (all full), the one whose engine evicts next the prefix least in
+    /// demand: each engine evicts its least recently used prefix, the one this router
+    /// sent it longest ago that it still holds, and a cold prefix should displace the
+    /// one the fleet will miss least. Only a victim clearly less wanted than every other
+    /// home's ([`clearly_less_wanted`]) decides; `None` otherwise, and when this router
+    /// knows of no prefix some home still holds.
+    fn evicts_least_wanted(
+        &self,
+        lines: &[WorkerScore],
+        homes: &[usize],
+        index: &PrefixIndex,
+        now: Instant,
+    ) -> Option<usize> {
+        let half_life = self.config.home_demand_half_life_secs;
+        let mut victims = Vec::with_capacity(homes.len());
+        {
+            let mut recency = self.recency.lock();
+            for &i in homes {
+                let worker = lines[i].worker;
+                let victim = recency.oldest_held(worker, |key| {
+                    index
+                        .overlaps(&[key])
+                        .best_for(worker)
+                        .is_some_and(|o| o.on(Tier::Device) > 0)
+                })?;
+                victims.push((i, victim));
+            }
+        }
+        let last_sent = self.last_sent.lock();
+        let demand = |key: BlockKey| {
+            last_sent
+                .get(key)
+                .map_or(0.0, |p| p.demand_at(now, half_life))
+        };
+        let mut ranked: Vec<(f64, Instant, usize)> = victims
+            .into_iter()
+            .map(|(i, (at, key))| (demand(key), at, i))
+            .collect();
+        ranked.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        match ranked.as_slice() {
+            [least, next, ..] if clearly_less_wanted(least.0, next.0) => Some(least.2),
+            _ => None,
+        }
+    }
 }
 
 #[cfg(test)]
-mod last_homes_tests {
+mod memory_tests {
     use super::*;
 
     /// The memory keeps the last two generations of prefixes and no more: a prefix
-    /// routed within the last [`LAST_HOMES_PER_GENERATION`] distinct ones is remembered,
+    /// routed within the last [`LAST_SENT_PER_GENERATION`] distinct ones is remembered,
     /// one routed more than two generations ago is not, and re-routing a prefix moves it
     /// to its new worker.
     #[test]
-    fn last_homes_are_bounded_to_two_generations() {
-        let mut homes = LastHomes::default();
-        let n = LAST_HOMES_PER_GENERATION as u64;
+    fn last_sent_is_bounded_to_two_generations() {
+        let mut sent = LastSent::default();
+        let now = Instant::now();
+        let n = LAST_SENT_PER_GENERATION as u64;
         for k in 0..(2 * n + 10) {
-            homes.record(BlockKey(k), WorkerId((k % 3) as u32));
+            sent.record(BlockKey(k), WorkerId((k % 3) as u32), now, 60.0);
         }
-        assert!(homes.current.len() + homes.previous.len() <= 2 * LAST_HOMES_PER_GENERATION);
-        assert_eq!(homes.get(BlockKey(0)), None, "two generations ago");
+        assert!(sent.current.len() + sent.previous.len() <= 2 * LAST_SENT_PER_GENERATION);
+        let worker = |sent: &LastSent, k| sent.get(BlockKey(k)).map(|p| p.worker);
+        assert_eq!(worker(&sent, 0), None, "two generations ago");
         let recent = 2 * n + 9;
+        assert_eq!(worker(&sent, recent), Some(WorkerId((recent % 3) as u32)));
+        assert_eq!(worker(&sent, n + 5), Some(WorkerId(((n + 5) % 3) as u32)));
+        sent.record(BlockKey(recent), WorkerId(9), now, 60.0);
+        assert_eq!(worker(&sent, recent), Some(WorkerId(9)));
+    }
+
+    /// A prefix's demand halves every half-life and counts each request as one.
+    #[test]
+    fn demand_decays_by_the_half_life() {
+        let mut sent = LastSent::default();
+        let t0 = Instant::now();
+        let key = BlockKey(7);
+        sent.record(key, WorkerId(0), t0, 10.0);
+        sent.record(key, WorkerId(0), t0, 10.0);
+        let p = sent.get(key).unwrap();
+        assert_eq!(p.demand_at(t0, 10.0), 2.0);
+        let later = t0 + Duration::from_secs(20);
+        assert!((p.demand_at(later, 10.0) - 0.5).abs() < 1e-9);
+        sent.record(key, WorkerId(1), later, 10.0);
+        assert!((sent.get(key).unwrap().demand_at(later, 10.0) - 1.5).abs() < 1e-9);
+    }
+
+    /// The least recently sent prefix a worker still holds: prefixes sent again since
+    /// are found by their latest time, those the engine no longer holds are forgotten,
+    /// and the per-worker order stays bounded under a stream of re-sent prefixes.
+    #[test]
+    fn recency_finds_the_least_recently_sent_prefix_still_held() {
+        let mut recency = PrefixRecency::default();
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let w = WorkerId(0);
+        recency.record(w, BlockKey(1), at(1));
+        recency.record(w, BlockKey(2), at(2));
+        recency.record(w, BlockKey(3), at(3));
+        recency.record(w, BlockKey(1), at(4));
+        assert_eq!(recency.oldest_held(w, |_| true), Some((at(2), BlockKey(2))));
+        // Prefix 2 was evicted: forgotten, and prefix 3 is next.
         assert_eq!(
-            homes.get(BlockKey(recent)),
-            Some(WorkerId((recent % 3) as u32))
+            recency.oldest_held(w, |k| k != BlockKey(2)),
+            Some((at(3), BlockKey(3)))
         );
+        assert_eq!(recency.oldest_held(w, |_| true), Some((at(3), BlockKey(3))));
+        assert_eq!(recency.oldest_held(w, |_| false), None);
+        assert_eq!(recency.oldest_held(WorkerId(9), |_| true), None);
+        // One prefix that is never re-sent holds the front; the others' stale entries
+        // are compacted away.
+        recency.record(w, BlockKey(100), at(5));
+        for s in 0..10_000u64 {
+            recency.record(w, BlockKey(200 + s % 4), at(6 + s));
+        }
+        let order = &recency.workers[&w].order;
+        assert!(order.len() <= 2 * 5 + 64, "{}", order.len());
         assert_eq!(
-            homes.get(BlockKey(n + 5)),
-            Some(WorkerId(((n + 5) % 3) as u32))
+            recency.oldest_held(w, |_| true),
+            Some((at(5), BlockKey(100)))
         );
-        homes.record(BlockKey(recent), WorkerId(9));
-        assert_eq!(homes.get(BlockKey(recent)), Some(WorkerId(9)));
+        recency.retain(&[WorkerId(1)]);
+        assert_eq!(recency.oldest_held(w, |_| true), None);
+    }
+
+    /// At most [`RECENCY_PER_WORKER`] prefixes per worker: the oldest are forgotten.
+    #[test]
+    fn recency_is_bounded_per_worker() {
+        let mut recency = PrefixRecency::default();
+        let t0 = Instant::now();
+        let w = WorkerId(0);
+        let n = RECENCY_PER_WORKER as u64 + 10;
+        for k in 0..n {
+            recency.record(w, BlockKey(k), t0 + Duration::from_millis(k));
+        }
+        assert_eq!(recency.workers[&w].last_sent.len(), RECENCY_PER_WORKER);
+        let oldest = recency.oldest_held(w, |_| true).unwrap().1;
+        assert_eq!(oldest, BlockKey(10));
     }
 }

@@ -5,8 +5,8 @@
 //! can expose (per-worker overlap, load and cost). Policies read the prefix index and
 //! the ledger; they must not book requests (the gateway books the chosen worker) nor do
 //! I/O. Internal state (round-robin cursor, RNG, session ring, affinity memory,
-//! kv_aware's last homes) sits behind interior mutability so one policy instance
-//! serves concurrent requests.
+//! kv_aware's memory of where it sent each prefix) sits behind interior mutability so
+//! one policy instance serves concurrent requests.
 
 mod decision_memory;
 mod kv_aware;

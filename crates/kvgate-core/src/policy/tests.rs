@@ -899,6 +899,69 @@ fn kv_aware_cold_homing_prefers_a_worker_with_room() {
     assert_eq!(index.evicting_of(&[host]), vec![false]);
 }
 
+/// Cold homing evicts the least wanted prefix: where both workers are full, a prompt
+/// cached nowhere goes to the one whose next eviction (the prefix this router sent it
+/// longest ago that it still holds) was requested clearly less lately, even where its
+/// hash home is the other; where the two victims are about as wanted, the rule
+/// abstains and the hash decides.
+#[test]
+fn kv_aware_cold_homing_evicts_the_least_wanted_prefix() {
+    let ledger = Ledger::new(BS);
+    let mut index = new_index();
+    let ws = workers(2);
+    let tenant = |t: u32| -> Vec<u32> { (0..512).map(|i| t * 10_000 + i).collect() };
+    let hash_only = KvAwareConfig {
+        home_remembers_last: false,
+        home_evicts_least_wanted: false,
+        ..Default::default()
+    };
+    let route = |policy: &KvAwarePolicy, index: &PrefixIndex, tokens: &[u32]| {
+        let keys = index.hasher().block_keys(tokens);
+        select(policy, Some(&keys), 512, None, &ws, &ledger, Some(index)).unwrap()
+    };
+    // Both engines are full: each evicted a prefix since its cache was cleared.
+    for &w in &ws {
+        engine_caches(&mut index, w, &tenant(1));
+        engine_evicts(&mut index, w, &tenant(1));
+    }
+    // A cold prompt whose hash home is worker 0.
+    let cold = (100..)
+        .map(tenant)
+        .find(|p| route(&KvAwarePolicy::new(hash_only.clone(), None), &index, p).worker == ws[0])
+        .unwrap();
+    // Worker 0 holds a hot prefix (requested 8 times), worker 1 one requested once.
+    let (hot, rare) = (tenant(2), tenant(3));
+    engine_caches(&mut index, ws[0], &hot);
+    engine_caches(&mut index, ws[1], &rare);
+    let policy = KvAwarePolicy::new(KvAwareConfig::default(), None);
+    for _ in 0..8 {
+        assert_eq!(route(&policy, &index, &hot).worker, ws[0]);
+    }
+    assert_eq!(route(&policy, &index, &rare).worker, ws[1]);
+    let d = route(&policy, &index, &cold);
+    assert!(d.reason.starts_with("cold miss"), "{}", d.reason);
+    assert_eq!(d.worker, ws[1], "the rare prefix is the one to lose");
+    let off = KvAwareConfig {
+        home_evicts_least_wanted: false,
+        ..Default::default()
+    };
+    let off = KvAwarePolicy::new(off, None);
+    for _ in 0..8 {
+        route(&off, &index, &hot);
+    }
+    route(&off, &index, &rare);
+    assert_eq!(route(&off, &index, &cold).worker, ws[0], "the hash home");
+    // About as wanted (6 requests against 8): the rule abstains (the hash home).
+    let even = KvAwarePolicy::new(KvAwareConfig::default(), None);
+    for i in 0..8 {
+        route(&even, &index, &hot);
+        if i < 6 {
+            route(&even, &index, &rare);
+        }
+    }
+    assert_eq!(route(&even, &index, &cold).worker, ws[0]);
+}
+
 /// Four workers; worker 0 caches a conversation's history and has prompts of the given
 /// sizes queued (booked, prefill not done); the next turn adds 512 new tokens.
 struct QueuedHolder {
