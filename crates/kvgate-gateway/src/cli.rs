@@ -142,7 +142,7 @@ pub struct ServeArgs {
     pub home_prefers_room: Option<bool>,
     #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: where every acceptable home is full (its engine evicts), cold homing sends a prefix cached nowhere back to the worker it was last routed to, if that is one of them, before the hash", KvAwareConfig::default().home_remembers_last))]
     pub home_remembers_last: Option<bool>,
-    #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: where every acceptable home is full (its engine evicts), cold homing sends a prefix cached nowhere to the one whose engine evicts next (the prefix this router sent it longest ago that it still holds) the prefix least in demand, before the last worker and the hash", KvAwareConfig::default().home_evicts_least_wanted))]
+    #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: where every acceptable home is full (its engine evicts), cold homing sends a prefix cached nowhere to the one whose engine evicts next (the prefix this router sent it longest ago that it still holds) a prefix clearly less requested lately than the other homes' next victims, before the last worker and the hash", KvAwareConfig::default().home_evicts_least_wanted))]
     pub home_evicts_least_wanted: Option<bool>,
     #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: half-life in seconds of a prefix's demand (its requests, each counting half as much per half-life since), which cold homing weighs", KvAwareConfig::default().home_demand_half_life_secs))]
     pub home_demand_half_life_secs: Option<f64>,

@@ -233,8 +233,9 @@ pub struct KvAwareConfig {
     /// the rendezvous hash.
     pub home_remembers_last: bool,
     /// Cold homing sends a prefix, when every acceptable home is full, to the one whose
-    /// engine evicts next (its least recently used prefix) the prefix least in demand,
-    /// before the last worker and the hash are asked.
+    /// engine evicts next (its least recently used prefix) a prefix clearly less in
+    /// demand than the other homes' next victims, before the last worker and the hash
+    /// are asked.
     pub home_evicts_least_wanted: bool,
     /// Half-life of a prefix's demand (its decayed count of requests), in seconds.
     pub home_demand_half_life_secs: f64,
