@@ -342,6 +342,9 @@ impl LastSent {
 const DEMAND_SIGNIFICANCE: f64 = 2.0;
 
 /// Whether demand `least` is clearly below demand `next` ([`DEMAND_SIGNIFICANCE`]).
+/// Two victims with no demand left (forgotten, decayed to nothing, or a half-life of 0)
+/// pass too: neither is wanted, and the one sent longest ago goes first, as a single
+/// LRU cache over the fleet would choose.
 fn clearly_less_wanted(least: f64, next: f64) -> bool {
     next - least >= DEMAND_SIGNIFICANCE * (least + next).sqrt()
 }
@@ -781,8 +784,9 @@ impl KvAwarePolicy {
     /// demand: each engine evicts its least recently used prefix, the one this router
     /// sent it longest ago that it still holds, and a cold prefix should displace the
     /// one the fleet will miss least. Only a victim clearly less wanted than every other
-    /// home's ([`clearly_less_wanted`]) decides; `None` otherwise, and when this router
-    /// knows of no prefix some home still holds.
+    /// home's ([`clearly_less_wanted`]; of equally unwanted ones, the one sent longest
+    /// ago) decides; `None` otherwise, and when this router knows of no prefix some
+    /// home still holds.
     fn evicts_least_wanted(
         &self,
         lines: &[WorkerScore],
