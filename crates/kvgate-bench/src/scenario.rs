@@ -554,7 +554,9 @@ async fn run_row(
 /// ended, what the engine served from cache, and who answered (the router's worker
 /// header and the answer's id, which names the mock engine's process). What a row's
 /// totals cannot show, such as where each tenant lived over time, can be read from it.
-fn write_request_log(
+/// `kvgate simulate scenarios` writes its rows' logs with it too, so a simulated row and
+/// a real-time one can be read with the same script.
+pub fn write_request_log(
     path: &Path,
     outcomes: &[Outcome],
     workload: &TenantWorkload,

@@ -230,7 +230,9 @@ pub struct ScenariosArgs {
     pub event_delay_ms: f64,
     #[arg(long, allow_hyphen_values = true)]
     pub kvgate_arg: Vec<String>,
-    /// Output folder: scenarios.md, scenarios.json, <scenario>-share.svg.
+    /// Output folder: scenarios.md, scenarios.json, <scenario>-share.svg, and
+    /// logs/<scenario>/<row>/requests.jsonl (every routed request's tenant, cached tokens
+    /// and engine, as `kvgate bench scenarios` writes them).
     #[arg(long, default_value = "bench-out/simulate-scenarios")]
     pub out_dir: PathBuf,
 }
@@ -473,7 +475,20 @@ fn run_scenarios(args: ScenariosArgs) -> anyhow::Result<()> {
             });
         }
         let mut out_rows = Vec::new();
-        for (run, rep) in run_rows(&rows, &fleet, &load, true)? {
+        for (row, (run, rep)) in rows.iter().zip(run_rows(&rows, &fleet, &load, true)?) {
+            let log_dir = args
+                .out_dir
+                .join("logs")
+                .join(kind.name())
+                .join(&row.file_stem);
+            std::fs::create_dir_all(&log_dir)
+                .with_context(|| format!("cannot create {}", log_dir.display()))?;
+            let outcomes = routed_outcomes(&run);
+            kvgate_bench::scenario::write_request_log(
+                &log_dir.join("requests.jsonl"),
+                &outcomes,
+                &workload,
+            )?;
             let change_done = run.changes.first().map(|c| c.at_ms);
             let (from, to) = match change_done {
                 Some(at) => (at, at + SHARE_WINDOW_MS),
@@ -507,9 +522,8 @@ fn run_scenarios(args: ScenariosArgs) -> anyhow::Result<()> {
                     .iter()
                     .filter(|r| r.target != Target::Router && r.error.is_none())
                     .count(),
-                phases: change_done.map(|done| {
-                    phases(&routed_outcomes(&run), change_at_ms / 1000.0, done / 1000.0)
-                }),
+                phases: change_done
+                    .map(|done| phases(&outcomes, change_at_ms / 1000.0, done / 1000.0)),
                 report: Some(rep),
             });
         }

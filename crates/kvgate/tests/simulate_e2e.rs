@@ -68,4 +68,41 @@ fn plan_and_scenarios_run_from_the_command_line() {
     for f in ["scenarios.md", "scenarios.json", "added-share.svg"] {
         assert!(dir.path().join(f).exists(), "{f}");
     }
+    // Each row's request log, as `kvgate bench scenarios` writes it: one line per
+    // request sent through the router, with its tenant and the engine that served it.
+    let summary: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("scenarios.json")).unwrap()).unwrap();
+    let added = summary
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["scenario"] == "added")
+        .unwrap();
+    let kv_aware = added["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["label"] == "kv_aware")
+        .unwrap();
+    let log = std::fs::read_to_string(dir.path().join("logs/added/kv_aware/requests.jsonl"))
+        .expect("the kv_aware row's request log");
+    let lines: Vec<serde_json::Value> = log
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(
+        lines.len() as u64,
+        kv_aware["report"]["requests"].as_u64().unwrap()
+    );
+    assert!(lines
+        .iter()
+        .all(|l| l["tenant"].as_u64().is_some_and(|t| t < 8)));
+    let served_by_added_engine = lines.iter().filter(|l| l["worker"] == "engine-1").count();
+    assert!(
+        served_by_added_engine > 0,
+        "the added engine served nothing: {log}"
+    );
+    assert!(lines
+        .iter()
+        .all(|l| l["worker"] == "engine-0" || l["worker"] == "engine-1"));
 }
