@@ -452,11 +452,7 @@ async fn run_row(
     shape: &Shape,
     spec: &RouterSpec,
 ) -> Result<ScenarioRow, RunError> {
-    let log_dir = cfg
-        .out_dir
-        .join("logs")
-        .join(kind.name())
-        .join(spec.file_stem());
+    let log_dir = row_log_dir(&cfg.out_dir, kind, &spec.file_stem());
     let engine_cfg = EngineConfig {
         engines: shape.engines,
         num_blocks: shape.num_blocks,
@@ -529,8 +525,7 @@ async fn run_row(
     let watched_share = window_share(&counts, &bypass_done, shape.watched, from, to);
     let phases =
         change_done.map(|done| phases(&outcomes, cfg.change_at.as_secs_f64(), done.as_secs_f64()));
-    write_request_log(&log_dir.join("requests.jsonl"), &outcomes, &workload)
-        .context("writing the row's request log")?;
+    write_request_log(&log_dir, &outcomes, &workload).context("writing the row's request log")?;
     let run = RunResult { outcomes, wall };
     let mut report = Report::from_run(&spec.label(), &run);
     if report.per_worker.is_empty() {
@@ -555,12 +550,14 @@ async fn run_row(
 /// header and the answer's id, which names the mock engine's process). What a row's
 /// totals cannot show, such as where each tenant lived over time, can be read from it.
 /// `kvgate simulate scenarios` writes its rows' logs with it too, so a simulated row and
-/// a real-time one can be read with the same script.
+/// a real-time one can be read with the same script. Written to `requests.jsonl` in
+/// `log_dir` ([`row_log_dir`]), which must exist.
 pub fn write_request_log(
-    path: &Path,
+    log_dir: &Path,
     outcomes: &[Outcome],
     workload: &TenantWorkload,
 ) -> anyhow::Result<()> {
+    let path = log_dir.join("requests.jsonl");
     let mut text = String::new();
     for o in outcomes {
         let line = serde_json::json!({
@@ -578,7 +575,14 @@ pub fn write_request_log(
         text.push_str(&line.to_string());
         text.push('\n');
     }
-    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+    std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))
+}
+
+/// Where a scenario row's logs go under an output folder: `logs/<scenario>/<row>`, the
+/// row named by its file stem ([`RouterSpec::file_stem`]). The real-time suite and
+/// `kvgate simulate scenarios` both lay their logs out so.
+pub fn row_log_dir(out_dir: &Path, kind: ScenarioKind, row_file_stem: &str) -> PathBuf {
+    out_dir.join("logs").join(kind.name()).join(row_file_stem)
 }
 
 /// `concurrency` senders, each sending the next request as soon as its previous one

@@ -18,7 +18,8 @@ use kvgate_bench::compare::{render_markdown, write_outputs, CompareRow, CompareS
 use kvgate_bench::report::{fmt_pct, Report};
 use kvgate_bench::request::{summarize, Request};
 use kvgate_bench::scenario::{
-    phases, render_share_svg, Change, ScenarioRow, ScenarioSummary, Shape, TenantWorkload,
+    phases, render_share_svg, row_log_dir, write_request_log, Change, ScenarioRow, ScenarioSummary,
+    Shape, TenantWorkload,
 };
 use kvgate_mock_engine::cli::MockEngineArgs;
 use kvgate_mock_engine::SimConfig as EngineSimConfig;
@@ -476,19 +477,11 @@ fn run_scenarios(args: ScenariosArgs) -> anyhow::Result<()> {
         }
         let mut out_rows = Vec::new();
         for (row, (run, rep)) in rows.iter().zip(run_rows(&rows, &fleet, &load, true)?) {
-            let log_dir = args
-                .out_dir
-                .join("logs")
-                .join(kind.name())
-                .join(&row.file_stem);
+            let log_dir = row_log_dir(&args.out_dir, kind, &row.file_stem);
             std::fs::create_dir_all(&log_dir)
                 .with_context(|| format!("cannot create {}", log_dir.display()))?;
             let outcomes = routed_outcomes(&run);
-            kvgate_bench::scenario::write_request_log(
-                &log_dir.join("requests.jsonl"),
-                &outcomes,
-                &workload,
-            )?;
+            write_request_log(&log_dir, &outcomes, &workload)?;
             let change_done = run.changes.first().map(|c| c.at_ms);
             let (from, to) = match change_done {
                 Some(at) => (at, at + SHARE_WINDOW_MS),
