@@ -371,9 +371,18 @@ struct WorkerRecency {
     order: VecDeque<(Instant, BlockKey)>,
 }
 
+/// Whether a queued (time sent, prefix) entry is the prefix's latest send, given each
+/// prefix's last send time.
+fn is_latest_send(
+    last_sent: &FxHashMap<BlockKey, Instant>,
+    (at, key): (Instant, BlockKey),
+) -> bool {
+    last_sent.get(&key) == Some(&at)
+}
+
 impl WorkerRecency {
-    fn is_live(&self, (at, key): (Instant, BlockKey)) -> bool {
-        self.last_sent.get(&key) == Some(&at)
+    fn is_live(&self, entry: (Instant, BlockKey)) -> bool {
+        is_latest_send(&self.last_sent, entry)
     }
 
     fn drop_stale_front(&mut self) {
@@ -400,8 +409,7 @@ impl PrefixRecency {
         }
         if w.order.len() > 2 * w.last_sent.len() + 64 {
             let last_sent = &w.last_sent;
-            w.order
-                .retain(|&(at, key)| last_sent.get(&key) == Some(&at));
+            w.order.retain(|&entry| is_latest_send(last_sent, entry));
         }
     }
 
@@ -523,15 +531,15 @@ impl RoutingPolicy for KvAwarePolicy {
         let i = choice.index;
         if let Some(first) = keys.first() {
             let c = &self.config;
+            let worker = lines[i].worker;
             if c.home_remembers_last || c.home_evicts_least_wanted {
                 let half_life = c.home_demand_half_life_secs;
-                let worker = lines[i].worker;
                 self.last_sent
                     .lock()
                     .record(*first, worker, req.now, half_life);
             }
             if c.home_evicts_least_wanted {
-                self.recency.lock().record(lines[i].worker, *first, req.now);
+                self.recency.lock().record(worker, *first, req.now);
             }
         }
         let bs = index.block_size();
