@@ -1,6 +1,8 @@
 //! Criterion benchmarks of kvgate-core's hot paths on a Mooncake-derived workload:
 //! (a) selection (hash an 8,192-token prompt + index lookup + kv_aware cost) with
-//! ~1,000,000 indexed blocks over 16 workers; (b) applying BlockStored/BlockRemoved.
+//! ~1,000,000 indexed blocks over 16 workers; (b) applying BlockStored/BlockRemoved;
+//! (c) kv_aware's decision for a prompt cached nowhere when every worker's cache is full,
+//! where the demand plan walks and sorts the prefixes routed lately, with and without it.
 //! Commands and results: docs/BENCHMARKS.md.
 
 mod support;
@@ -11,8 +13,8 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use kvgate_core::policy::{KvAwareConfig, KvAwarePolicy};
 use kvgate_core::{
-    BlockHasher, FleetView, IndexConfig, Ledger, PrefixIndex, RouteRequest, RoutingPolicy, Tier,
-    WorkerId, WorkerRef,
+    BlockHasher, FleetView, IndexConfig, Ledger, PrefixIndex, RouteRequest, RoutingPolicy,
+    StoredBlocks, Tier, WorkerId, WorkerRef,
 };
 use support::mooncake::{scenario, Scenario, StoredEvent};
 
@@ -111,5 +113,102 @@ fn benches(c: &mut Criterion) {
     );
 }
 
-criterion_group!(core, benches);
+/// Prefixes kv_aware has routed lately (each once, so all are in the demand plan) before
+/// the cold decisions are timed.
+const WANTED_PREFIXES: u32 = 10_000;
+/// Cold prompts the timed decisions rotate through.
+const COLD_PROMPTS: u32 = 1_000;
+
+/// `len` tokens of their own: prompt `n`'s.
+fn own_tokens(n: u32, len: u32) -> Vec<u32> {
+    (0..len)
+        .map(|i| n.wrapping_mul(8192).wrapping_add(i))
+        .collect()
+}
+
+/// A prompt of 2,048 tokens of its own (128 blocks).
+fn own_prompt(n: u32) -> Vec<u32> {
+    own_tokens(n, 2048)
+}
+
+/// The cold path: every one of 16 workers holds 512 blocks (room for three of the
+/// prompts) and has evicted (its cache is full), kv_aware has routed [`WANTED_PREFIXES`] other prompts lately, and each
+/// timed decision is for a prompt cached nowhere, so the demand plan (when on) ranks
+/// every prefix still wanted.
+fn cold_benches(c: &mut Criterion) {
+    let mut index = PrefixIndex::new(
+        BlockHasher::new(BLOCK_SIZE as u32).expect("block size"),
+        IndexConfig::default(),
+    );
+    let candidates: Vec<WorkerId> = (0..WORKERS).map(WorkerId).collect();
+    for &w in &candidates {
+        let tokens = own_tokens(u32::MAX - w.0, 8192);
+        let hashes: Vec<u64> = (0..tokens.len() / BLOCK_SIZE)
+            .map(|b| (u64::from(w.0) << 32) | b as u64)
+            .collect();
+        let at = WorkerRef::new(w, 0);
+        index
+            .apply_stored(
+                at,
+                &StoredBlocks {
+                    engine_hashes: &hashes,
+                    parent_engine_hash: None,
+                    token_ids: &tokens,
+                    block_size: BLOCK_SIZE as u32,
+                    tier: Tier::Device,
+                    lora_name: None,
+                },
+            )
+            .expect("stored");
+        let last = hashes.len() - 1;
+        index.apply_removed(at, &hashes[last..], Some(Tier::Device));
+    }
+    let hasher = *index.hasher();
+    let ledger = Ledger::new(BLOCK_SIZE as u32);
+    let decide = |policy: &KvAwarePolicy, tokens: &[u32]| {
+        let keys = hasher.block_keys(tokens);
+        let req = RouteRequest {
+            block_keys: Some(&keys),
+            prompt_tokens: tokens.len() as u32,
+            session_key: None,
+            now: Instant::now(),
+        };
+        let view = FleetView {
+            candidates: &candidates,
+            ledger: &ledger,
+            index: Some(&index),
+        };
+        policy.select(&req, &view).expect("select").worker
+    };
+    let cold: Vec<Vec<u32>> = (0..COLD_PROMPTS)
+        .map(|n| own_prompt(n + WANTED_PREFIXES))
+        .collect();
+    let mut g = c.benchmark_group("core");
+    g.sample_size(30)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(4));
+    for (name, plan) in [
+        ("select_cold_all_full_16_workers_10k_wanted_prefixes", true),
+        ("select_cold_all_full_16_workers_no_demand_plan", false),
+    ] {
+        let config = KvAwareConfig {
+            home_plans_by_demand: plan,
+            ..KvAwareConfig::default()
+        };
+        let policy = KvAwarePolicy::new(config, Some(1));
+        for n in 0..WANTED_PREFIXES {
+            decide(&policy, &own_prompt(n));
+        }
+        let mut q = 0;
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                q = (q + 1) % cold.len();
+                black_box(decide(&policy, &cold[q]))
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(core, benches, cold_benches);
 criterion_main!(core);

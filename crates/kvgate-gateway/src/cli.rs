@@ -146,6 +146,8 @@ pub struct ServeArgs {
     pub home_evicts_least_wanted: Option<bool>,
     #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: half-life in seconds of a prefix's demand (its requests, each counting half as much per half-life since), which cold homing weighs", KvAwareConfig::default().home_demand_half_life_secs))]
     pub home_demand_half_life_secs: Option<f64>,
+    #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: where no home within the load bound has room, cold homing plans by demand: the prefixes routed lately, most wanted first, fill the homes up to what each cache holds, and a prompt cached nowhere goes where the plan puts its prefix (or, left out, to the home whose planned prefixes are clearly the least wanted), before the hit-ratio bound and the other homing rules", KvAwareConfig::default().home_plans_by_demand))]
+    pub home_plans_by_demand: Option<bool>,
     #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: softmax temperature (0 = pick the lowest cost)", KvAwareConfig::default().temperature))]
     pub temperature: Option<f64>,
     /// Seed for the policy's random choices (unset: seeded from the OS).
@@ -384,6 +386,9 @@ impl ServeArgs {
         }
         if let Some(h) = self.home_demand_half_life_secs {
             m.kv_aware.home_demand_half_life_secs = h;
+        }
+        if let Some(p) = self.home_plans_by_demand {
+            m.kv_aware.home_plans_by_demand = p;
         }
         if let Some(t) = self.temperature {
             m.kv_aware.temperature = t;

@@ -122,6 +122,39 @@
 //! what its peers sent, and requests that bypass the router refresh an engine's
 //! entries unseen.
 //!
+//! Before all of these, where no home within the load bound has room (every engine
+//! evicts), homing plans by demand (`home_plans_by_demand`). The prefixes routed
+//! lately (demand of at least [`PLAN_DEMAND_FLOOR`]), this one included, are dealt out
+//! most wanted first: to the home with the most demand homed on it (the prefixes last
+//! routed there) until the next prefix does not fit, then to the next richest home, and
+//! so on. A prefix takes its last prompt's blocks; a home holds what its cache holds
+//! once full, the most blocks its index has shown since its engine last had room (an
+//! index shows fewer while prompts are being prefilled). The prompt goes to the home
+//! the plan gives its prefix; a prefix left out of every home goes to the home whose
+//! planned prefixes are clearly the least wanted ([`clearly_less_wanted`] on the
+//! sums), and where none is, the later rules decide. Why: with skewed popularity
+//! (Zipf), an engine that caches the most wanted prefixes and also takes a share of the
+//! rarely wanted ones, cached nowhere, evicts hot prefixes for each cold prefill; they
+//! come back cold. Gathering the most wanted prefixes on the engines that hold them
+//! best and sending what does not fit to the engine with the least to lose keeps the
+//! fleet's cache on what is asked for, which a rule comparing single victims cannot
+//! see (a cache never holds more than it fits). An oracle that sent the five hottest
+//! tenants' cold prompts to one engine and every other to the second was 2.1 points
+//! above kv_aware without the plan; the plan takes half of that. It acts before the
+//! hit-ratio bound because the engine that takes the overflow has the lower hit ratio
+//! by design (after the bound, a first version lost 2 points in Zipf). Under even
+//! demand the order follows noise, so the plan can move a prefix the last-home rule
+//! would have kept (a prefix left out of every home it leaves to the later rules
+//! unless one home's planned demand is clearly the least); measured, that costs
+//! nothing on the mean. Measured in `kvgate simulate scenarios` over 32 seeds
+//! (docs/BENCHMARKS.md): Zipf 63.0 to 64.0% (weakest seed 58.0 to 60.2%) with 2.4%
+//! more requests served, bypass +0.8 and overload +0.4 points, the others within 0.2
+//! on the mean, and no scenario's weakest seed lower; in real time it leads both peers
+//! in Zipf. The ranking of the prefixes still wanted is made at most once a second
+//! ([`PLAN_RANKING_MAX_AGE`]; about 0.7 ms for 10,000 prefixes, paid by the decision
+//! that remakes it), and a decision walks it only as far as the cold prefix's place or
+//! the last room.
+//!
 //! Why the locality term: with the DESIGN cost alone, a request leaves its prefix holder
 //! as soon as the holder's queued prefill outweighs the cached prefix. That is the
 //! earliest start for this request, but the fleet then recomputes the prefix, and a
@@ -172,7 +205,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use rand::rngs::SmallRng;
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -239,6 +272,12 @@ pub struct KvAwareConfig {
     pub home_evicts_least_wanted: bool,
     /// Half-life of a prefix's demand (its decayed count of requests), in seconds.
     pub home_demand_half_life_secs: f64,
+    /// Cold homing plans by demand where no home within the load bound has room: the
+    /// prefixes routed lately, most wanted first, are dealt to the homes up to what each
+    /// cache holds, and a prompt cached nowhere goes where the plan puts its prefix (or,
+    /// left out, to the home with clearly the least planned demand), before the
+    /// hit-ratio bound and the other homing rules.
+    pub home_plans_by_demand: bool,
     /// 0 = argmin; > 0 samples with a softmax at this temperature.
     pub temperature: f64,
     /// Credit for a block held in host memory (1.0 = as good as device).
@@ -263,6 +302,7 @@ impl Default for KvAwareConfig {
             home_remembers_last: true,
             home_evicts_least_wanted: true,
             home_demand_half_life_secs: 60.0,
+            home_plans_by_demand: true,
             temperature: 0.0,
             host_credit: 0.5,
             disk_credit: 0.25,
@@ -286,6 +326,8 @@ struct PrefixSent {
     demand: f64,
     /// When it was last routed.
     at: Instant,
+    /// Its last prompt's length in blocks: what caching it takes.
+    blocks: f64,
 }
 
 impl PrefixSent {
@@ -303,11 +345,15 @@ impl PrefixSent {
 /// Each prefix's [`PrefixSent`], for cold homing. Bounded: two generations of at most
 /// [`LAST_SENT_PER_GENERATION`] entries; when the current one fills it becomes the
 /// previous one and the oldest generation is dropped, so a prefix routed within the
-/// last 65,536 distinct prefixes is remembered.
+/// last 65,536 distinct prefixes is remembered. The prefixes whose demand reached
+/// [`PLAN_DEMAND_FLOOR`] are listed apart too (`wanted`), so the demand plan walks those
+/// and not every prefix remembered; a prefix leaves the list once its demand decays
+/// below the floor.
 #[derive(Debug, Default)]
 struct LastSent {
     current: FxHashMap<BlockKey, PrefixSent>,
     previous: FxHashMap<BlockKey, PrefixSent>,
+    wanted: FxHashSet<BlockKey>,
 }
 
 impl LastSent {
@@ -318,21 +364,65 @@ impl LastSent {
             .copied()
     }
 
-    fn record(&mut self, key: BlockKey, worker: WorkerId, now: Instant, half_life_secs: f64) {
+    fn record(
+        &mut self,
+        key: BlockKey,
+        worker: WorkerId,
+        blocks: f64,
+        now: Instant,
+        half_life_secs: f64,
+    ) {
         let demand = self
             .get(key)
-            .map_or(0.0, |p| p.demand_at(now, half_life_secs));
+            .map_or(0.0, |p| p.demand_at(now, half_life_secs))
+            + 1.0;
         if self.current.len() >= LAST_SENT_PER_GENERATION && !self.current.contains_key(&key) {
             self.previous = std::mem::take(&mut self.current);
         }
         let sent = PrefixSent {
             worker,
-            demand: demand + 1.0,
+            demand,
             at: now,
+            blocks,
         };
         self.current.insert(key, sent);
+        if demand >= PLAN_DEMAND_FLOOR {
+            self.wanted.insert(key);
+        }
+    }
+
+    /// Calls `each` with every remembered prefix whose demand at `now` is at least
+    /// [`PLAN_DEMAND_FLOOR`], with that demand; drops the others from the list.
+    fn for_each_wanted(
+        &mut self,
+        now: Instant,
+        half_life_secs: f64,
+        mut each: impl FnMut(BlockKey, &PrefixSent, f64),
+    ) {
+        let Self {
+            current,
+            previous,
+            wanted,
+        } = self;
+        wanted.retain(|key| {
+            let Some(sent) = current.get(key).or_else(|| previous.get(key)) else {
+                return false;
+            };
+            let demand = sent.demand_at(now, half_life_secs);
+            if demand < PLAN_DEMAND_FLOOR {
+                return false;
+            }
+            each(*key, sent, demand);
+            true
+        });
     }
 }
+
+/// The least demand a prefix needs to be in the demand plan: half a request, so a
+/// prefix asked for once drops out one half-life later. Measured with floors of 0.25,
+/// 0.5, 1, 2 and 4 (docs/BENCHMARKS.md): 0.25-1 plan alike; higher floors leave more
+/// of the fleet's content out of the plan and serve fewer requests in Zipf.
+const PLAN_DEMAND_FLOOR: f64 = 0.5;
 
 /// Cold homing's least-wanted rule acts only when one home's next eviction is wanted
 /// less than another's by more than this many standard deviations of chance: demands
@@ -347,6 +437,92 @@ const DEMAND_SIGNIFICANCE: f64 = 2.0;
 /// LRU cache over the fleet would choose.
 fn clearly_less_wanted(least: f64, next: f64) -> bool {
     next - least >= DEMAND_SIGNIFICANCE * (least + next).sqrt()
+}
+
+/// What the demand plan gives a prefix cached nowhere.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Planned {
+    /// Home `homes[i]`: the plan has room for the prefix there.
+    In(usize),
+    /// Left out (the more wanted prefixes fill every home): home `homes[i]`, whose
+    /// planned prefixes are clearly the least wanted.
+    Overflow(usize),
+}
+
+/// How long a ranking of the prefixes still wanted serves the demand plan before it is
+/// made again: ranking them sorts every one (about 0.7 ms for 10,000), while demand
+/// moves over a half-life of a minute. A decision between rankings reads the cold
+/// prefix's own demand afresh.
+const PLAN_RANKING_MAX_AGE: Duration = Duration::from_secs(1);
+
+/// The prefixes still wanted ([`LastSent::for_each_wanted`]), most wanted first, as of
+/// `at`, with the demand last routed to each worker.
+#[derive(Debug)]
+struct DemandRanking {
+    at: Instant,
+    /// (demand, blocks, worker last routed to, prefix), most wanted first.
+    ranked: Vec<(f64, f64, WorkerId, BlockKey)>,
+    /// Per worker, the demand of the prefixes last routed to it.
+    homed: FxHashMap<WorkerId, f64>,
+}
+
+/// The demand plan ([`KvAwareConfig::home_plans_by_demand`]) for a prefix cached
+/// nowhere with demand and length `own` (blocks): `ranked` gives the other prefixes
+/// still wanted, most wanted first, each with its demand, blocks and home (an index
+/// into `room`, or `None`: last routed elsewhere); `homed` the demand homed on each
+/// home; `room` what each home's cache holds, in blocks. The prefixes, most wanted
+/// first (of equal demand, the cold one last), fill the home with the most demand homed
+/// on it until the next one does not fit, then the next richest home, and so on.
+/// Returns the cold prefix's home in the plan, or, where it is left out, the home whose
+/// planned demand is clearly below every other's ([`clearly_less_wanted`]), or `None`.
+/// Walks `ranked` only as far as the cold prefix's place or the last room.
+fn plan_by_demand(
+    ranked: impl IntoIterator<Item = (f64, f64, Option<usize>)>,
+    own: (f64, f64),
+    homed: &[f64],
+    mut room: Vec<f64>,
+) -> Option<Planned> {
+    let mut richest_first: Vec<usize> = (0..room.len()).collect();
+    richest_first.sort_by(|&a, &b| homed[b].total_cmp(&homed[a]));
+    let mut filling = richest_first.into_iter().peekable();
+    let mut planned = vec![0.0; room.len()];
+    let mut place = |(demand, blocks): (f64, f64)| {
+        while filling.peek().is_some_and(|&h| room[h] < blocks) {
+            filling.next();
+        }
+        let &h = filling.peek()?;
+        room[h] -= blocks;
+        planned[h] += demand;
+        Some(h)
+    };
+    let mut own_home = None;
+    let mut left_out = false;
+    for (demand, blocks, _) in ranked {
+        if demand < own.0 {
+            break;
+        }
+        if place((demand, blocks)).is_none() {
+            left_out = true;
+            break;
+        }
+    }
+    if !left_out {
+        own_home = place(own);
+    }
+    if let Some(h) = own_home {
+        return Some(Planned::In(h));
+    }
+    let mut least_first: Vec<usize> = (0..planned.len()).collect();
+    least_first.sort_by(|&a, &b| planned[a].total_cmp(&planned[b]));
+    match least_first.as_slice() {
+        [least, next, ..]
+            if planned[*next] > planned[*least]
+                && clearly_less_wanted(planned[*least], planned[*next]) =>
+        {
+            Some(Planned::Overflow(*least))
+        }
+        _ => None,
+    }
 }
 
 /// How many prefixes [`PrefixRecency`] remembers per worker.
@@ -445,6 +621,14 @@ pub struct KvAwarePolicy {
     rng: Mutex<SmallRng>,
     last_sent: Mutex<LastSent>,
     recency: Mutex<PrefixRecency>,
+    /// What each worker's cache holds once full, in blocks, for the demand plan: the
+    /// most entries its index has shown since its engine last had room (while it has
+    /// room, the current count). An index shows fewer blocks than the engine's cache
+    /// while prompts are being prefilled, so the largest count seen is the estimate.
+    full_blocks: Mutex<FxHashMap<WorkerId, usize>>,
+    /// The demand plan's ranking of the prefixes still wanted, made at most
+    /// [`PLAN_RANKING_MAX_AGE`] ago.
+    demand_ranking: Mutex<Option<DemandRanking>>,
 }
 
 impl KvAwarePolicy {
@@ -454,6 +638,8 @@ impl KvAwarePolicy {
             rng: rng(seed),
             last_sent: Mutex::new(LastSent::default()),
             recency: Mutex::new(PrefixRecency::default()),
+            full_blocks: Mutex::new(FxHashMap::default()),
+            demand_ranking: Mutex::new(None),
         }
     }
 
@@ -516,6 +702,9 @@ impl RoutingPolicy for KvAwarePolicy {
         let costs = self.costs(&mut lines, &cached.blocks, prompt_blocks, block_size);
         let entries = index.entries_of(view.candidates);
         let evicting = index.evicting_of(view.candidates);
+        if self.config.home_plans_by_demand {
+            self.note_full_blocks(&lines, &entries, &evicting);
+        }
         let choice = self.choose(
             &lines,
             &cached.blocks,
@@ -532,11 +721,11 @@ impl RoutingPolicy for KvAwarePolicy {
         if let Some(first) = keys.first() {
             let c = &self.config;
             let worker = lines[i].worker;
-            if c.home_remembers_last || c.home_evicts_least_wanted {
+            if c.home_remembers_last || c.home_evicts_least_wanted || c.home_plans_by_demand {
                 let half_life = c.home_demand_half_life_secs;
                 self.last_sent
                     .lock()
-                    .record(*first, worker, req.now, half_life);
+                    .record(*first, worker, prompt_blocks, req.now, half_life);
             }
             if c.home_evicts_least_wanted {
                 self.recency.lock().record(worker, *first, req.now);
@@ -574,6 +763,7 @@ impl RoutingPolicy for KvAwarePolicy {
     fn workers_changed(&self, workers: &[(WorkerId, &str)]) {
         let known: Vec<WorkerId> = workers.iter().map(|(w, _)| *w).collect();
         self.recency.lock().retain(&known);
+        self.full_blocks.lock().retain(|w, _| known.contains(w));
     }
 }
 
@@ -730,6 +920,15 @@ impl KvAwarePolicy {
                 .copied()
                 .filter(|&i| !evicting[i])
                 .collect();
+            // Where no home within the load bound has room, the demand plan decides
+            // first, before the hit-ratio bound (the module comment says why).
+            if c.home_plans_by_demand && with_room.is_empty() && within_load.len() > 1 {
+                if let Some(planned) =
+                    self.planned_home(lines, &within_load, *first, prompt_blocks, now)
+                {
+                    return Some(planned);
+                }
+            }
             let prefer_room =
                 c.home_prefers_room && !with_room.is_empty() && with_room.len() < within_load.len();
             let homes = if prefer_room {
@@ -785,6 +984,85 @@ impl KvAwarePolicy {
             index,
             home: home.is_some(),
             warmup_excluded,
+        }
+    }
+
+    /// Records what each candidate's cache holds once full ([`Self::full_blocks`]).
+    fn note_full_blocks(&self, lines: &[WorkerScore], entries: &[usize], evicting: &[bool]) {
+        let mut full = self.full_blocks.lock();
+        for ((line, &n), &evicts) in lines.iter().zip(entries).zip(evicting) {
+            let held = full.entry(line.worker).or_insert(0);
+            *held = if evicts { (*held).max(n) } else { n };
+        }
+    }
+
+    /// Of `homes` (all full), where the demand plan ([`plan_by_demand`]) sends the
+    /// prefix `first`, `prompt_blocks` long, cached nowhere; `None` where it does not
+    /// say. The ranking of the prefixes still wanted is made again when it is older
+    /// than [`PLAN_RANKING_MAX_AGE`].
+    fn planned_home(
+        &self,
+        lines: &[WorkerScore],
+        homes: &[usize],
+        first: BlockKey,
+        prompt_blocks: f64,
+        now: Instant,
+    ) -> Option<usize> {
+        let half_life = self.config.home_demand_half_life_secs;
+        let own = self.last_sent.lock().get(first);
+        let own_demand = own.map_or(0.0, |sent| sent.demand_at(now, half_life));
+        let mut ranking = self.demand_ranking.lock();
+        let stale = ranking
+            .as_ref()
+            .is_none_or(|r| now.saturating_duration_since(r.at) >= PLAN_RANKING_MAX_AGE);
+        if stale {
+            *ranking = Some(self.rank_demand(now));
+        }
+        let ranking = ranking.as_ref()?;
+        let home_of = |w: WorkerId| homes.iter().position(|&i| lines[i].worker == w);
+        let mut homed: Vec<f64> = homes
+            .iter()
+            .map(|&i| ranking.homed.get(&lines[i].worker).copied().unwrap_or(0.0))
+            .collect();
+        // The cold prefix's own demand is not its home's.
+        if let Some(sent) = own {
+            if let Some(h) = home_of(sent.worker) {
+                homed[h] = (homed[h] - own_demand).max(0.0);
+            }
+        }
+        let others = ranking
+            .ranked
+            .iter()
+            .filter(|r| r.3 != first)
+            .map(|&(demand, blocks, worker, _)| (demand, blocks, home_of(worker)));
+        let room = {
+            let full = self.full_blocks.lock();
+            homes
+                .iter()
+                .map(|&i| full.get(&lines[i].worker).copied().unwrap_or(0) as f64)
+                .collect()
+        };
+        match plan_by_demand(others, (own_demand, prompt_blocks), &homed, room)? {
+            Planned::In(h) | Planned::Overflow(h) => Some(homes[h]),
+        }
+    }
+
+    /// The prefixes still wanted at `now`, most wanted first.
+    fn rank_demand(&self, now: Instant) -> DemandRanking {
+        let half_life = self.config.home_demand_half_life_secs;
+        let mut ranked = Vec::new();
+        let mut homed: FxHashMap<WorkerId, f64> = FxHashMap::default();
+        self.last_sent
+            .lock()
+            .for_each_wanted(now, half_life, |key, sent, demand| {
+                ranked.push((demand, sent.blocks, sent.worker, key));
+                *homed.entry(sent.worker).or_insert(0.0) += demand;
+            });
+        ranked.sort_by(|a, b| b.0.total_cmp(&a.0));
+        DemandRanking {
+            at: now,
+            ranked,
+            homed,
         }
     }
 
@@ -849,7 +1127,7 @@ mod memory_tests {
         let now = Instant::now();
         let n = LAST_SENT_PER_GENERATION as u64;
         for k in 0..(2 * n + 10) {
-            sent.record(BlockKey(k), WorkerId((k % 3) as u32), now, 60.0);
+            sent.record(BlockKey(k), WorkerId((k % 3) as u32), 1.0, now, 60.0);
         }
         assert!(sent.current.len() + sent.previous.len() <= 2 * LAST_SENT_PER_GENERATION);
         let worker = |sent: &LastSent, k| sent.get(BlockKey(k)).map(|p| p.worker);
@@ -857,7 +1135,7 @@ mod memory_tests {
         let recent = 2 * n + 9;
         assert_eq!(worker(&sent, recent), Some(WorkerId((recent % 3) as u32)));
         assert_eq!(worker(&sent, n + 5), Some(WorkerId(((n + 5) % 3) as u32)));
-        sent.record(BlockKey(recent), WorkerId(9), now, 60.0);
+        sent.record(BlockKey(recent), WorkerId(9), 1.0, now, 60.0);
         assert_eq!(worker(&sent, recent), Some(WorkerId(9)));
     }
 
@@ -867,13 +1145,13 @@ mod memory_tests {
         let mut sent = LastSent::default();
         let t0 = Instant::now();
         let key = BlockKey(7);
-        sent.record(key, WorkerId(0), t0, 10.0);
-        sent.record(key, WorkerId(0), t0, 10.0);
+        sent.record(key, WorkerId(0), 1.0, t0, 10.0);
+        sent.record(key, WorkerId(0), 1.0, t0, 10.0);
         let p = sent.get(key).unwrap();
         assert_eq!(p.demand_at(t0, 10.0), 2.0);
         let later = t0 + Duration::from_secs(20);
         assert!((p.demand_at(later, 10.0) - 0.5).abs() < 1e-9);
-        sent.record(key, WorkerId(1), later, 10.0);
+        sent.record(key, WorkerId(1), 1.0, later, 10.0);
         assert!((sent.get(key).unwrap().demand_at(later, 10.0) - 1.5).abs() < 1e-9);
     }
 
@@ -913,6 +1191,94 @@ mod memory_tests {
         );
         recency.retain(&[WorkerId(1)]);
         assert_eq!(recency.oldest_held(w, |_| true), None);
+    }
+
+    /// The demand plan deals the most wanted prefixes to the home with the most demand
+    /// homed on it until it is full, then to the next: a cold prefix wanted more than
+    /// what fills the richest home's room goes there, one wanted less to the next home
+    /// with room, and one left out of every home to the home whose planned prefixes are
+    /// clearly the least wanted. Under even demand a prefix left out gets no home.
+    #[test]
+    fn the_demand_plan_fills_the_richest_home_first_and_sends_the_rest_to_the_poorest() {
+        // The plan over `others` (demand, blocks, home) for a cold prefix `own`
+        // (demand, blocks) and two homes' `room`.
+        let plan = |others: &[(f64, f64, Option<usize>)], own, room: [f64; 2]| {
+            let mut homed = [0.0; 2];
+            for &(demand, _, home) in others {
+                if let Some(h) = home {
+                    homed[h] += demand;
+                }
+            }
+            let mut ranked = others.to_vec();
+            ranked.sort_by(|a, b| b.0.total_cmp(&a.0));
+            plan_by_demand(ranked, own, &homed, room.to_vec())
+        };
+        // Home 1 has the two hottest prefixes (10, 8), home 0 the next two (6, 1); each
+        // home holds two prefixes of 4 blocks.
+        let fleet = [
+            (10.0, 4.0, Some(1)),
+            (6.0, 4.0, Some(0)),
+            (8.0, 4.0, Some(1)),
+            (1.0, 4.0, Some(0)),
+        ];
+        // Wanted more than the second hottest: the richest home (1).
+        assert_eq!(plan(&fleet, (9.0, 4.0), [8.0, 8.0]), Some(Planned::In(1)));
+        // Wanted less: home 1 is full with 10 and 8, so home 0 (behind the 6).
+        assert_eq!(plan(&fleet, (7.0, 4.0), [8.0, 8.0]), Some(Planned::In(0)));
+        // Wanted least: every home is full; home 0's planned demand (6 + 1) is clearly
+        // below home 1's (10 + 8).
+        assert_eq!(
+            plan(&fleet, (0.5, 4.0), [8.0, 8.0]),
+            Some(Planned::Overflow(0))
+        );
+        // A larger cache takes it in.
+        assert_eq!(plan(&fleet, (0.5, 4.0), [8.0, 12.0]), Some(Planned::In(0)));
+        // A prompt too long for what is left of the richest home goes to the next.
+        assert_eq!(
+            plan(&fleet, (9.0, 10.0), [12.0, 12.0]),
+            Some(Planned::In(0))
+        );
+        // Even demand: the prefix left out has no home in the plan.
+        let even = [
+            (5.0, 4.0, Some(0)),
+            (5.0, 4.0, Some(1)),
+            (5.0, 4.0, Some(0)),
+            (5.0, 4.0, Some(1)),
+        ];
+        assert_eq!(plan(&even, (4.0, 4.0), [8.0, 8.0]), None);
+        // Of equal demand, the prefixes already remembered come first.
+        let tie = [(5.0, 4.0, Some(0))];
+        assert_eq!(plan(&tie, (5.0, 4.0), [4.0, 4.0]), Some(Planned::In(1)));
+        // The walk stops at the cold prefix's place: what follows is never read.
+        let stops = plan_by_demand(
+            [(10.0, 4.0, Some(0)), (f64::NAN, f64::NAN, None)],
+            (20.0, 4.0),
+            &[10.0, 0.0],
+            vec![8.0, 8.0],
+        );
+        assert_eq!(stops, Some(Planned::In(0)));
+    }
+
+    /// The prefixes in the demand plan are those whose demand is at least
+    /// [`PLAN_DEMAND_FLOOR`]; one asked for once drops out after a half-life.
+    #[test]
+    fn the_plan_walks_the_prefixes_still_wanted() {
+        let mut sent = LastSent::default();
+        let t0 = Instant::now();
+        sent.record(BlockKey(1), WorkerId(0), 4.0, t0, 10.0);
+        sent.record(BlockKey(2), WorkerId(1), 4.0, t0, 10.0);
+        sent.record(BlockKey(2), WorkerId(1), 4.0, t0, 10.0);
+        let wanted_at = |sent: &mut LastSent, t| {
+            let mut keys = Vec::new();
+            sent.for_each_wanted(t, 10.0, |k, _, _| keys.push(k.0));
+            keys.sort_unstable();
+            keys
+        };
+        assert_eq!(wanted_at(&mut sent, t0), vec![1, 2]);
+        // One half-life and a bit: prefix 1's demand is below 0.5, prefix 2's is not.
+        let later = t0 + Duration::from_secs(11);
+        assert_eq!(wanted_at(&mut sent, later), vec![2]);
+        assert_eq!(sent.wanted.len(), 1, "dropped from the list");
     }
 
     /// At most [`RECENCY_PER_WORKER`] prefixes per worker: the oldest are forgotten.

@@ -913,6 +913,12 @@ fn kv_aware_cold_homing_evicts_the_least_wanted_prefix() {
     let hash_only = KvAwareConfig {
         home_remembers_last: false,
         home_evicts_least_wanted: false,
+        home_plans_by_demand: false,
+        ..Default::default()
+    };
+    // This test is the least-wanted rule's: the demand plan, which acts first, is off.
+    let rule = KvAwareConfig {
+        home_plans_by_demand: false,
         ..Default::default()
     };
     let route = |policy: &KvAwarePolicy, index: &PrefixIndex, tokens: &[u32]| {
@@ -933,7 +939,7 @@ fn kv_aware_cold_homing_evicts_the_least_wanted_prefix() {
     let (hot, rare) = (tenant(2), tenant(3));
     engine_caches(&mut index, ws[0], &hot);
     engine_caches(&mut index, ws[1], &rare);
-    let policy = KvAwarePolicy::new(KvAwareConfig::default(), None);
+    let policy = KvAwarePolicy::new(rule.clone(), None);
     for _ in 0..8 {
         assert_eq!(route(&policy, &index, &hot).worker, ws[0]);
     }
@@ -943,7 +949,7 @@ fn kv_aware_cold_homing_evicts_the_least_wanted_prefix() {
     assert_eq!(d.worker, ws[1], "the rare prefix is the one to lose");
     let off = KvAwareConfig {
         home_evicts_least_wanted: false,
-        ..Default::default()
+        ..rule.clone()
     };
     let off = KvAwarePolicy::new(off, None);
     for _ in 0..8 {
@@ -952,12 +958,85 @@ fn kv_aware_cold_homing_evicts_the_least_wanted_prefix() {
     route(&off, &index, &rare);
     assert_eq!(route(&off, &index, &cold).worker, ws[0], "the hash home");
     // About as wanted (6 requests against 8): the rule abstains (the hash home).
-    let even = KvAwarePolicy::new(KvAwareConfig::default(), None);
+    let even = KvAwarePolicy::new(rule, None);
     for i in 0..8 {
         route(&even, &index, &hot);
         if i < 6 {
             route(&even, &index, &rare);
         }
+    }
+    assert_eq!(route(&even, &index, &cold).worker, ws[0]);
+}
+
+/// Cold homing plans by demand: where both workers are full, the prefixes routed lately
+/// fill the worker with the most demand homed on it first, up to what its cache holds
+/// (the most blocks its index has shown), so a rare prompt cached nowhere, left out of
+/// the plan, goes to the worker whose planned prefixes are clearly the least wanted,
+/// even where its hash home is the other and the other rules are off; where the two
+/// workers' demand is even, the plan does not decide and the hash does.
+#[test]
+fn kv_aware_plans_cold_homes_by_demand() {
+    let ledger = Ledger::new(BS);
+    let ws = workers(2);
+    let tenant = |t: u32| -> Vec<u32> { (0..512).map(|i| t * 10_000 + i).collect() };
+    let only_the_plan = KvAwareConfig {
+        home_remembers_last: false,
+        home_evicts_least_wanted: false,
+        home_hit_ratio_slack: 1.0,
+        ..Default::default()
+    };
+    let hash_only = KvAwareConfig {
+        home_plans_by_demand: false,
+        ..only_the_plan.clone()
+    };
+    let route = |policy: &KvAwarePolicy, index: &PrefixIndex, tokens: &[u32]| {
+        let keys = index.hasher().block_keys(tokens);
+        select(policy, Some(&keys), 512, None, &ws, &ledger, Some(index)).unwrap()
+    };
+    // Both engines are full (each evicted since its cache was cleared) and hold two
+    // tenants' prompts each: worker 0 tenants 2 and 3, worker 1 tenants 4 and 5.
+    let full_fleet = || {
+        let mut index = new_index();
+        for &w in &ws {
+            engine_caches(&mut index, w, &tenant(1));
+            engine_evicts(&mut index, w, &tenant(1));
+        }
+        for (w, t) in [(0, 2), (0, 3), (1, 4), (1, 5)] {
+            engine_caches(&mut index, ws[w], &tenant(t));
+        }
+        index
+    };
+    let index = full_fleet();
+    // A cold prompt whose hash home is worker 0.
+    let cold = (100..)
+        .map(tenant)
+        .find(|p| route(&KvAwarePolicy::new(hash_only.clone(), None), &index, p).worker == ws[0])
+        .unwrap();
+    // Worker 0's tenants are wanted (8 and 6 requests), worker 1's hardly (1 each).
+    let skewed = |config: &KvAwareConfig| {
+        let policy = KvAwarePolicy::new(config.clone(), None);
+        for (t, n, w) in [(2, 8, 0), (3, 6, 0), (4, 1, 1), (5, 1, 1)] {
+            for _ in 0..n {
+                assert_eq!(route(&policy, &index, &tenant(t)).worker, ws[w]);
+            }
+        }
+        policy
+    };
+    let d = route(&skewed(&only_the_plan), &index, &cold);
+    assert!(d.reason.starts_with("cold miss"), "{}", d.reason);
+    assert_eq!(d.worker, ws[1], "left out of the plan: the poorer worker");
+    assert_eq!(
+        route(&skewed(&hash_only), &index, &cold).worker,
+        ws[0],
+        "the hash home"
+    );
+    // Even demand (4 requests each): the plan does not decide, the hash does.
+    let even = KvAwarePolicy::new(only_the_plan, None);
+    for (t, w) in [(2, 0), (3, 0), (4, 1), (5, 1)] {
+        for _ in 0..4 {
+            route(&even, &index, &tenant(t));
+        }
+        assert_eq!(route(&even, &index, &tenant(t)).worker, ws[w]);
     }
     assert_eq!(route(&even, &index, &cold).worker, ws[0]);
 }
