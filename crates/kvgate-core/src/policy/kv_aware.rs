@@ -460,24 +460,25 @@ const PLAN_RANKING_MAX_AGE: Duration = Duration::from_secs(1);
 #[derive(Debug)]
 struct DemandRanking {
     at: Instant,
-    /// (demand, blocks, worker last routed to, prefix), most wanted first.
-    ranked: Vec<(f64, f64, WorkerId, BlockKey)>,
+    /// (demand, blocks, prefix), most wanted first.
+    ranked: Vec<(f64, f64, BlockKey)>,
     /// Per worker, the demand of the prefixes last routed to it.
     homed: FxHashMap<WorkerId, f64>,
 }
 
 /// The demand plan ([`KvAwareConfig::home_plans_by_demand`]) for a prefix cached
 /// nowhere with demand and length `own` (blocks): `ranked` gives the other prefixes
-/// still wanted, most wanted first, each with its demand, blocks and home (an index
-/// into `room`, or `None`: last routed elsewhere); `homed` the demand homed on each
-/// home; `room` what each home's cache holds, in blocks. The prefixes, most wanted
-/// first (of equal demand, the cold one last), fill the home with the most demand homed
-/// on it until the next one does not fit, then the next richest home, and so on.
+/// still wanted, most wanted first, each with its demand and blocks (wherever it was
+/// last routed: every prefix wanted takes room in the plan); `homed` the demand last
+/// routed to each home; `room` what each home's cache holds, in blocks. The prefixes,
+/// most wanted first (of equal demand, the cold one last), fill the home with the most
+/// demand homed on it until the next one does not fit, then the next richest home, and
+/// so on.
 /// Returns the cold prefix's home in the plan, or, where it is left out, the home whose
 /// planned demand is clearly below every other's ([`clearly_less_wanted`]), or `None`.
 /// Walks `ranked` only as far as the cold prefix's place or the last room.
 fn plan_by_demand(
-    ranked: impl IntoIterator<Item = (f64, f64, Option<usize>)>,
+    ranked: impl IntoIterator<Item = (f64, f64)>,
     own: (f64, f64),
     homed: &[f64],
     mut room: Vec<f64>,
@@ -497,7 +498,7 @@ fn plan_by_demand(
     };
     let mut own_home = None;
     let mut left_out = false;
-    for (demand, blocks, _) in ranked {
+    for (demand, blocks) in ranked {
         if demand < own.0 {
             break;
         }
@@ -1019,22 +1020,21 @@ impl KvAwarePolicy {
             *ranking = Some(self.rank_demand(now));
         }
         let ranking = ranking.as_ref()?;
-        let home_of = |w: WorkerId| homes.iter().position(|&i| lines[i].worker == w);
         let mut homed: Vec<f64> = homes
             .iter()
             .map(|&i| ranking.homed.get(&lines[i].worker).copied().unwrap_or(0.0))
             .collect();
         // The cold prefix's own demand is not its home's.
         if let Some(sent) = own {
-            if let Some(h) = home_of(sent.worker) {
+            if let Some(h) = homes.iter().position(|&i| lines[i].worker == sent.worker) {
                 homed[h] = (homed[h] - own_demand).max(0.0);
             }
         }
         let others = ranking
             .ranked
             .iter()
-            .filter(|r| r.3 != first)
-            .map(|&(demand, blocks, worker, _)| (demand, blocks, home_of(worker)));
+            .filter(|r| r.2 != first)
+            .map(|&(demand, blocks, _)| (demand, blocks));
         let room = {
             let full = self.full_blocks.lock();
             homes
@@ -1055,7 +1055,7 @@ impl KvAwarePolicy {
         self.last_sent
             .lock()
             .for_each_wanted(now, half_life, |key, sent, demand| {
-                ranked.push((demand, sent.blocks, sent.worker, key));
+                ranked.push((demand, sent.blocks, key));
                 *homed.entry(sent.worker).or_insert(0.0) += demand;
             });
         ranked.sort_by(|a, b| b.0.total_cmp(&a.0));
@@ -1209,7 +1209,7 @@ mod memory_tests {
                     homed[h] += demand;
                 }
             }
-            let mut ranked = others.to_vec();
+            let mut ranked: Vec<(f64, f64)> = others.iter().map(|&(d, b, _)| (d, b)).collect();
             ranked.sort_by(|a, b| b.0.total_cmp(&a.0));
             plan_by_demand(ranked, own, &homed, room.to_vec())
         };
@@ -1251,7 +1251,7 @@ mod memory_tests {
         assert_eq!(plan(&tie, (5.0, 4.0), [4.0, 4.0]), Some(Planned::In(1)));
         // The walk stops at the cold prefix's place: what follows is never read.
         let stops = plan_by_demand(
-            [(10.0, 4.0, Some(0)), (f64::NAN, f64::NAN, None)],
+            [(10.0, 4.0), (f64::NAN, f64::NAN)],
             (20.0, 4.0),
             &[10.0, 0.0],
             vec![8.0, 8.0],
