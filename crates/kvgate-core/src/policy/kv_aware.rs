@@ -142,7 +142,7 @@
 //! tenants' cold prompts to one engine and every other to the second was 2.1 points
 //! above kv_aware without the plan; the plan takes half of that. It acts before the
 //! hit-ratio bound because the engine that takes the overflow has the lower hit ratio
-//! by design (after the bound, a first version lost 2 points in Zipf). Under even
+//! by design (versions acting after the bound lost 1-2 points in Zipf). Under even
 //! demand the order follows noise, so the plan can move a prefix the last-home rule
 //! would have kept (a prefix left out of every home it leaves to the later rules
 //! unless one home's planned demand is clearly the least); measured, that costs
