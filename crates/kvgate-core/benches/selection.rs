@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use kvgate_core::policy::{KvAwareConfig, KvAwarePolicy};
 use kvgate_core::{
-    BlockHasher, FleetView, IndexConfig, Ledger, PrefixIndex, RouteRequest, RoutingPolicy,
-    StoredBlocks, Tier, WorkerId, WorkerRef,
+    BlockHasher, Decision, FleetView, IndexConfig, Ledger, PrefixIndex, RouteRequest,
+    RoutingPolicy, StoredBlocks, Tier, WorkerId, WorkerRef,
 };
 use support::mooncake::{scenario, Scenario, StoredEvent};
 
@@ -33,6 +33,29 @@ fn populated(s: &Scenario) -> PrefixIndex {
         ev.apply_to(&mut index);
     }
     index
+}
+
+/// kv_aware's decision for `tokens` (hashed here, as the gateway does) over `candidates`.
+fn select(
+    policy: &KvAwarePolicy,
+    index: &PrefixIndex,
+    candidates: &[WorkerId],
+    ledger: &Ledger,
+    tokens: &[u32],
+) -> Decision {
+    let keys = index.hasher().block_keys(tokens);
+    let req = RouteRequest {
+        block_keys: Some(&keys),
+        prompt_tokens: tokens.len() as u32,
+        session_key: None,
+        now: Instant::now(),
+    };
+    let view = FleetView {
+        candidates,
+        ledger,
+        index: Some(index),
+    };
+    policy.select(&req, &view).expect("select")
 }
 
 fn benches(c: &mut Criterion) {
@@ -60,20 +83,7 @@ fn benches(c: &mut Criterion) {
     g.bench_function("select_8k_tokens_1M_blocks_16_workers", |b| {
         b.iter(|| {
             q = (q + 1) % s.queries.len();
-            let tokens = &s.queries[q];
-            let keys = hasher.block_keys(tokens);
-            let req = RouteRequest {
-                block_keys: Some(&keys),
-                prompt_tokens: tokens.len() as u32,
-                session_key: None,
-                now: Instant::now(),
-            };
-            let view = FleetView {
-                candidates: &candidates,
-                ledger: &ledger,
-                index: Some(&index),
-            };
-            black_box(policy.select(&req, &view).expect("select"))
+            black_box(select(&policy, &index, &candidates, &ledger, &s.queries[q]))
         })
     });
     g.bench_function("hash_and_lookup_8k_tokens_1M_blocks", |b| {
@@ -163,22 +173,9 @@ fn cold_benches(c: &mut Criterion) {
         let last = hashes.len() - 1;
         index.apply_removed(at, &hashes[last..], Some(Tier::Device));
     }
-    let hasher = *index.hasher();
     let ledger = Ledger::new(BLOCK_SIZE as u32);
     let decide = |policy: &KvAwarePolicy, tokens: &[u32]| {
-        let keys = hasher.block_keys(tokens);
-        let req = RouteRequest {
-            block_keys: Some(&keys),
-            prompt_tokens: tokens.len() as u32,
-            session_key: None,
-            now: Instant::now(),
-        };
-        let view = FleetView {
-            candidates: &candidates,
-            ledger: &ledger,
-            index: Some(&index),
-        };
-        policy.select(&req, &view).expect("select").worker
+        select(policy, &index, &candidates, &ledger, tokens).worker
     };
     let cold: Vec<Vec<u32>> = (0..COLD_PROMPTS)
         .map(|n| own_prompt(n + WANTED_PREFIXES))
