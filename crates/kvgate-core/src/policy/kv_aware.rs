@@ -496,21 +496,13 @@ fn plan_by_demand(
         planned[h] += demand;
         Some(h)
     };
-    let mut own_home = None;
-    let mut left_out = false;
-    for (demand, blocks) in ranked {
-        if demand < own.0 {
-            break;
-        }
-        if place((demand, blocks)).is_none() {
-            left_out = true;
-            break;
-        }
-    }
-    if !left_out {
-        own_home = place(own);
-    }
-    if let Some(h) = own_home {
+    // The prefixes wanted at least as much as the cold one take their places first; if
+    // one of them is left out, so is the cold one.
+    let room_left = ranked
+        .into_iter()
+        .take_while(|&(demand, _)| demand >= own.0)
+        .all(|prefix| place(prefix).is_some());
+    if let Some(h) = room_left.then(|| place(own)).flatten() {
         return Some(Planned::In(h));
     }
     let mut least_first: Vec<usize> = (0..planned.len()).collect();
