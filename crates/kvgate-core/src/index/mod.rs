@@ -183,6 +183,10 @@ struct SlotState {
     /// The engine's hash of every block the slot holds → where the block is.
     engine_map: EngineMap,
     entries: usize,
+    /// The most entries the slot has held since it was last cleared: what its engine's
+    /// cache holds once full (an index shows fewer blocks than the cache while prompts
+    /// are being prefilled, so the largest count seen is the estimate).
+    peak_entries: usize,
     /// Whether the engine evicted a device block since its cache was last cleared:
     /// until it does, it has room (an engine evicts only to make room).
     evicting: bool,
@@ -197,9 +201,15 @@ impl SlotState {
             at,
             engine_map: EngineMap::default(),
             entries: 0,
+            peak_entries: 0,
             evicting: false,
             applied_seq: None,
         }
+    }
+
+    fn add_entry(&mut self) {
+        self.entries += 1;
+        self.peak_entries = self.peak_entries.max(self.entries);
     }
 }
 
@@ -337,6 +347,12 @@ impl PrefixIndex {
     /// Entries held by each of `workers` (all its ranks together), in `workers` order.
     pub fn entries_of(&self, workers: &[WorkerId]) -> Vec<usize> {
         self.per_worker(workers, |n, s| *n += s.entries)
+    }
+
+    /// The most entries each of `workers` (all its ranks together) has held since each
+    /// rank was last cleared, in `workers` order: what its cache holds once full.
+    pub fn peak_entries_of(&self, workers: &[WorkerId]) -> Vec<usize> {
+        self.per_worker(workers, |n, s| *n += s.peak_entries)
     }
 
     /// One value per worker of `workers` (in that order), folded over its ranks' slots.
@@ -891,7 +907,7 @@ impl PrefixIndex {
         if is_new {
             self.live += 1;
             if let Some(state) = self.slot_mut(slot) {
-                state.entries += 1;
+                state.add_entry();
             }
         }
         if let Some(old) = replaced {
@@ -945,7 +961,7 @@ impl PrefixIndex {
         self.queue_store(pos.node, stamp, slot, tier);
         self.live += 1;
         if let Some(state) = self.slot_mut(slot) {
-            state.entries += 1;
+            state.add_entry();
         }
         Some(self.map_block(slot, pos, engine_hash))
     }
@@ -1148,6 +1164,7 @@ impl PrefixIndex {
         let map = match self.slot_mut(slot) {
             Some(state) => {
                 state.entries = 0;
+                state.peak_entries = 0;
                 state.evicting = false;
                 state.applied_seq = None;
                 std::mem::take(&mut state.engine_map)

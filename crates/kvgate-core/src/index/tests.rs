@@ -169,6 +169,61 @@ fn clear_twice_is_harmless_and_other_workers_keep_their_blocks() {
     assert_eq!(run_of(&idx, &[1, 2, 3, 4], 0), [1, 0, 0]);
 }
 
+/// A worker's peak is the most entries its ranks have held since each was last
+/// cleared: removals leave it, a clear of a rank drops that rank's share, and a
+/// worker's ranks add up; one the index knows nothing of has none.
+#[test]
+fn a_workers_peak_is_the_most_entries_since_its_last_clear() {
+    let mut idx = index(1000);
+    let tokens: Vec<u32> = (0..(8 * BS)).collect();
+    let blocks = |n: usize| &tokens[..n * BS as usize];
+    store(
+        &mut idx,
+        at(0, 0),
+        &[1, 2, 3, 4],
+        None,
+        blocks(4),
+        Tier::Device,
+    )
+    .unwrap();
+    assert_eq!(idx.peak_entries_of(&[WorkerId(0)]), vec![4]);
+    idx.apply_removed(at(0, 0), &[4, 3], None);
+    assert_eq!(idx.worker_len(at(0, 0)), 2);
+    assert_eq!(
+        idx.peak_entries_of(&[WorkerId(0)]),
+        vec![4],
+        "a removal leaves the peak"
+    );
+    store(
+        &mut idx,
+        at(0, 0),
+        &[3],
+        Some(2),
+        &tokens[2 * BS as usize..3 * BS as usize],
+        Tier::Device,
+    )
+    .unwrap();
+    assert_eq!(
+        idx.peak_entries_of(&[WorkerId(0)]),
+        vec![4],
+        "below the peak"
+    );
+    store(&mut idx, at(0, 1), &[1, 2], None, blocks(2), Tier::Device).unwrap();
+    assert_eq!(
+        idx.peak_entries_of(&[WorkerId(1), WorkerId(0)]),
+        vec![0, 6],
+        "a worker's ranks add up; an unknown worker holds nothing"
+    );
+    idx.clear(at(0, 0));
+    assert_eq!(
+        idx.peak_entries_of(&[WorkerId(0)]),
+        vec![2],
+        "a clear drops the rank's peak"
+    );
+    store(&mut idx, at(0, 0), &[1], None, blocks(1), Tier::Device).unwrap();
+    assert_eq!(idx.peak_entries_of(&[WorkerId(0)]), vec![3]);
+}
+
 /// A rank is evicting from its engine's first device removal until its cache is
 /// cleared; the index's own cap is not the engine evicting, nor is a host-tier removal;
 /// a loaded snapshot's flag carries over; an unknown rank holds nothing (not evicting).
@@ -462,6 +517,10 @@ fn assert_bookkeeping(idx: &PrefixIndex) {
             state.entries,
             entries.get(&slot).copied().unwrap_or(0),
             "entries of slot {slot}"
+        );
+        assert!(
+            state.peak_entries >= state.entries,
+            "the peak of slot {slot} is below its entries"
         );
         let expected: BTreeMap<(u16, u64), super::tree::Pos> = mapped
             .iter()

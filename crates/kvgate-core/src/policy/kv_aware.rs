@@ -128,8 +128,9 @@
 //! most wanted first: to the home with the most demand homed on it (the prefixes last
 //! routed there) until the next prefix does not fit, then to the next richest home, and
 //! so on. A prefix takes its last prompt's blocks; a home holds what its cache holds
-//! once full, the most blocks its index has shown since its engine last had room (an
-//! index shows fewer while prompts are being prefilled). The prompt goes to the home
+//! once full, the most blocks its index has held since its engine's cache was last
+//! cleared (`PrefixIndex::peak_entries_of`; an index shows fewer while prompts are
+//! being prefilled). The prompt goes to the home
 //! the plan gives its prefix; a prefix left out of every home goes to the home whose
 //! planned prefixes are clearly the least wanted ([`clearly_less_wanted`] on the
 //! sums), and where none is, the later rules decide. Why: with skewed popularity
@@ -614,11 +615,6 @@ pub struct KvAwarePolicy {
     rng: Mutex<SmallRng>,
     last_sent: Mutex<LastSent>,
     recency: Mutex<PrefixRecency>,
-    /// What each worker's cache holds once full, in blocks, for the demand plan: the
-    /// most entries its index has shown since its engine last had room (while it has
-    /// room, the current count). An index shows fewer blocks than the engine's cache
-    /// while prompts are being prefilled, so the largest count seen is the estimate.
-    full_blocks: Mutex<FxHashMap<WorkerId, usize>>,
     /// The demand plan's ranking of the prefixes still wanted, made at most
     /// [`PLAN_RANKING_MAX_AGE`] ago.
     demand_ranking: Mutex<Option<DemandRanking>>,
@@ -631,7 +627,6 @@ impl KvAwarePolicy {
             rng: rng(seed),
             last_sent: Mutex::new(LastSent::default()),
             recency: Mutex::new(PrefixRecency::default()),
-            full_blocks: Mutex::new(FxHashMap::default()),
             demand_ranking: Mutex::new(None),
         }
     }
@@ -695,9 +690,6 @@ impl RoutingPolicy for KvAwarePolicy {
         let costs = self.costs(&mut lines, &cached.blocks, prompt_blocks, block_size);
         let entries = index.entries_of(view.candidates);
         let evicting = index.evicting_of(view.candidates);
-        if self.config.home_plans_by_demand {
-            self.note_full_blocks(&lines, &entries, &evicting);
-        }
         let choice = self.choose(
             &lines,
             &cached.blocks,
@@ -756,7 +748,6 @@ impl RoutingPolicy for KvAwarePolicy {
     fn workers_changed(&self, workers: &[(WorkerId, &str)]) {
         let known: Vec<WorkerId> = workers.iter().map(|(w, _)| *w).collect();
         self.recency.lock().retain(&known);
-        self.full_blocks.lock().retain(|w, _| known.contains(w));
     }
 }
 
@@ -917,7 +908,7 @@ impl KvAwarePolicy {
             // first, before the hit-ratio bound (the module comment says why).
             if c.home_plans_by_demand && with_room.is_empty() && within_load.len() > 1 {
                 if let Some(planned) =
-                    self.planned_home(lines, &within_load, *first, prompt_blocks, now)
+                    self.planned_home(lines, &within_load, *first, prompt_blocks, index, now)
                 {
                     return Some(planned);
                 }
@@ -980,25 +971,18 @@ impl KvAwarePolicy {
         }
     }
 
-    /// Records what each candidate's cache holds once full ([`Self::full_blocks`]).
-    fn note_full_blocks(&self, lines: &[WorkerScore], entries: &[usize], evicting: &[bool]) {
-        let mut full = self.full_blocks.lock();
-        for ((line, &n), &evicts) in lines.iter().zip(entries).zip(evicting) {
-            let held = full.entry(line.worker).or_insert(0);
-            *held = if evicts { (*held).max(n) } else { n };
-        }
-    }
-
     /// Of `homes` (all full), where the demand plan ([`plan_by_demand`]) sends the
     /// prefix `first`, `prompt_blocks` long, cached nowhere; `None` where it does not
-    /// say. The ranking of the prefixes still wanted is made again when it is older
-    /// than [`PLAN_RANKING_MAX_AGE`].
+    /// say. A home holds what its cache holds once full: the most entries its index has
+    /// held since its engine's cache was last cleared. The ranking of the prefixes still
+    /// wanted is made again when it is older than [`PLAN_RANKING_MAX_AGE`].
     fn planned_home(
         &self,
         lines: &[WorkerScore],
         homes: &[usize],
         first: BlockKey,
         prompt_blocks: f64,
+        index: &PrefixIndex,
         now: Instant,
     ) -> Option<usize> {
         let half_life = self.config.home_demand_half_life_secs;
@@ -1027,13 +1011,12 @@ impl KvAwarePolicy {
             .iter()
             .filter(|r| r.2 != first)
             .map(|&(demand, blocks, _)| (demand, blocks));
-        let room = {
-            let full = self.full_blocks.lock();
-            homes
-                .iter()
-                .map(|&i| full.get(&lines[i].worker).copied().unwrap_or(0) as f64)
-                .collect()
-        };
+        let workers: Vec<WorkerId> = homes.iter().map(|&i| lines[i].worker).collect();
+        let room = index
+            .peak_entries_of(&workers)
+            .into_iter()
+            .map(|blocks| blocks as f64)
+            .collect();
         match plan_by_demand(others, (own_demand, prompt_blocks), &homed, room)? {
             Planned::In(h) | Planned::Overflow(h) => Some(homes[h]),
         }

@@ -1041,6 +1041,73 @@ fn kv_aware_plans_cold_homes_by_demand() {
     assert_eq!(route(&even, &index, &cold).worker, ws[0]);
 }
 
+/// The demand plan sizes a full home by the most its cache has held, not by what its
+/// index shows at the decision: worker 0 once held three tenants' prompts and now
+/// shows two (an engine's index is short while a prefill runs, or after it evicted
+/// for one), so a cold prefix wanted more than worker 1's tenants joins worker 0's
+/// two most wanted there. Where worker 0 never held more than two, the plan puts it
+/// with worker 1's.
+#[test]
+fn kv_aware_plans_homes_by_what_their_full_caches_held() {
+    let ledger = Ledger::new(BS);
+    let ws = workers(2);
+    let tenant = |t: u32| -> Vec<u32> { (0..512).map(|i| t * 10_000 + i).collect() };
+    let only_the_plan = KvAwareConfig {
+        home_remembers_last: false,
+        home_evicts_least_wanted: false,
+        home_hit_ratio_slack: 1.0,
+        ..Default::default()
+    };
+    let route = |policy: &KvAwarePolicy, index: &PrefixIndex, tokens: &[u32]| {
+        let keys = index.hasher().block_keys(tokens);
+        select(policy, Some(&keys), 512, None, &ws, &ledger, Some(index)).unwrap()
+    };
+    // Both engines are full and now hold two tenants each: worker 0 tenants 2 and 3,
+    // worker 1 tenants 4 and 5. Worker 0 held tenant 1 beside its two before it
+    // evicted it, or (`held_three` false) evicted it before caching them.
+    let fleet = |held_three: bool| {
+        let mut index = new_index();
+        engine_caches(&mut index, ws[0], &tenant(1));
+        if !held_three {
+            engine_evicts(&mut index, ws[0], &tenant(1));
+        }
+        engine_caches(&mut index, ws[0], &tenant(2));
+        engine_caches(&mut index, ws[0], &tenant(3));
+        if held_three {
+            engine_evicts(&mut index, ws[0], &tenant(1));
+        }
+        engine_caches(&mut index, ws[1], &tenant(6));
+        engine_evicts(&mut index, ws[1], &tenant(6));
+        engine_caches(&mut index, ws[1], &tenant(4));
+        engine_caches(&mut index, ws[1], &tenant(5));
+        index
+    };
+    // The cold prefix was asked for 5 times while worker 1 held it (evicted since),
+    // worker 0's tenants 8 and 6 times, worker 1's once each. (No earlier decision is
+    // a cold one: it would rank the demand then, and the plan keeps a ranking a
+    // second.)
+    let cold = tenant(100);
+    let home_of_cold = |held_three: bool| {
+        let index = fleet(held_three);
+        let mut held_cold = fleet(held_three);
+        engine_caches(&mut held_cold, ws[1], &cold);
+        let policy = KvAwarePolicy::new(only_the_plan.clone(), None);
+        for _ in 0..5 {
+            assert_eq!(route(&policy, &held_cold, &cold).worker, ws[1]);
+        }
+        for (t, n) in [(2, 8), (3, 6), (4, 1), (5, 1)] {
+            for _ in 0..n {
+                route(&policy, &index, &tenant(t));
+            }
+        }
+        let d = route(&policy, &index, &cold);
+        assert!(d.reason.starts_with("cold miss"), "{}", d.reason);
+        d.worker
+    };
+    assert_eq!(home_of_cold(true), ws[0], "room for a third on worker 0");
+    assert_eq!(home_of_cold(false), ws[1], "worker 0 is full with two");
+}
+
 /// Four workers; worker 0 caches a conversation's history and has prompts of the given
 /// sizes queued (booked, prefill not done); the next turn adds 512 new tokens.
 struct QueuedHolder {
