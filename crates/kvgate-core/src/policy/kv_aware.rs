@@ -130,10 +130,10 @@
 //! so on. A prefix takes its last prompt's blocks; a home holds what its cache holds
 //! once full, the most blocks its index has held since its engine's cache was last
 //! cleared (`PrefixIndex::peak_entries_of`; an index shows fewer while prompts are
-//! being prefilled). The prompt goes to the home
-//! the plan gives its prefix; a prefix left out of every home goes to the home whose
-//! planned prefixes are clearly the least wanted ([`clearly_less_wanted`] on the
-//! sums), and where none is, the later rules decide. Why: with skewed popularity
+//! being prefilled). The prompt goes to the home the plan gives its prefix; a prefix
+//! left out of every home goes to the home whose planned prefixes are clearly the
+//! least wanted ([`clearly_less_wanted`] on the sums), and where none is, the later
+//! rules decide. Why: with skewed popularity
 //! (Zipf), an engine that caches the most wanted prefixes and also takes a share of the
 //! rarely wanted ones, cached nowhere, evicts hot prefixes for each cold prefill; they
 //! come back cold. Gathering the most wanted prefixes on the engines that hold them
