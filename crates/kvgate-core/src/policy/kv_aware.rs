@@ -133,10 +133,9 @@
 //! being prefilled). The prompt goes to the home the plan gives its prefix; a prefix
 //! left out of every home goes to the home whose planned prefixes are clearly the
 //! least wanted ([`clearly_less_wanted`] on the sums), and where none is, the later
-//! rules decide. Why: with skewed popularity
-//! (Zipf), an engine that caches the most wanted prefixes and also takes a share of the
-//! rarely wanted ones, cached nowhere, evicts hot prefixes for each cold prefill; they
-//! come back cold. Gathering the most wanted prefixes on the engines that hold them
+//! rules decide. Why: with skewed popularity (Zipf), an engine that caches the most
+//! wanted prefixes and also takes a share of the rarely wanted ones, cached nowhere,
+//! evicts hot prefixes for each cold prefill; they come back cold. Gathering the most wanted prefixes on the engines that hold them
 //! best and sending what does not fit to the engine with the least to lose keeps the
 //! fleet's cache on what is asked for, which a rule comparing single victims cannot
 //! see (a cache never holds more than it fits). An oracle that sent the five hottest
