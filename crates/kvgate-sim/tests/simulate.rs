@@ -325,6 +325,18 @@ fn plan_finds_the_smallest_fleet_that_meets_the_target() {
     assert!(result.render_markdown().contains(&format!("{n} engines")));
 }
 
+/// Asserts that row `with` beats row `without` by more than `margin` in prefix hit rate
+/// on `kind`'s scenario with 400-block caches and `seed` ([`scenario_400_hit`]).
+fn assert_row_beats(kind: ScenarioKind, seed: u64, with: &str, without: &str, margin: f64) {
+    let hit = scenario_400_hit(kind, seed);
+    let (with_hit, without_hit) = (hit(with), hit(without));
+    eprintln!("{with}: {with_hit}, {without}: {without_hit}");
+    assert!(
+        with_hit > without_hit + margin,
+        "{with}: {with_hit}, {without}: {without_hit}"
+    );
+}
+
 /// A scenario's workload with 400-block caches on two engines, 120 virtual seconds
 /// (`kvgate simulate scenarios --num-blocks 400 --duration 120`): the prefix hit rate of
 /// a row spec on `seed`.
@@ -409,11 +421,13 @@ fn kv_aware_spreads_tenants_that_one_cache_cannot_hold() {
 /// keeps this seed at 89.5% without the memory), is off in both rows.
 #[test]
 fn kv_aware_homes_a_prefix_on_the_worker_it_last_lived_on_once_caches_are_full() {
-    let hit = scenario_400_hit(ScenarioKind::Steady, 6);
-    let with = hit("kv_aware@home-plans-by-demand=false");
-    let without = hit("kv_aware@home-plans-by-demand=false@home-remembers-last=false");
-    eprintln!("with the memory {with}, without {without}");
-    assert!(with > without + 0.01, "with {with}, without {without}");
+    assert_row_beats(
+        ScenarioKind::Steady,
+        6,
+        "kv_aware@home-plans-by-demand=false",
+        "kv_aware@home-plans-by-demand=false@home-remembers-last=false",
+        0.01,
+    );
 }
 
 /// Cold homing evicts the least wanted prefix: with Zipf tenant popularity (32 tenants,
@@ -424,11 +438,13 @@ fn kv_aware_homes_a_prefix_on_the_worker_it_last_lived_on_once_caches_are_full()
 /// plan, which decides first where it can, is off in both rows.
 #[test]
 fn kv_aware_homes_a_cold_prefix_where_it_evicts_the_least_wanted_one() {
-    let hit = scenario_400_hit(ScenarioKind::Zipf, 3);
-    let with = hit("kv_aware@home-plans-by-demand=false");
-    let without = hit("kv_aware@home-plans-by-demand=false@home-evicts-least-wanted=false");
-    eprintln!("with the rule {with}, without {without}");
-    assert!(with > without + 0.02, "with {with}, without {without}");
+    assert_row_beats(
+        ScenarioKind::Zipf,
+        3,
+        "kv_aware@home-plans-by-demand=false",
+        "kv_aware@home-plans-by-demand=false@home-evicts-least-wanted=false",
+        0.02,
+    );
 }
 
 /// Cold homing plans by demand: with Zipf tenant popularity, the most wanted tenants
@@ -439,11 +455,13 @@ fn kv_aware_homes_a_cold_prefix_where_it_evicts_the_least_wanted_one() {
 /// 64.0%, docs/BENCHMARKS.md).
 #[test]
 fn kv_aware_plans_cold_homes_by_demand_under_skewed_popularity() {
-    let hit = scenario_400_hit(ScenarioKind::Zipf, 8);
-    let with = hit("kv_aware");
-    let without = hit("kv_aware@home-plans-by-demand=false");
-    eprintln!("with the plan {with}, without {without}");
-    assert!(with > without + 0.02, "with {with}, without {without}");
+    assert_row_beats(
+        ScenarioKind::Zipf,
+        8,
+        "kv_aware",
+        "kv_aware@home-plans-by-demand=false",
+        0.02,
+    );
 }
 
 /// The router reads each engine's queue as the gateway scrapes its metrics: requests

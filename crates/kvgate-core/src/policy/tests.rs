@@ -899,6 +899,35 @@ fn kv_aware_cold_homing_prefers_a_worker_with_room() {
     assert_eq!(index.evicting_of(&[host]), vec![false]);
 }
 
+/// Tenant `t`'s 512-token prompt (no token shared with another tenant's).
+fn tenant_prompt(t: u32) -> Vec<u32> {
+    (0..512).map(|i| t * 10_000 + i).collect()
+}
+
+/// `policy`'s decision for a prompt of `tokens` (512 of them) over `ws`, no session.
+fn route_prompt(
+    policy: &KvAwarePolicy,
+    index: &PrefixIndex,
+    ws: &[WorkerId],
+    ledger: &Ledger,
+    tokens: &[u32],
+) -> Decision {
+    let keys = index.hasher().block_keys(tokens);
+    select(policy, Some(&keys), 512, None, ws, ledger, Some(index)).unwrap()
+}
+
+/// kv_aware whose cold homing, where every home is full, has only the demand plan
+/// before the rendezvous hash: the least-wanted and last-home rules are off, and the
+/// hit-ratio bound never narrows the homes.
+fn only_the_demand_plan() -> KvAwareConfig {
+    KvAwareConfig {
+        home_remembers_last: false,
+        home_evicts_least_wanted: false,
+        home_hit_ratio_slack: 1.0,
+        ..Default::default()
+    }
+}
+
 /// Cold homing evicts the least wanted prefix: where both workers are full, a prompt
 /// cached nowhere goes to the one whose next eviction (the prefix this router sent it
 /// longest ago that it still holds) was requested clearly less lately, even where its
@@ -909,7 +938,7 @@ fn kv_aware_cold_homing_evicts_the_least_wanted_prefix() {
     let ledger = Ledger::new(BS);
     let mut index = new_index();
     let ws = workers(2);
-    let tenant = |t: u32| -> Vec<u32> { (0..512).map(|i| t * 10_000 + i).collect() };
+    let tenant = tenant_prompt;
     let hash_only = KvAwareConfig {
         home_remembers_last: false,
         home_evicts_least_wanted: false,
@@ -922,8 +951,7 @@ fn kv_aware_cold_homing_evicts_the_least_wanted_prefix() {
         ..Default::default()
     };
     let route = |policy: &KvAwarePolicy, index: &PrefixIndex, tokens: &[u32]| {
-        let keys = index.hasher().block_keys(tokens);
-        select(policy, Some(&keys), 512, None, &ws, &ledger, Some(index)).unwrap()
+        route_prompt(policy, index, &ws, &ledger, tokens)
     };
     // Both engines are full: each evicted a prefix since its cache was cleared.
     for &w in &ws {
@@ -978,20 +1006,14 @@ fn kv_aware_cold_homing_evicts_the_least_wanted_prefix() {
 fn kv_aware_plans_cold_homes_by_demand() {
     let ledger = Ledger::new(BS);
     let ws = workers(2);
-    let tenant = |t: u32| -> Vec<u32> { (0..512).map(|i| t * 10_000 + i).collect() };
-    let only_the_plan = KvAwareConfig {
-        home_remembers_last: false,
-        home_evicts_least_wanted: false,
-        home_hit_ratio_slack: 1.0,
-        ..Default::default()
-    };
+    let tenant = tenant_prompt;
+    let only_the_plan = only_the_demand_plan();
     let hash_only = KvAwareConfig {
         home_plans_by_demand: false,
         ..only_the_plan.clone()
     };
     let route = |policy: &KvAwarePolicy, index: &PrefixIndex, tokens: &[u32]| {
-        let keys = index.hasher().block_keys(tokens);
-        select(policy, Some(&keys), 512, None, &ws, &ledger, Some(index)).unwrap()
+        route_prompt(policy, index, &ws, &ledger, tokens)
     };
     // Both engines are full (each evicted since its cache was cleared) and hold two
     // tenants' prompts each: worker 0 tenants 2 and 3, worker 1 tenants 4 and 5.
@@ -1051,16 +1073,10 @@ fn kv_aware_plans_cold_homes_by_demand() {
 fn kv_aware_plans_homes_by_what_their_full_caches_held() {
     let ledger = Ledger::new(BS);
     let ws = workers(2);
-    let tenant = |t: u32| -> Vec<u32> { (0..512).map(|i| t * 10_000 + i).collect() };
-    let only_the_plan = KvAwareConfig {
-        home_remembers_last: false,
-        home_evicts_least_wanted: false,
-        home_hit_ratio_slack: 1.0,
-        ..Default::default()
-    };
+    let tenant = tenant_prompt;
+    let only_the_plan = only_the_demand_plan();
     let route = |policy: &KvAwarePolicy, index: &PrefixIndex, tokens: &[u32]| {
-        let keys = index.hasher().block_keys(tokens);
-        select(policy, Some(&keys), 512, None, &ws, &ledger, Some(index)).unwrap()
+        route_prompt(policy, index, &ws, &ledger, tokens)
     };
     // Both engines are full and now hold two tenants each: worker 0 tenants 2 and 3,
     // worker 1 tenants 4 and 5. Worker 0 held tenant 1 beside its two before it
