@@ -44,10 +44,8 @@ def serve_url(tmp_path_factory):
     # An ingress whose process cannot import kvgate's native module: a copy of the
     # pure-Python package first on its path, without `_native`.
     shadow = tmp_path_factory.mktemp("shadow")
-    pkg = Path(kray.__file__).parent
-    (shadow / "kvgate").mkdir()
-    for f in pkg.glob("*.py"):
-        shutil.copy(f, shadow / "kvgate" / f.name)
+    pkg = Path(kray.__file__).parents[1]  # kvgate/ (kvgate.ray is kvgate/ray/__init__.py)
+    shutil.copytree(pkg, shadow / "kvgate", ignore=shutil.ignore_patterns("_native*", "__pycache__"))
     serve.run(
         build_app(
             replicas=1,
