@@ -13,6 +13,8 @@ import pytest
 # Ray on loopback: without this (read when ray is imported) Ray rewrites 127.0.0.1 to the
 # machine's interface address, and a driver cannot join a cluster started on loopback.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# The Ray clusters the tests start live on loopback for one run: no token auth.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 REPO = Path(__file__).resolve().parents[3]
 QWEN3 = REPO / "fixtures" / "qwen3-tokenizer"

@@ -24,6 +24,7 @@ from pathlib import Path
 # Read when ray is imported: see RAY_ENV below (set here for the processes that import this
 # module before ray).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 REPO = Path(__file__).resolve().parents[3]
 TOKENIZER = REPO / "fixtures" / "qwen3-tokenizer"
@@ -38,6 +39,8 @@ RAY_ENV = {
     # to the machine's interface address.
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_USAGE_STATS_ENABLED": "0",
+    # A cluster on loopback for one test or benchmark run: no token to hand around.
+    "RAY_AUTH_MODE": "disabled",
 }
 #: The engines: block size 32 (the CPU backend needs a multiple of 32), a small cache.
 BLOCK_SIZE = 32
@@ -61,7 +64,9 @@ ENGINE_ENV = {
 }
 #: The routers the benchmark compares (request_router_config).
 ROUTERS = {
-    "pow2": None,  # Ray's default, PowerOfTwoChoices
+    "pow2": {"request_router_class": "ray.serve._private.request_router.pow_2_router:PowerOfTwoChoicesRequestRouter"},
+    # What an LLMConfig that names no router gets in Ray 2.60 (Serve LLM's RoundRobinRouter).
+    "ray_default": None,
     "prefix_tree": {"request_router_class": "ray.serve.llm.request_router:PrefixCacheAffinityRouter"},
     "dynamo": {"request_router_class": "ray.serve.llm.request_router:KVAwareRouter"},
     "kvgate": {"request_router_class": "kvgate.ray.llm:KVAwareRouter"},

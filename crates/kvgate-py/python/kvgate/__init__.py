@@ -1,7 +1,9 @@
 """kvgate: KV-cache-aware request routing for LLM fleets.
 
 The selection service and the tokenizer come from kvgate's Rust core (``kvgate._native``),
-the same code ``kvgate serve`` routes with. ``kvgate.ray`` is the Ray Serve request router.
+the same code ``kvgate serve`` routes with. ``kvgate.ray.llm`` is the router for Ray Serve
+LLM (one line in an ``LLMConfig``); ``kvgate.ray`` the Ray Serve request router for apps
+of your own.
 
 The native module is imported on first use, not when ``kvgate`` is imported: Ray pickles
 actor classes by value, so a process that only routes (or only unpickles) never needs it.
