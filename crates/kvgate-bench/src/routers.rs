@@ -519,6 +519,10 @@ pub async fn start(
             name.push_str(&format!("-r{r}"));
             args.extend(["--replica-id".into(), format!("r{r}")]);
             if spec.policy_spec().synced() {
+                // Peers authenticate to each other with the admin token (required).
+                if !args.iter().any(|a| a == "--admin-token") {
+                    args.extend(["--admin-token".into(), "kvgate-bench-peers".into()]);
+                }
                 for (j, peer) in urls.iter().enumerate() {
                     if j != r {
                         args.extend(["--peer".into(), peer.clone()]);

@@ -17,19 +17,19 @@ use kvgate_core::WorkerId;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::auth::check_bearer;
+use crate::auth::require_bearer;
 use crate::config::WorkerConfig;
 use crate::errors::ApiError;
 use crate::gateway::Gateway;
 use crate::registry::{ModelState, Worker};
 
 fn guard(gw: &Gateway, headers: &http::HeaderMap) -> Result<(), ApiError> {
-    match gw.config.admin_token.as_deref() {
-        None => Err(ApiError::not_found(
-            "the admin API is disabled: start the gateway with --admin-token",
-        )),
-        Some(t) => check_bearer(headers, Some(t), "admin token"),
-    }
+    require_bearer(
+        headers,
+        gw.config.admin_token.as_deref(),
+        "admin token",
+        "the admin API endpoints",
+    )
 }
 
 pub fn worker_json(model: &ModelState, pool: &str, w: &Worker) -> Value {

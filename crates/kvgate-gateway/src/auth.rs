@@ -1,4 +1,5 @@
-//! Bearer-token checks for the client API key and the admin token.
+//! Bearer-token checks for the client API key and the admin token (which also guards
+//! the peer endpoints).
 //!
 //! Owns constant-time comparison of `Authorization: Bearer <token>` against a
 //! configured secret. Must not log or echo secrets.
@@ -27,6 +28,23 @@ pub fn check_bearer(
         None => Err(ApiError::unauthorized(format!(
             "missing {what}: send Authorization: Bearer <{what}>"
         ))),
+    }
+}
+
+/// For endpoints that are off unless a token is configured (the admin API, the peer
+/// endpoints): 404 naming the flag that turns them on when none is, else
+/// [`check_bearer`].
+pub fn require_bearer(
+    headers: &HeaderMap,
+    expected: Option<&str>,
+    what: &str,
+    endpoints: &str,
+) -> Result<(), ApiError> {
+    match expected {
+        None => Err(ApiError::not_found(format!(
+            "{endpoints} are disabled: start the gateway with --admin-token"
+        ))),
+        Some(t) => check_bearer(headers, Some(t), what),
     }
 }
 
@@ -61,5 +79,15 @@ mod tests {
         assert!(check_bearer(&h, Some("k"), "API key").is_ok());
         h.insert(header::AUTHORIZATION, HeaderValue::from_static("Basic k"));
         assert!(check_bearer(&h, Some("k"), "API key").is_err());
+    }
+
+    #[test]
+    fn required_tokens_refuse_everyone_when_none_is_configured() {
+        let mut h = HeaderMap::new();
+        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer k"));
+        let off = require_bearer(&h, None, "admin token", "the peer endpoints").unwrap_err();
+        assert_eq!(off.status, http::StatusCode::NOT_FOUND);
+        assert!(require_bearer(&h, Some("k"), "admin token", "x").is_ok());
+        assert!(require_bearer(&h, Some("other"), "admin token", "x").is_err());
     }
 }

@@ -827,6 +827,21 @@ impl Config {
         Ok(config)
     }
 
+    /// What only the whole configuration (the YAML file, flags and environment
+    /// together: a Kubernetes Secret usually supplies the token) can tell, checked when
+    /// the gateway starts: following peers needs the admin token they authenticate
+    /// to each other's /peer/v1 endpoints with.
+    pub fn check_peer_token(&self) -> anyhow::Result<()> {
+        if self.peers.enabled() && self.admin_token.is_none() {
+            bail!(
+                "peers need a token to authenticate to each other's /peer/v1 endpoints: \
+                 set --admin-token (env KVGATE_ADMIN_TOKEN, YAML admin_token), the same on \
+                 every replica"
+            );
+        }
+        Ok(())
+    }
+
     /// Checks the config, returning an error that says what to change.
     pub fn validate(&self) -> anyhow::Result<()> {
         if self.models.is_empty() {
@@ -1043,6 +1058,28 @@ mod tests {
         ] {
             assert!(rank_endpoint(bad, 0).is_err(), "{bad}");
         }
+    }
+
+    /// Peers authenticate to each other's /peer/v1 endpoints with the admin token, so
+    /// following peers without one is refused at start-up, naming the flag; a YAML file
+    /// alone may leave the token to the environment.
+    #[test]
+    fn peers_without_a_token_are_a_start_up_error() {
+        let models = "models: [{name: m, workers: [{url: 'http://127.0.0.1:8000'}]}]\n";
+        for peers in [
+            "peers: {urls: ['http://127.0.0.1:9100']}\n",
+            "peers: {dns: 'kvgate-peers:8080'}\n",
+        ] {
+            let mut c = Config::from_yaml_str(&format!("{models}{peers}")).unwrap();
+            let e = c.check_peer_token().unwrap_err();
+            assert!(format!("{e:#}").contains("--admin-token"), "{e:#}");
+            c.admin_token = Some("t".into());
+            assert!(c.check_peer_token().is_ok());
+        }
+        assert!(Config::from_yaml_str(models)
+            .unwrap()
+            .check_peer_token()
+            .is_ok());
     }
 
     /// One check for every way a worker arrives (flags, YAML, admin API).

@@ -64,7 +64,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::auth::check_bearer;
+use crate::auth::require_bearer;
 use crate::config::{PeerDecisions, PeersConfig};
 use crate::errors::ApiError;
 use crate::gateway::Gateway;
@@ -371,8 +371,7 @@ pub async fn run_publisher(gw: Arc<Gateway>) {
 }
 
 /// `GET /peer/v1/loads`: this replica's reports as a stream of JSON lines, the
-/// latest at once and then each new one, until shutdown. Guarded by the admin token
-/// when one is set.
+/// latest at once and then each new one, until shutdown. Guarded by the admin token.
 pub async fn serve_loads(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Response {
     if let Err(e) = admit_peer(&gw, &headers) {
         return e.into_response();
@@ -411,11 +410,17 @@ pub async fn serve_loads(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> 
         .into_response()
 }
 
-/// What both peer endpoints check first: the admin token (when one is set), that this
-/// replica knows its name, and that the asker is not this replica itself (a DNS name
-/// lists every replica; 409 `peer_is_self` tells the asker to skip the address).
+/// What every peer endpoint checks first: the admin token (without one the peer
+/// endpoints are off: they would let anyone book phantom load or read the index), that
+/// this replica knows its name, and that the asker is not this replica itself (a DNS
+/// name lists every replica; 409 `peer_is_self` tells the asker to skip the address).
 fn admit_peer(gw: &Gateway, headers: &HeaderMap) -> Result<(), ApiError> {
-    check_bearer(headers, gw.config.admin_token.as_deref(), "admin token")?;
+    require_bearer(
+        headers,
+        gw.config.admin_token.as_deref(),
+        "admin token",
+        "the peer endpoints",
+    )?;
     let Some(identity) = gw.peers.identity() else {
         return Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,

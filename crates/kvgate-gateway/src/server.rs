@@ -402,6 +402,7 @@ impl std::fmt::Debug for RunningGateway {
 /// Starts a gateway on the current tokio runtime (port 0 = ephemeral) and returns once
 /// it is listening.
 pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
+    config.check_peer_token()?;
     let shutdown = CancellationToken::new();
     let bind = (config.host.clone(), config.port);
     let gw = Gateway::build(config, shutdown.clone())?;

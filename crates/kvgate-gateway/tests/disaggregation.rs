@@ -506,8 +506,10 @@ async fn the_decode_engine_refuses_kv_it_cannot_pull() {
 #[tokio::test]
 async fn replicas_share_the_prefill_pools_load() {
     let f = fleet(PdMode::Vllm, 1, 1, 0.05).await;
-    let a = gateway(&f, PdMode::Vllm, PolicyKind::RoundRobin, &[]).await;
+    // Peers authenticate to each other with the admin token.
     let mut cfg = pd_config(&f, PdMode::Vllm, PolicyKind::RoundRobin);
+    cfg.admin_token = Some("peers".into());
+    let a = start(cfg.clone()).await.unwrap();
     cfg.peers.replica_id = Some("b".into());
     cfg.peers.urls = vec![a.url()];
     let b = start(cfg).await.unwrap();

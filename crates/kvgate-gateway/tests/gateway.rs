@@ -718,6 +718,72 @@ async fn ledger_is_empty_after_a_burst_with_disconnects() {
     gw.shutdown().await;
 }
 
+/// The peer routes, every one of them: a route added to the peer protocol must be added
+/// here, or its auth goes untested.
+const PEER_ROUTES: [(&str, &str); 3] = [
+    ("GET", kvgate_gateway::peers::LOADS_PATH),
+    ("POST", kvgate_gateway::peers::INDEX_PATH),
+    ("POST", kvgate_gateway::peers::DECIDE_PATH),
+];
+
+/// Peer endpoints accept phantom bookings and give away the index, so they are never
+/// open: without the admin token they refuse a request with none or a wrong one (401),
+/// and a gateway started without an admin token has them off for everyone (404).
+#[tokio::test]
+async fn every_peer_route_refuses_a_missing_or_wrong_token() {
+    let a = fake("a", Behavior::default()).await;
+    let c = client();
+    let send = |url: String, method: &str, token: Option<&str>| {
+        let mut r = match method {
+            "GET" => c.get(url),
+            _ => c.post(url).json(&json!({})),
+        };
+        if let Some(t) = token {
+            r = r.bearer_auth(t);
+        }
+        r.send()
+    };
+    let mut cfg = config(&[&a.url], PolicyKind::RoundRobin);
+    cfg.admin_token = Some("adm".into());
+    let gw = start(cfg).await.unwrap();
+    for (method, path) in PEER_ROUTES {
+        let url = format!("{}{path}", gw.url());
+        for token in [None, Some("wrong")] {
+            let r = send(url.clone(), method, token).await.unwrap();
+            let (status, v) = error_of(r).await;
+            assert_eq!(status, 401, "{method} {path} with {token:?}: {v}");
+        }
+        let r = send(url.clone(), method, Some("adm")).await.unwrap();
+        assert!(
+            ![401, 404].contains(&r.status().as_u16()),
+            "{method} {path} refused the right token: {}",
+            r.status()
+        );
+    }
+    gw.shutdown().await;
+
+    let open = start(config(&[&a.url], PolicyKind::RoundRobin))
+        .await
+        .unwrap();
+    for (method, path) in PEER_ROUTES {
+        for token in [None, Some("anything")] {
+            let r = send(format!("{}{path}", open.url()), method, token)
+                .await
+                .unwrap();
+            let (status, v) = error_of(r).await;
+            assert_eq!(
+                status, 404,
+                "{method} {path} without a configured token: {v}"
+            );
+            assert!(v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("--admin-token"));
+        }
+    }
+    open.shutdown().await;
+}
+
 #[tokio::test]
 async fn workers_are_added_and_removed_at_run_time() {
     let a = fake("a", Behavior::default()).await;

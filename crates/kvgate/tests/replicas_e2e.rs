@@ -42,6 +42,9 @@ async fn engines_with(n: usize, extra: &[&str], logs: &std::path::Path) -> Fleet
     .unwrap()
 }
 
+/// The admin token every replica of these tests shares.
+const REPLICAS_TOKEN: &str = "replicas-e2e";
+
 /// Starts `kvgate serve` (least_loaded over the fleet) and waits until it answers.
 async fn replica(
     name: &str,
@@ -76,6 +79,9 @@ async fn serve(
         policy,
         "--peer-expiry-ms",
         &EXPIRY_MS.to_string(),
+        // Peers authenticate to each other with it (required where peers are followed).
+        "--admin-token",
+        REPLICAS_TOKEN,
         "--log",
         "info",
     ]
