@@ -269,3 +269,7 @@ def test_duplicate_ids_book_apart_and_each_completion_frees_one():
     third = b.open("x")
     b.drop("x", third)
     assert len(b) == 0 and b.close("x") is None
+    # Bookings the service freed on its own (TTL: their completion was lost) are pruned.
+    kept, lost = b.open("y"), b.open("z")
+    b.prune(lambda booking_id: booking_id != lost)
+    assert len(b) == 1 and b.oldest("z") is None and b.oldest("y") == kept

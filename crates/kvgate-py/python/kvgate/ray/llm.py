@@ -98,6 +98,7 @@ class _Bookings:
     def __init__(self) -> None:
         self._by_request: Dict[str, Deque[List[Any]]] = {}
         self._serial = 0
+        self._count = 0
 
     def open(self, request_id: str) -> str:
         queue = self._by_request.setdefault(request_id, collections.deque())
@@ -107,6 +108,7 @@ class _Bookings:
         else:
             booking_id = request_id
         queue.append([booking_id, False])  # [booking id, prefill reported]
+        self._count += 1
         return booking_id
 
     def drop(self, request_id: str, booking_id: str) -> None:
@@ -117,6 +119,7 @@ class _Bookings:
         for entry in queue:
             if entry[0] == booking_id:
                 queue.remove(entry)
+                self._count -= 1
                 break
         if not queue:
             del self._by_request[request_id]
@@ -137,6 +140,7 @@ class _Bookings:
         if not queue:
             return None
         booking_id = queue.popleft()[0]
+        self._count -= 1
         if not queue:
             del self._by_request[request_id]
         return booking_id
@@ -147,13 +151,14 @@ class _Bookings:
         for request_id in list(self._by_request):
             queue = self._by_request[request_id]
             kept = collections.deque(e for e in queue if is_open(e[0]))
+            self._count -= len(queue) - len(kept)
             if kept:
                 self._by_request[request_id] = kept
             else:
                 del self._by_request[request_id]
 
     def __len__(self) -> int:
-        return sum(len(q) for q in self._by_request.values())
+        return self._count
 
 
 class _DeploymentRouting:
