@@ -37,6 +37,7 @@ from ray import serve  # noqa: E402
 
 from conftest import REPO, free_port  # noqa: E402
 from serve_app import build_app  # noqa: E402
+from workload import WORDS, pct, tenant_prompt  # noqa: E402
 
 ROUTERS = {
     "pow2": ("serve_app:TimedPow2", {}),
@@ -45,18 +46,6 @@ ROUTERS = {
     # The service in the deployment's actor: one shared ledger, an actor call per request.
     "kvgate_actor": ("serve_app:TimedKvgate", {"block_size": 16, "placement": "actor"}),
 }
-
-WORDS = (
-    "account balance card limit transfer fee policy branch loan rate deposit credit "
-    "statement fraud alert payment schedule interest mortgage savings checking wire "
-    "dispute refund charge merchant travel notice overdraft protection identity verify"
-).split()
-
-
-def tenant_prompt(t: int, words: int) -> str:
-    rng = random.Random(1000 + t)
-    return f"Tenant {t} operating manual. " + " ".join(rng.choice(WORDS) for _ in range(words))
-
 
 def workload(args):
     rng = random.Random(args.seed)
@@ -109,13 +98,6 @@ async def one(session, url, system, question, max_tokens):
         "tokenize_ms": float(timing.get("tokenize_ms", "nan")),
         "first_item_ms": float(timing.get("first_item_ms", "nan")),
     }
-
-
-def pct(xs, p):
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
 async def drive(base, prefix, reqs, systems, max_tokens):

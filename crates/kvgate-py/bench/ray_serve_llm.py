@@ -37,25 +37,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 import aiohttp  # noqa: E402
 
 from llm_stack import MODEL_ID, REPO, Cluster  # noqa: E402
-
-WORDS = (
-    "account balance card limit transfer fee policy branch loan rate deposit credit "
-    "statement fraud alert payment schedule interest mortgage savings checking wire "
-    "dispute refund charge merchant travel notice overdraft protection identity verify"
-).split()
-
-
-def tenant_prompt(t: int, words: int) -> str:
-    rng = random.Random(1000 + t)
-    return f"Tenant {t} operating manual. " + " ".join(rng.choice(WORDS) for _ in range(words))
-
-
-def pct(xs, p):
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
-
+from workload import WORDS, pct, tenant_prompt  # noqa: E402
 
 async def one(session, url, system, question, max_tokens):
     body = {

@@ -26,8 +26,8 @@ from pathlib import Path
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-REPO = Path(__file__).resolve().parents[3]
-TOKENIZER = REPO / "fixtures" / "qwen3-tokenizer"
+from conftest import QWEN3 as TOKENIZER, REPO, free_port  # noqa: E402
+
 MODEL_ID = "qwen3"
 
 #: Ray's direct-streaming path (kvgate.ray.llm.DIRECT_STREAMING_ENV) and loopback.
@@ -93,14 +93,6 @@ for f in ["tokenizer.json", "tokenizer_config.json"]:
 """
     subprocess.run([sys.executable, "-c", code], check=True)
     return cache
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Cluster:
