@@ -186,7 +186,10 @@ def _deploy(args) -> None:
 
     model = tiny_model()
     ray.init(address=args.address, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": args.http_port})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": args.http_port})
+    except ray.exceptions.ActorAlreadyExistsError:
+        pass  # another process deploying to this cluster started Serve a moment earlier
     if args.readme:
         # The README's snippet as pasted, with this machine's CPU settings merged into
         # its LLMConfig (model folder, engine sizes, CPU placement).
