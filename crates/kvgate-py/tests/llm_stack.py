@@ -118,6 +118,7 @@ class Cluster:
             env=self.env, check=True, stdout=subprocess.DEVNULL,
         )
         self.ray_bin = ray_bin
+        self._haproxy_before = _haproxies()
 
     def deploy(self, *args: str, timeout: float = 900) -> None:
         """Runs ``llm_stack.py deploy`` in a subprocess with Ray's direct-streaming env."""
@@ -142,11 +143,24 @@ class Cluster:
                 started |= {c.pid for c in p.children(recursive=True)}
         subprocess.run([self.ray_bin, "stop", "--force"], env=self.env,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # An HAProxy still starting when the raylet's children were listed.
+        started |= _haproxies() - self._haproxy_before
         for pid in started:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def _haproxies() -> set:
+    """The HAProxy processes Ray Serve started from this environment's Ray."""
+    import psutil
+
+    ours = str(Path(sys.prefix))
+    return {
+        p.pid for p in psutil.process_iter(["cmdline"])
+        if (p.info["cmdline"] or [""])[0].startswith(ours) and "haproxy" in p.info["cmdline"][0]
+    }
 
 
 def llm_config_kwargs(model: Path, router, *, kv_events_port_base=None, extra_env=None, replicas=2):
