@@ -56,7 +56,7 @@ from kvgate.ray import (
     KV_EVENT_METADATA_KEY,
     REQUEST_TOKEN_IDS_KWARG,
     _expected_output_tokens,
-    _metadata_key,
+    _Fleet,
     _new_service,
 )
 
@@ -170,9 +170,10 @@ class _DeploymentRouting:
         self.app_name = app_name
         self.deployment_name = deployment_name
         self._service_kwargs = service_kwargs
-        self.svc: Any = None
+        #: The service and what each replica last advertised to it (kvgate.ray's
+        #: ``_Fleet``); None until a replica advertises its block size.
+        self._fleet: Optional[_Fleet] = None
         self.block_size: Optional[int] = None
-        self._advertised: Dict[str, Optional[Tuple]] = {}
         self.bookings = _Bookings()
         self._decision_seconds: Deque[float] = collections.deque(maxlen=_DECISION_SAMPLES)
         self._routed: Dict[str, int] = collections.Counter()
@@ -185,50 +186,36 @@ class _DeploymentRouting:
 
     # -- replicas ----------------------------------------------------------------------
 
-    def _service_for(self, block_size: int) -> Any:
-        if self.svc is None:
-            kwargs = {"block_size": int(block_size), "model": self.deployment_name}
+    @property
+    def svc(self) -> Any:
+        return self._fleet.svc if self._fleet is not None else None
+
+    async def sync(self, replicas) -> None:
+        """Tells the service about replicas whose advertised KV events changed (the
+        service is made with the block size the first advertisement gives; the service
+        refuses a replica that advertises another). A replica without
+        ``kv_event_metadata`` yet is routed on load only."""
+        members = {
+            r.replica_id.unique_id: (r.routing_stats or {}).get(KV_EVENT_METADATA_KEY)
+            for r in replicas
+        }
+        if self._fleet is None:
+            first = next((m for m in members.values() if m is not None), None)
+            if first is None:
+                return  # no block size yet: nothing to tell
+            self.block_size = int(first["block_size"])
+            kwargs = {"block_size": self.block_size, "model": self.deployment_name}
             kwargs.update(self._service_kwargs)
-            self.svc = _new_service(kwargs, "the LLMRouter ingress")
-            self.block_size = int(block_size)
+            self._fleet = _Fleet(_new_service(kwargs, "the LLMRouter ingress"))
             logger.info(
                 "kvgate: routing %s/%s with kvgate's %s policy (block size %d)",
                 self.app_name, self.deployment_name, self.svc.policy, self.block_size,
             )
-        return self.svc
-
-    async def sync(self, replicas) -> None:
-        """Tells the service about replicas whose advertised KV events changed. A
-        replica without ``kv_event_metadata`` yet is routed on load only."""
-        for replica in replicas:
-            name = replica.replica_id.unique_id
-            meta = (replica.routing_stats or {}).get(KV_EVENT_METADATA_KEY)
-            key = _metadata_key(meta)
-            if name in self._advertised and (self._advertised[name] == key or key is None):
-                continue  # an advertisement never goes back to None
-            if meta is None:
-                if self.svc is None:
-                    continue  # no block size yet: nothing to tell
-                await self.svc.upsert_worker(name)
-            else:
-                block_size = int(meta["block_size"])
-                svc = self._service_for(block_size)
-                if block_size != self.block_size:
-                    logger.error(
-                        "kvgate: replica %s reports KV block size %d, the deployment routes "
-                        "at %d: its events will not match (replicas must agree)",
-                        name, block_size, self.block_size,
-                    )
-                await svc.upsert_worker(
-                    name, meta.get("endpoint"), meta.get("replay_endpoint"), 1, block_size
-                )
-            self._advertised[name] = key
+        await self._fleet.sync(members)
 
     async def forget(self, names: List[str]) -> None:
-        for name in names:
-            self._advertised.pop(name, None)
-            if self.svc is not None:
-                await self.svc.remove_worker(name)
+        if self._fleet is not None:
+            await self._fleet.remove(names)
 
     # -- decisions ---------------------------------------------------------------------
 
