@@ -77,8 +77,6 @@ async fn serve(
         MODEL,
         "--policy",
         policy,
-        "--peer-expiry-ms",
-        &EXPIRY_MS.to_string(),
         // Peers authenticate to each other with it (required where peers are followed).
         "--admin-token",
         REPLICAS_TOKEN,
@@ -90,6 +88,9 @@ async fn serve(
     .collect();
     for a in fleet.addrs() {
         args.extend(["--worker".into(), a.url.clone()]);
+    }
+    if !extra.iter().any(|a| a == "--peer-expiry-ms") {
+        args.extend(["--peer-expiry-ms".into(), EXPIRY_MS.to_string()]);
     }
     args.extend(extra.iter().cloned());
     let mut child = ManagedChild::spawn(name, &bin(), &args, logs).unwrap();
@@ -386,9 +387,24 @@ async fn two_replicas_found_through_dns_skip_themselves_and_drop_a_killed_one_at
 /// Replicas a, b and c on the first three of `ports`, each following every other
 /// port, once each follows the other two.
 async fn mesh_of_three(ports: &[u16], fleet: &Fleet, logs: &std::path::Path) -> [ManagedChild; 3] {
-    let a = mesh_replica("a", "a", 0, ports, fleet, logs).await;
-    let b = mesh_replica("b", "b", 1, ports, fleet, logs).await;
-    let c = mesh_replica("c", "c", 2, ports, fleet, logs).await;
+    mesh_of_three_with(ports, fleet, &[], logs).await
+}
+
+/// [`mesh_of_three`], each replica also given `extra` flags.
+async fn mesh_of_three_with(
+    ports: &[u16],
+    fleet: &Fleet,
+    extra: &[String],
+    logs: &std::path::Path,
+) -> [ManagedChild; 3] {
+    let mesh = |name: &'static str, i: usize| {
+        let mut args = peer_args(name, i, ports);
+        args.extend(extra.iter().cloned());
+        async move { replica(name, "127.0.0.1", ports[i], fleet, &args, logs).await }
+    };
+    let a = mesh("a", 0).await;
+    let b = mesh("b", 1).await;
+    let c = mesh("c", 2).await;
     for port in &ports[..3] {
         until_metric(
             &format!("http://127.0.0.1:{port}"),
@@ -710,7 +726,12 @@ async fn replicas_choose_at_one_leader_and_carry_on_without_it() {
     let fleet = engines(2, logs.path()).await;
     let ports = free_ports(3).unwrap();
     let url = |i: usize| format!("http://127.0.0.1:{}", ports[i]);
-    let [mut a, _b, _c] = mesh_of_three(&ports, &fleet, logs.path()).await;
+    // A hung leader is passed over after the decide timeout, not the peer expiry: a
+    // long expiry keeps it followed (and leading) while it hangs, however slowly a
+    // busy machine delivers the request that meets it. A killed one drops at once
+    // (its stream closes).
+    let long_expiry = ["--peer-expiry-ms".to_owned(), "30000".to_owned()];
+    let [mut a, _b, _c] = mesh_of_three_with(&ports, &fleet, &long_expiry, logs.path()).await;
     let decisions = "kvgate_peer_decisions_total";
     let count = async |i: usize, outcome: &str| {
         labelled(&url(i), decisions, &format!("outcome=\"{outcome}\"")).await
