@@ -11,8 +11,7 @@
 #
 # What it does: starts a mock engine serving "tiny" (block size 32, its own KV events)
 # and kvgate (kv_aware, both workers' events, stall timeout 3 s, first-byte timeout
-# left at 600 s; cold homing off, so prompts cached nowhere spread at random and some go
-# to vLLM) in front of both; sends requests until vLLM has served some and
+# left at 600 s; prompts cached nowhere go to the cheaper worker, so some go to vLLM) in front of both; sends requests until vLLM has served some and
 # published events; stops vLLM's engine process (SIGSTOP); sends streamed requests
 # whose prompts kv_aware routes to vLLM (from /v1/route/explain): each must end whole
 # ("data: [DONE]") from the mock engine within 15 s, and kvgate_worker_stalls_total must
@@ -48,7 +47,7 @@ engine=$(pgrep -f 'VLLM::EngineCore|EngineCore' | head -1 || true)
   --tokenizer "$TOKENIZER" \
   --worker "$VLLM" --kv-events "$VLLM=$VLLM_EVENTS" \
   --worker "$MOCK" --kv-events "$MOCK=tcp://127.0.0.1:$MOCK_EVENTS" \
-  --cold-homing false --stall-timeout-ms 3000 --log info,kvgate::decision=debug \
+  --stall-timeout-ms 3000 --log info,kvgate::decision=debug \
   >/tmp/kvgate-stall-gw.log 2>&1 & pids+=($!)
 for _ in $(seq 100); do curl -fsS "$GW/ready" >/dev/null 2>&1 && break; sleep 0.1; done
 

@@ -406,8 +406,8 @@ pub struct CompareArgs {
     /// Routers, comma-separated: kvgate policies (kv_aware, round_robin, ...) and peers
     /// (vllm-router:kv_aware, vllm-router:cache_aware, sglang-router:cache_aware).
     /// Default: every kvgate policy and the three peer rows (skipped when not installed).
-    /// A row may carry its own options: `kv_aware@overlap-weight=2@temperature=0.1`
-    /// appends `--overlap-weight 2 --temperature 0.1` to that row's command line only;
+    /// A row may carry its own options: `kv_aware@overlap-weight=2@locality-weight=8`
+    /// appends `--overlap-weight 2 --locality-weight 8` to that row's command line only;
     /// `kv_aware@replicas=3` starts three kvgate replicas that follow each other's load
     /// and spreads the requests over them (`@sync=off`: unaware of each other);
     /// `kv_aware@pd=vllm` and `vllm-router:cache_aware@pd=vllm` split the row's engines

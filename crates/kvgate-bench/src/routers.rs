@@ -53,7 +53,7 @@ pub struct PolicySpec {
 }
 
 impl PolicySpec {
-    /// Parse `kv_aware` or `kv_aware@overlap-weight=2@temperature=0.1`.
+    /// Parse `kv_aware` or `kv_aware@overlap-weight=2@locality-weight=8`.
     pub fn parse(s: &str) -> anyhow::Result<Self> {
         let mut parts = s.split('@');
         let name = parts.next().unwrap_or("").trim();
@@ -630,7 +630,7 @@ mod tests {
             block_size: 16,
             log_dir: PathBuf::from("/tmp"),
             startup_timeout: Duration::from_secs(1),
-            kvgate_extra_args: vec!["--temperature".into(), "0".into()],
+            kvgate_extra_args: vec!["--warmup-fraction".into(), "0".into()],
         }
     }
 
@@ -651,13 +651,13 @@ mod tests {
         assert_eq!(spec.label(), "kv_aware@overlap-weight=2");
         assert_eq!(spec.file_stem(), "kv_aware-overlap-weight-2");
         assert_ne!(spec, RouterSpec::parse("kv_aware").unwrap());
-        let multi = RouterSpec::parse("kvgate:kv_aware@--overlap-weight=4@temperature=0.1")
+        let multi = RouterSpec::parse("kvgate:kv_aware@--overlap-weight=4@locality-weight=8")
             .unwrap()
             .policy_spec()
             .extra_args();
         assert_eq!(
             multi,
-            ["--overlap-weight", "4", "--temperature", "0.1"].map(String::from)
+            ["--overlap-weight", "4", "--locality-weight", "8"].map(String::from)
         );
         let peer = RouterSpec::parse("vllm-router:kv_aware@router-temperature=0.5").unwrap();
         assert_eq!(peer.label(), "vllm-router:kv_aware@router-temperature=0.5");
@@ -696,7 +696,7 @@ mod tests {
         // Global --kvgate-arg first, the row's own options last (so they win).
         assert_eq!(
             weighted[weighted.len() - 4..],
-            ["--temperature", "0", "--overlap-weight", "2"].map(String::from)
+            ["--warmup-fraction", "0", "--overlap-weight", "2"].map(String::from)
         );
         let (_, plain) = command_line(
             &RouterSpec::parse("kv_aware").unwrap(),

@@ -2,7 +2,7 @@
 //! (a) selection (hash an 8,192-token prompt + index lookup + kv_aware cost) with
 //! ~1,000,000 indexed blocks over 16 workers; (b) applying BlockStored/BlockRemoved;
 //! (c) kv_aware's decision for a prompt cached nowhere when every worker's cache is full,
-//! where the demand plan walks and sorts the prefixes routed lately, with and without it.
+//! after 10,000 other prompts were routed.
 //! Commands and results: docs/BENCHMARKS.md.
 
 mod support;
@@ -123,8 +123,7 @@ fn benches(c: &mut Criterion) {
     );
 }
 
-/// Prefixes kv_aware has routed lately (each once, so all are in the demand plan) before
-/// the cold decisions are timed.
+/// Prefixes kv_aware has routed lately before the cold decisions are timed.
 const WANTED_PREFIXES: u32 = 10_000;
 /// Cold prompts the timed decisions rotate through.
 const COLD_PROMPTS: u32 = 1_000;
@@ -142,9 +141,8 @@ fn own_prompt(n: u32) -> Vec<u32> {
 }
 
 /// The cold path: every one of 16 workers holds 512 blocks (room for three of the
-/// prompts) and has evicted (its cache is full), kv_aware has routed [`WANTED_PREFIXES`] other prompts lately, and each
-/// timed decision is for a prompt cached nowhere, so the demand plan (when on) ranks
-/// every prefix still wanted.
+/// prompts) and has evicted (its cache is full), kv_aware has routed [`WANTED_PREFIXES`]
+/// other prompts lately, and each timed decision is for a prompt cached nowhere.
 fn cold_benches(c: &mut Criterion) {
     let mut index = PrefixIndex::new(
         BlockHasher::new(BLOCK_SIZE as u32).expect("block size"),
@@ -184,26 +182,17 @@ fn cold_benches(c: &mut Criterion) {
     g.sample_size(30)
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(4));
-    for (name, plan) in [
-        ("select_cold_all_full_16_workers_10k_wanted_prefixes", true),
-        ("select_cold_all_full_16_workers_no_demand_plan", false),
-    ] {
-        let config = KvAwareConfig {
-            home_plans_by_demand: plan,
-            ..KvAwareConfig::default()
-        };
-        let policy = KvAwarePolicy::new(config, Some(1));
-        for n in 0..WANTED_PREFIXES {
-            decide(&policy, &own_prompt(n));
-        }
-        let mut q = 0;
-        g.bench_function(name, |b| {
-            b.iter(|| {
-                q = (q + 1) % cold.len();
-                black_box(decide(&policy, &cold[q]))
-            })
-        });
+    let policy = KvAwarePolicy::new(KvAwareConfig::default(), Some(1));
+    for n in 0..WANTED_PREFIXES {
+        decide(&policy, &own_prompt(n));
     }
+    let mut q = 0;
+    g.bench_function("select_cold_all_full_16_workers_10k_wanted_prefixes", |b| {
+        b.iter(|| {
+            q = (q + 1) % cold.len();
+            black_box(decide(&policy, &cold[q]))
+        })
+    });
     g.finish();
 }
 

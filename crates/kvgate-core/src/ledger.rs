@@ -119,8 +119,6 @@ pub struct WorkerAccuracy {
     pub indexed: f64,
     /// Decayed sum of those the engine did serve from cache.
     pub indexed_realized: f64,
-    /// Decayed sum of the prompts' tokens.
-    pub prompt: f64,
 }
 
 impl WorkerAccuracy {
@@ -145,13 +143,6 @@ impl WorkerAccuracy {
             / (self.indexed + CREDIT_TRUST_PRIOR_TOKENS)
     }
 
-    /// The share of prompt tokens the engine served from its prefix cache, shrunk
-    /// toward 1 by the same prior as the trusts': in `(0, 1]`. Low on a worker whose
-    /// cache thrashes (holds less than the prompts sent to it reuse).
-    pub fn cache_hit_ratio(&self) -> f64 {
-        (self.reported + CREDIT_TRUST_PRIOR_TOKENS) / (self.prompt + CREDIT_TRUST_PRIOR_TOKENS)
-    }
-
     fn record(&mut self, spec: &BookingSpec, reported: u32) {
         let keep = 1.0 - 1.0 / ACCURACY_WINDOW;
         let reported = reported.min(spec.prompt_tokens);
@@ -165,7 +156,6 @@ impl WorkerAccuracy {
         self.credited = self.credited * keep + f64::from(spec.credited_tokens);
         self.credit_realized = self.credit_realized * keep + f64::from(realized);
         self.indexed = self.indexed * keep + f64::from(spec.indexed_tokens);
-        self.prompt = self.prompt * keep + f64::from(spec.prompt_tokens);
         self.indexed_realized =
             self.indexed_realized * keep + f64::from(reported.min(spec.indexed_tokens));
     }
@@ -219,8 +209,6 @@ pub struct PrefillCredit {
     pub trust: f64,
     /// The worker's [`WorkerAccuracy::index_trust`].
     pub index_trust: f64,
-    /// The worker's [`WorkerAccuracy::cache_hit_ratio`].
-    pub cache_hit_ratio: f64,
 }
 
 /// Cumulative counters.
@@ -468,7 +456,6 @@ impl Ledger {
                     blocks: 0,
                     trust: accuracy.map_or(1.0, WorkerAccuracy::credit_trust),
                     index_trust: accuracy.map_or(1.0, WorkerAccuracy::index_trust),
-                    cache_hit_ratio: accuracy.map_or(1.0, WorkerAccuracy::cache_hit_ratio),
                 }
             })
             .collect();

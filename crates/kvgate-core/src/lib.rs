@@ -31,6 +31,7 @@ pub use ledger::{
 };
 pub use peer_loads::{PeerApplied, PeerReport, PeerStats};
 pub use policy::{
-    build_policy, Decision, FleetView, KvAwareConfig, PolicyConfig, PolicyKind,
-    PrefixAffinityConfig, RouteRequest, RoutingPolicy, SelectError, SessionConfig, WorkerScore,
+    build_policy, removed_option as removed_kv_aware_option, Decision, FleetView, KvAwareConfig,
+    KvAwareRule, PolicyConfig, PolicyKind, PrefixAffinityConfig, RouteRequest, RoutingPolicy,
+    SelectError, SessionConfig, WorkerScore,
 };

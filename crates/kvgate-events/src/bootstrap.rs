@@ -22,8 +22,6 @@ pub struct RankSnapshot {
     /// empty.
     pub hole_paths: Vec<Vec<BlockKey>>,
     pub last_seq: u64,
-    /// Whether the engine had evicted since its cache was last cleared (it is full).
-    pub evicting: bool,
 }
 
 /// The future a [`Bootstrap`] returns: a snapshot, or `None` when no peer had one.

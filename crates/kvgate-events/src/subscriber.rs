@@ -330,7 +330,6 @@ impl Ingest {
             let mut index = self.index.write();
             let held = index.import_worker(at, &snapshot.blocks, &snapshot.hole_paths);
             index.set_applied_seq(at, snapshot.last_seq);
-            index.set_evicting(at, snapshot.evicting);
             (held, index.len())
         };
         self.metrics.set_index_entries(entries);

@@ -28,6 +28,24 @@ fn with_default(text: &str, default: impl std::fmt::Display) -> String {
     format!("{text} [default: {default}]")
 }
 
+/// `err` from parsing a `kvgate serve` command line, or, where it is an unknown flag
+/// that was a kv_aware option, the reason that option was removed: an operator's
+/// command line must not change meaning without a word.
+pub fn explain_removed_flag(err: clap::Error) -> clap::Error {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    if err.kind() != ErrorKind::UnknownArgument {
+        return err;
+    }
+    let Some(ContextValue::String(arg)) = err.get(ContextKind::InvalidArg) else {
+        return err;
+    };
+    let flag = arg.split('=').next().unwrap_or(arg);
+    match kvgate_core::removed_kv_aware_option(flag) {
+        Some(why) => clap::Error::raw(ErrorKind::UnknownArgument, format!("{why}\n")),
+        None => err,
+    }
+}
+
 /// Run the OpenAI-compatible routing gateway.
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct ServeArgs {
@@ -120,36 +138,14 @@ pub struct ServeArgs {
     /// YAML `hash_salt`).
     #[arg(long, value_name = "TEXT", help_heading = MODEL)]
     pub hash_salt: Option<String>,
-    #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: weight of prefill work against decode work", KvAwareConfig::default().overlap_weight))]
+    #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: weight of a block of prefill against a block of decode", KvAwareConfig::default().overlap_weight))]
     pub overlap_weight: Option<f64>,
-    #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: weight of the prefill already queued on a worker against this request's own uncached blocks", KvAwareConfig::default().prefill_queue_weight))]
-    pub prefill_queue_weight: Option<f64>,
+    #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: extra weight of the best-cached worker's lead over the runner-up, which keeps a conversation with its history (0 = DESIGN cost only)", KvAwareConfig::default().locality_weight))]
+    pub locality_weight: Option<f64>,
     #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: longest time a prompt still being prefilled counts as cached on its worker; the credit ends at its first token anyway (0 = off)", KvAwareConfig::default().pending_credit_secs))]
     pub pending_credit_secs: Option<f64>,
-    #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: extra weight of the best-cached worker's lead over the runner-up (0 = DESIGN cost only)", KvAwareConfig::default().locality_weight))]
-    pub locality_weight: Option<f64>,
-    #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware load bound: a worker more than this many requests in flight ahead of the least loaded one", KvAwareConfig::default().balance_abs_threshold))]
-    pub balance_abs_threshold: Option<u32>,
-    #[arg(long, help_heading = KV_AWARE, help = with_default("...and more than this many times ahead is not eligible", KvAwareConfig::default().balance_rel_threshold))]
-    pub balance_rel_threshold: Option<f64>,
     #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware warm-up: a worker whose index holds less than this fraction of the workers' mean (just added, restarted or reset) may not be more than one request in flight behind any other (0 = off)", KvAwareConfig::default().warmup_fraction))]
     pub warmup_fraction: Option<f64>,
-    #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: send a prompt cached nowhere to its home worker (a hash of its first block; the next in that order when the home's queue is a prefill longer than the shortest) rather than the cheapest one", KvAwareConfig::default().cold_homing))]
-    pub cold_homing: Option<bool>,
-    #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: cold homing passes over a worker whose cache hit ratio (prompt tokens its engine served from cache lately) is more than this below the best candidate's (1 disables)", KvAwareConfig::default().home_hit_ratio_slack))]
-    pub home_hit_ratio_slack: Option<f64>,
-    #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: cold homing prefers a worker whose engine has not evicted since its cache was last cleared (it has room: just restarted, added or reset) to a home that would evict for the prompt", KvAwareConfig::default().home_prefers_room))]
-    pub home_prefers_room: Option<bool>,
-    #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: where every acceptable home is full (its engine evicts), cold homing sends a prefix cached nowhere back to the worker it was last routed to, if that is one of them, before the hash", KvAwareConfig::default().home_remembers_last))]
-    pub home_remembers_last: Option<bool>,
-    #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: where every acceptable home is full (its engine evicts), cold homing sends a prefix cached nowhere to the one whose engine evicts next (the prefix this router sent it longest ago that it still holds) a prefix clearly less requested lately than the other homes' next victims, before the last worker and the hash", KvAwareConfig::default().home_evicts_least_wanted))]
-    pub home_evicts_least_wanted: Option<bool>,
-    #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: half-life in seconds of a prefix's demand (its requests, each counting half as much per half-life since), which cold homing weighs", KvAwareConfig::default().home_demand_half_life_secs))]
-    pub home_demand_half_life_secs: Option<f64>,
-    #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: where no home within the load bound has room, cold homing plans by demand: the prefixes routed lately, most wanted first, fill the homes up to what each cache holds, and a prompt cached nowhere goes where the plan puts its prefix (or, left out, to the home whose planned prefixes are clearly the least wanted), before the hit-ratio bound and the other homing rules", KvAwareConfig::default().home_plans_by_demand))]
-    pub home_plans_by_demand: Option<bool>,
-    #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware: softmax temperature (0 = pick the lowest cost)", KvAwareConfig::default().temperature))]
-    pub temperature: Option<f64>,
     /// Seed for the policy's random choices (unset: seeded from the OS).
     #[arg(long, help_heading = KV_AWARE)]
     pub seed: Option<u64>,
@@ -348,50 +344,16 @@ impl ServeArgs {
             pd,
             ..ModelConfig::default()
         };
-        if let Some(w) = self.overlap_weight {
-            m.kv_aware.overlap_weight = w;
-        }
-        if let Some(q) = self.prefill_queue_weight {
-            m.kv_aware.prefill_queue_weight = q;
-        }
-        if let Some(p) = self.pending_credit_secs {
-            m.kv_aware.pending_credit_secs = p;
-        }
-        if let Some(l) = self.locality_weight {
-            m.kv_aware.locality_weight = l;
-        }
-        if let Some(a) = self.balance_abs_threshold {
-            m.kv_aware.balance_abs_threshold = a;
-        }
-        if let Some(r) = self.balance_rel_threshold {
-            m.kv_aware.balance_rel_threshold = r;
-        }
-        if let Some(f) = self.warmup_fraction {
-            m.kv_aware.warmup_fraction = f;
-        }
-        if let Some(h) = self.cold_homing {
-            m.kv_aware.cold_homing = h;
-        }
-        if let Some(s) = self.home_hit_ratio_slack {
-            m.kv_aware.home_hit_ratio_slack = s;
-        }
-        if let Some(r) = self.home_prefers_room {
-            m.kv_aware.home_prefers_room = r;
-        }
-        if let Some(r) = self.home_remembers_last {
-            m.kv_aware.home_remembers_last = r;
-        }
-        if let Some(r) = self.home_evicts_least_wanted {
-            m.kv_aware.home_evicts_least_wanted = r;
-        }
-        if let Some(h) = self.home_demand_half_life_secs {
-            m.kv_aware.home_demand_half_life_secs = h;
-        }
-        if let Some(p) = self.home_plans_by_demand {
-            m.kv_aware.home_plans_by_demand = p;
-        }
-        if let Some(t) = self.temperature {
-            m.kv_aware.temperature = t;
+        let k = &mut m.kv_aware;
+        for (value, field) in [
+            (self.overlap_weight, &mut k.overlap_weight),
+            (self.locality_weight, &mut k.locality_weight),
+            (self.pending_credit_secs, &mut k.pending_credit_secs),
+            (self.warmup_fraction, &mut k.warmup_fraction),
+        ] {
+            if let Some(v) = value {
+                *field = v;
+            }
         }
         Ok(m)
     }
@@ -513,6 +475,28 @@ mod tests {
         let mut v = vec!["kvgate"];
         v.extend_from_slice(args);
         T::try_parse_from(v)?.serve.to_config()
+    }
+
+    /// A kv_aware flag that was removed is refused with the reason it went (not as
+    /// just an unknown argument), both as `--flag value` and `--flag=value`; other
+    /// unknown flags keep clap's own error.
+    #[test]
+    fn a_removed_kv_aware_flag_is_refused_with_its_reason() {
+        let refuse = |args: &[&str]| {
+            let mut v = vec!["kvgate", "--model", "m", "--worker", "http://h:1"];
+            v.extend_from_slice(args);
+            let err = T::try_parse_from(v).err().expect("refused");
+            explain_removed_flag(err).to_string()
+        };
+        let e = refuse(&["--cold-homing", "false"]);
+        assert!(
+            e.contains("`--cold-homing` was removed: cold homing is gone"),
+            "{e}"
+        );
+        let e = refuse(&["--balance-abs-threshold=16"]);
+        assert!(e.contains("load bound is gone"), "{e}");
+        let e = refuse(&["--no-such-flag"]);
+        assert!(e.contains("unexpected argument"), "{e}");
     }
 
     #[test]

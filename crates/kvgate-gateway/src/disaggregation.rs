@@ -257,11 +257,11 @@ impl Legs<'_> {
             let decode = call_workers(gw, &decode_request, route);
             tokio::pin!(decode);
             let first = tokio::select! {
-                accepted = &mut decode => First::Decode(accepted),
+                accepted = &mut decode => First::Decode(Box::new(accepted)),
                 done = leg.finished() => First::Prefill(done),
             };
             let accepted = match first {
-                First::Decode(accepted) => accepted?,
+                First::Decode(accepted) => (*accepted)?,
                 First::Prefill(Ok(())) => (&mut decode).await?,
                 First::Prefill(Err(LegFailure::Final(e))) => return Err(e),
                 First::Prefill(Err(LegFailure::Retry(e))) => {
@@ -291,7 +291,8 @@ impl Legs<'_> {
 
 /// Which leg of an SGLang pair was heard from first.
 enum First {
-    Decode(Result<Accepted, ApiError>),
+    /// Boxed: an accepted response is large, and this enum only passes it on.
+    Decode(Box<Result<Accepted, ApiError>>),
     Prefill(Result<(), LegFailure>),
 }
 

@@ -545,6 +545,7 @@ fn log_decision(
         model,
         worker = worker_url,
         policy = decision.policy.as_str(),
+        rule = decision.rule,
         reason = decision.reason,
         prefix = prefix.map(|k| format!("{:016x}", k.0)),
         predicted_cached_tokens = decision.predicted_cached_tokens,
@@ -606,7 +607,8 @@ mod tests {
             predicted_cached_tokens: 32,
             indexed_cached_tokens: 32,
             credited_tokens: 0,
-            reason: "load bound: the cheapest workers are overloaded",
+            rule: "warmup",
+            reason: "warm-up: a worker with little cached is further behind on load",
             scores: vec![score(0, 128, 30), score(1, 2, 3), score(2, 0, 2)],
         };
         let out = Captured::default();
@@ -628,7 +630,7 @@ mod tests {
             "best_in_flight=30",
             "least_in_flight=2",
             "prefix=\"00000000000000ab\"",
-            "load bound",
+            "rule=\"warmup\"",
         ] {
             assert!(text.contains(field), "{field} missing from {text}");
         }

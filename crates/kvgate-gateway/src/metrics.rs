@@ -19,6 +19,7 @@ pub struct Metrics {
     /// Responses by model, worker (URL, or "" when the gateway answered), policy, status.
     pub requests: IntCounterVec,
     pub decision_seconds: HistogramVec,
+    pub routing_decisions: IntCounterVec,
     pub tokenize_seconds: HistogramVec,
     pub retries: IntCounterVec,
     /// Disaggregated models' requests by how they ran: `split` (prefill and decode
@@ -129,6 +130,7 @@ impl Metrics {
         Ok(Metrics {
             requests: counter(&r, "kvgate_requests_total", "Requests answered, by model, worker, policy and HTTP status", &["model", "worker", "policy", "status"])?,
             decision_seconds: histogram(&r, "kvgate_routing_decision_seconds", "Time to select a worker (policy + index lookup)", &["model", "policy"], latency_buckets())?,
+            routing_decisions: counter(&r, "kvgate_routing_decisions_total", "Workers chosen by this replica's policy (for its own requests and for peers' at the leader), by the rule that decided (kv_aware: cached, least_work, warmup)", &["model", "policy", "rule"])?,
             tokenize_seconds: histogram(&r, "kvgate_tokenization_seconds", "Time to tokenize a request for routing", &["model"], latency_buckets())?,
             retries: counter(&r, "kvgate_retries_total", "Requests retried on another worker before the first byte", &["model", "reason"])?,
             disaggregated: counter(&r, "kvgate_disaggregated_requests_total", "Disaggregated models' requests: split (prefill and decode legs), whole (skipped the split), handover_failed, prefill_retried", &["model", "route"])?,
@@ -167,6 +169,12 @@ impl Metrics {
     /// `rate()`). Called when the gateway is built.
     pub fn init_model(&self, model: &str, policy: &str) {
         self.decision_seconds.with_label_values(&[model, policy]);
+        if policy == kvgate_core::PolicyKind::KvAware.as_str() {
+            for rule in kvgate_core::KvAwareRule::ALL {
+                self.routing_decisions
+                    .with_label_values(&[model, policy, rule.as_str()]);
+            }
+        }
         self.tokenize_seconds.with_label_values(&[model]);
         for reason in crate::failover::RETRY_REASONS {
             self.retries.with_label_values(&[model, reason]);

@@ -790,10 +790,6 @@ pub struct WireSnapshot {
     /// Root-to-parent key paths of blocks after a hole (absent from older replicas).
     #[serde(default)]
     pub hole_paths: Vec<Vec<u64>>,
-    /// Whether the engine had evicted since its cache was last cleared (absent from
-    /// older replicas: taken as not).
-    #[serde(default)]
-    pub evicting: bool,
     /// The serving replica's key fingerprint (see [`SnapshotRequest`]).
     #[serde(default)]
     pub key_fingerprint: Option<u64>,
@@ -820,7 +816,6 @@ impl WireSnapshot {
                 .iter()
                 .map(|p| p.iter().map(|k| k.0).collect())
                 .collect(),
-            evicting: s.evicting,
             key_fingerprint: Some(key_fingerprint),
         }
     }
@@ -847,7 +842,6 @@ impl WireSnapshot {
                 .map(|p| p.into_iter().map(BlockKey).collect())
                 .collect(),
             last_seq: self.last_seq,
-            evicting: self.evicting,
         })
     }
 }
@@ -1201,6 +1195,7 @@ pub async fn choose_at_leader(
             predicted_cached_tokens: answer.predicted_cached_tokens,
             indexed_cached_tokens: answer.indexed_cached_tokens,
             credited_tokens: answer.credited_tokens,
+            rule: "leader",
             reason: "chosen by the leader replica",
             scores: Vec::new(),
         },
@@ -1407,6 +1402,10 @@ fn decide_for_peer(
     let Some(worker) = workers.iter().find(|w| w.id == decision.worker) else {
         return Err(ApiError::internal("the policy chose an unknown worker"));
     };
+    gw.metrics
+        .routing_decisions
+        .with_label_values(&[&*model.name, model.kind().as_str(), decision.rule])
+        .inc();
     Ok(DecideAnswer {
         worker: worker.url.to_string(),
         predicted_cached_tokens: decision.predicted_cached_tokens,
@@ -1420,10 +1419,10 @@ fn decide_for_peer(
 mod tests {
     use super::*;
 
-    /// A worker rank's snapshot travels whole, the engine's evicting flag included;
-    /// an older replica's snapshot (no flag, no hole paths) loads as not evicting.
+    /// A worker rank's snapshot travels whole; an older replica's snapshot (no hole
+    /// paths, and an `evicting` flag this version no longer reads) loads.
     #[test]
-    fn a_snapshot_travels_with_its_evicting_flag() {
+    fn a_snapshot_travels_whole_and_an_older_one_loads() {
         let rank = RankSnapshot {
             blocks: vec![HeldBlock {
                 key: BlockKey(7),
@@ -1433,15 +1432,15 @@ mod tests {
             }],
             hole_paths: vec![vec![BlockKey(1), BlockKey(2)]],
             last_seq: 9,
-            evicting: true,
         };
         let json = serde_json::to_string(&WireSnapshot::from_rank(&rank, 5)).unwrap();
         let back: WireSnapshot = serde_json::from_str(&json).unwrap();
         assert_eq!(back.into_rank(), Some(rank));
-        let older: WireSnapshot =
-            serde_json::from_str(r#"{"last_seq": 3, "blocks": [[7, null, 70, 0]]}"#).unwrap();
+        let older: WireSnapshot = serde_json::from_str(
+            r#"{"last_seq": 3, "blocks": [[7, null, 70, 0]], "evicting": true}"#,
+        )
+        .unwrap();
         let older = older.into_rank().unwrap();
-        assert!(!older.evicting);
         assert_eq!(older.blocks.len(), 1);
     }
 

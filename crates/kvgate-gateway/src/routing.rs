@@ -342,7 +342,15 @@ pub fn try_pick(
         .with_label_values(&[&*model.name, model.kind().as_str()])
         .observe(start.elapsed().as_secs_f64());
     let decision = match result {
-        Ok(d) => d,
+        Ok(d) => {
+            if candidates_from == Candidates::WithFreeSlot {
+                gw.metrics
+                    .routing_decisions
+                    .with_label_values(&[&*model.name, model.kind().as_str(), d.rule])
+                    .inc();
+            }
+            d
+        }
         Err(SelectError::NoIndex) => return Err(ApiError::kv_events_not_configured(&model.name)),
         Err(SelectError::MissingTokens) => {
             return Err(ApiError::bad_request(

@@ -273,6 +273,7 @@ fn explain_pool(
         "policy": decision.policy,
         "worker": &*worker.url,
         "worker_id": worker.id.0,
+        "rule": decision.rule,
         "reason": decision.reason,
         "block_size": p.model.selection.block_size(),
         "predicted_cached_tokens": decision.predicted_cached_tokens,

@@ -78,6 +78,10 @@ async fn repeated_prompt_follows_its_cached_prefix() {
     for _ in 0..3 {
         let ex = explain(&c, &gw.url(), &body).await;
         assert_eq!(ex["worker"], first.as_str(), "{ex}");
+        assert_eq!(
+            ex["rule"], "cached",
+            "explain names the rule that decided: {ex}"
+        );
         assert!(
             ex["predicted_cached_tokens"].as_u64().unwrap() >= 16 * 10,
             "{ex}"
@@ -106,6 +110,22 @@ async fn repeated_prompt_follows_its_cached_prefix() {
     assert!(
         metrics.contains("kvgate_reported_cached_tokens_total{model=\"m\"}"),
         "{metrics}"
+    );
+    // Each routed request is counted under the rule that decided it (explain is not a
+    // routed request): the three repeats found their prefix.
+    let by_rule = |rule: &str| {
+        gauge_value(
+            &metrics,
+            &format!(
+                "kvgate_routing_decisions_total{{model=\"m\",policy=\"kv_aware\",rule=\"{rule}\"}}"
+            ),
+        )
+        .unwrap_or_else(|| panic!("no {rule} series: {metrics}"))
+    };
+    assert_eq!(by_rule("cached"), 3.0, "{metrics}");
+    assert_eq!(
+        by_rule("cached") + by_rule("least_work") + by_rule("warmup"),
+        4.0
     );
     assert!(
         metrics.contains("kvgate_kv_events_blocks_stored_total"),

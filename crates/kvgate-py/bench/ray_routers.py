@@ -154,7 +154,7 @@ def main():
     ap.add_argument(
         "--routers", default="pow2,prefix_tree,kvgate",
         help="rows, comma-separated; a kvgate row takes overrides of its router kwargs: "
-        "kvgate@policy=prefix_affinity, kvgate@kv_aware.cold_homing=false",
+        "kvgate@policy=prefix_affinity, kvgate@kv_aware.locality_weight=0",
     )
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--tenants", type=int, default=24)

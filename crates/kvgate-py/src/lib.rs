@@ -130,6 +130,8 @@ pub struct PySelection {
     /// Prompt tokens predicted to be served from the chosen worker's cache.
     predicted_cached_tokens: u32,
     policy: String,
+    /// The rule that decided (kv_aware: `cached`, `least_work`, `warmup`).
+    rule: String,
     reason: String,
     scores: Vec<PyWorkerScore>,
 }
@@ -138,8 +140,8 @@ pub struct PySelection {
 impl PySelection {
     fn __repr__(&self) -> String {
         format!(
-            "Selection(worker_id={:?}, overlap_blocks={}, predicted_cached_tokens={}, reason={:?})",
-            self.worker_id, self.overlap_blocks, self.predicted_cached_tokens, self.reason
+            "Selection(worker_id={:?}, overlap_blocks={}, predicted_cached_tokens={}, rule={:?})",
+            self.worker_id, self.overlap_blocks, self.predicted_cached_tokens, self.rule
         )
     }
 }
@@ -167,6 +169,7 @@ fn selection_of(svc: &SelectionService, d: &Decision) -> PySelection {
             .map_or(0, |(p, _)| p.overlap_blocks),
         predicted_cached_tokens: d.predicted_cached_tokens,
         policy: d.policy.as_str().to_string(),
+        rule: d.rule.to_string(),
         reason: d.reason.to_string(),
         scores,
     }

@@ -82,6 +82,7 @@ def test_a_cached_prompt_is_routed_back_to_its_engine(engines):
             await asyncio.sleep(0.05)
         assert s.worker_id == "b", s
         assert s.predicted_cached_tokens >= (len(ids) // 16) * 16
+        assert s.rule == "cached", s  # the rule that decided, as explain names it
         assert {x.worker_id for x in s.scores} == {"a", "b"}
         # Booked on b, the engine confirms the prediction.
         s = await svc.select_and_book("r1", ids, ["a", "b"], 1)

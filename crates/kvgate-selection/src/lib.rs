@@ -425,7 +425,6 @@ impl SelectionService {
             blocks: index.export_worker(at),
             hole_paths: index.hole_paths(at),
             last_seq,
-            evicting: index.evicting(at),
         })
     }
 

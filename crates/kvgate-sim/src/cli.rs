@@ -170,7 +170,7 @@ pub struct RunArgs {
     #[command(flatten)]
     pub fleet: FleetFlags,
     /// Rows, comma-separated: kvgate policies with per-row `kvgate serve` flags, as for
-    /// `kvgate bench compare` (kv_aware@overlap-weight=2@cold-homing=false).
+    /// `kvgate bench compare` (kv_aware@overlap-weight=2@locality-weight=0).
     #[arg(long, default_value = DEFAULT_POLICIES)]
     pub policies: String,
     /// Extra `kvgate serve` flag for every row (repeatable), e.g. --kvgate-arg=--pending-credit-secs=5.

@@ -1,4 +1,4 @@
-//! The rows of a simulation: `--policies round_robin,kv_aware@cold-homing=false`.
+//! The rows of a simulation: `--policies round_robin,kv_aware@locality-weight=0`.
 //!
 //! Owns turning a row's spec into the model configuration `kvgate serve` would build
 //! from the same flags: the spec syntax is `kvgate bench compare`'s ([`PolicySpec`]),
@@ -69,8 +69,10 @@ fn parse_row(
         bail!("row {spec:?}: router replicas (@replicas, @sync) are not simulated; compare them in real time with `kvgate bench compare`");
     }
     let line = serve_line(&policy, global_args, block_size);
-    let parsed = ServeLine::try_parse_from(&line)
-        .map_err(|e| anyhow::anyhow!("row {spec:?}: {}", e.render().to_string().trim()))?;
+    let parsed = ServeLine::try_parse_from(&line).map_err(|e| {
+        let e = kvgate_gateway::cli::explain_removed_flag(e);
+        anyhow::anyhow!("row {spec:?}: {}", e.render().to_string().trim())
+    })?;
     let config = parsed
         .serve
         .to_config()
@@ -120,7 +122,7 @@ mod tests {
     #[test]
     fn rows_take_serve_flags_and_a_seed() {
         let rows = parse_rows(
-            "round_robin, kv_aware@overlap-weight=2@cold-homing=false",
+            "round_robin, kv_aware@overlap-weight=2@locality-weight=0",
             &["--pending-credit-secs".into(), "3".into()],
             16,
             7,
@@ -130,9 +132,9 @@ mod tests {
         assert_eq!(rows[0].model.policy, PolicyKind::RoundRobin);
         assert_eq!(rows[0].model.seed, Some(7));
         let kv = &rows[1];
-        assert_eq!(kv.label, "kv_aware@overlap-weight=2@cold-homing=false");
+        assert_eq!(kv.label, "kv_aware@overlap-weight=2@locality-weight=0");
         assert_eq!(kv.model.kv_aware.overlap_weight, 2.0);
-        assert!(!kv.model.kv_aware.cold_homing);
+        assert_eq!(kv.model.kv_aware.locality_weight, 0.0);
         assert_eq!(kv.model.kv_aware.pending_credit_secs, 3.0);
         assert_eq!(kv.model.block_size, 16);
         let seeded = parse_rows("kv_aware@seed=3", &[], 16, 7).unwrap();

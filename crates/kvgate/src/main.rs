@@ -67,7 +67,8 @@ fn init_logging(filter: &str, json: bool) {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli =
+        Cli::try_parse().unwrap_or_else(|e| kvgate_gateway::cli::explain_removed_flag(e).exit());
     if !kvgate_core::cpu_can_hash_blocks() {
         eprintln!("{}", kvgate_core::CPU_CANNOT_HASH_BLOCKS);
         return ExitCode::FAILURE;

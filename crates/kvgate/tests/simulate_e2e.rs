@@ -15,14 +15,14 @@ fn the_same_command_writes_the_same_report() {
         args.extend(FLEET);
         args.extend([
             "--policies",
-            "round_robin,kv_aware,kv_aware@cold-homing=false",
+            "round_robin,kv_aware,kv_aware@locality-weight=0",
             "--change",
             "5s:add",
             "--out-dir",
             dir.path().to_str().unwrap(),
         ]);
         let table = kvgate(&args);
-        assert!(table.contains("| kv_aware@cold-homing=false |"), "{table}");
+        assert!(table.contains("| kv_aware@locality-weight=0 |"), "{table}");
     }
     for file in ["compare.json", "compare.md", "ttft.svg", "report.html"] {
         let read = |d: &tempfile::TempDir| std::fs::read(d.path().join(file)).unwrap();

@@ -183,13 +183,6 @@ struct SlotState {
     /// The engine's hash of every block the slot holds → where the block is.
     engine_map: EngineMap,
     entries: usize,
-    /// The most entries the slot has held since it was last cleared: what its engine's
-    /// cache holds once full (an index shows fewer blocks than the cache while prompts
-    /// are being prefilled, so the largest count seen is the estimate).
-    peak_entries: usize,
-    /// Whether the engine evicted a device block since its cache was last cleared:
-    /// until it does, it has room (an engine evicts only to make room).
-    evicting: bool,
     /// The last engine event sequence number the slot's entries reflect (set by the
     /// caller that applies the events), so a snapshot says where to continue from.
     applied_seq: Option<u64>,
@@ -201,15 +194,12 @@ impl SlotState {
             at,
             engine_map: EngineMap::default(),
             entries: 0,
-            peak_entries: 0,
-            evicting: false,
             applied_seq: None,
         }
     }
 
     fn add_entry(&mut self) {
         self.entries += 1;
-        self.peak_entries = self.peak_entries.max(self.entries);
     }
 }
 
@@ -349,12 +339,6 @@ impl PrefixIndex {
         self.per_worker(workers, |n, s| *n += s.entries)
     }
 
-    /// The most entries each of `workers` (all its ranks together) has held since each
-    /// rank was last cleared, in `workers` order: what its cache holds once full.
-    pub fn peak_entries_of(&self, workers: &[WorkerId]) -> Vec<usize> {
-        self.per_worker(workers, |n, s| *n += s.peak_entries)
-    }
-
     /// One value per worker of `workers` (in that order), folded over its ranks' slots.
     fn per_worker<T: Default + Clone>(
         &self,
@@ -368,13 +352,6 @@ impl PrefixIndex {
             }
         }
         out
-    }
-
-    /// Whether each of `workers` (any of its ranks) evicted a device block since its
-    /// cache was last cleared, in `workers` order: a worker that has not has room, and
-    /// one the index knows nothing of holds nothing.
-    pub fn evicting_of(&self, workers: &[WorkerId]) -> Vec<bool> {
-        self.per_worker(workers, |e, s| *e |= s.evicting)
     }
 
     /// The (tier, engine hash) holders of `slot` at block `pos`.
@@ -588,22 +565,6 @@ impl PrefixIndex {
         }
     }
 
-    /// Whether a worker rank's engine evicted a device block since its cache was last
-    /// cleared (see [`Self::evicting_of`]).
-    pub fn evicting(&self, at: WorkerRef) -> bool {
-        self.slot_state(at).is_some_and(|s| s.evicting)
-    }
-
-    /// Records what another router saw of a worker rank's evictions (a loaded
-    /// snapshot): a rank that evicted stays so until its cache is cleared.
-    pub fn set_evicting(&mut self, at: WorkerRef, evicting: bool) {
-        if let Some(slot) = self.slot_of.get(&at).copied() {
-            if let Some(state) = self.slot_mut(slot) {
-                state.evicting |= evicting;
-            }
-        }
-    }
-
     /// The last event sequence number a worker rank's entries reflect (`None` before
     /// any, and after a clear).
     pub fn applied_seq(&self, at: WorkerRef) -> Option<u64> {
@@ -741,11 +702,6 @@ impl PrefixIndex {
             }
             outcome.removed += removed;
             k += 1;
-        }
-        if outcome.removed > 0 && tier.is_none_or(|t| t == Tier::Device) {
-            if let Some(state) = self.slot_mut(slot) {
-                state.evicting = true;
-            }
         }
         self.stats.removed_blocks += outcome.removed as u64;
         self.stats.unknown_removals += outcome.unknown as u64;
@@ -1164,8 +1120,6 @@ impl PrefixIndex {
         let map = match self.slot_mut(slot) {
             Some(state) => {
                 state.entries = 0;
-                state.peak_entries = 0;
-                state.evicting = false;
                 state.applied_seq = None;
                 std::mem::take(&mut state.engine_map)
             }

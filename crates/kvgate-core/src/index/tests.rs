@@ -169,119 +169,6 @@ fn clear_twice_is_harmless_and_other_workers_keep_their_blocks() {
     assert_eq!(run_of(&idx, &[1, 2, 3, 4], 0), [1, 0, 0]);
 }
 
-/// A worker's peak is the most entries its ranks have held since each was last
-/// cleared: removals leave it, a clear of a rank drops that rank's share, and a
-/// worker's ranks add up; one the index knows nothing of has none.
-#[test]
-fn a_workers_peak_is_the_most_entries_since_its_last_clear() {
-    let mut idx = index(1000);
-    let tokens: Vec<u32> = (0..(8 * BS)).collect();
-    let blocks = |n: usize| &tokens[..n * BS as usize];
-    store(
-        &mut idx,
-        at(0, 0),
-        &[1, 2, 3, 4],
-        None,
-        blocks(4),
-        Tier::Device,
-    )
-    .unwrap();
-    assert_eq!(idx.peak_entries_of(&[WorkerId(0)]), vec![4]);
-    idx.apply_removed(at(0, 0), &[4, 3], None);
-    assert_eq!(idx.worker_len(at(0, 0)), 2);
-    assert_eq!(
-        idx.peak_entries_of(&[WorkerId(0)]),
-        vec![4],
-        "a removal leaves the peak"
-    );
-    store(
-        &mut idx,
-        at(0, 0),
-        &[3],
-        Some(2),
-        &tokens[2 * BS as usize..3 * BS as usize],
-        Tier::Device,
-    )
-    .unwrap();
-    assert_eq!(
-        idx.peak_entries_of(&[WorkerId(0)]),
-        vec![4],
-        "below the peak"
-    );
-    store(&mut idx, at(0, 1), &[1, 2], None, blocks(2), Tier::Device).unwrap();
-    assert_eq!(
-        idx.peak_entries_of(&[WorkerId(1), WorkerId(0)]),
-        vec![0, 6],
-        "a worker's ranks add up; an unknown worker holds nothing"
-    );
-    idx.clear(at(0, 0));
-    assert_eq!(
-        idx.peak_entries_of(&[WorkerId(0)]),
-        vec![2],
-        "a clear drops the rank's peak"
-    );
-    store(&mut idx, at(0, 0), &[1], None, blocks(1), Tier::Device).unwrap();
-    assert_eq!(idx.peak_entries_of(&[WorkerId(0)]), vec![3]);
-}
-
-/// A rank is evicting from its engine's first device removal until its cache is
-/// cleared; the index's own cap is not the engine evicting, nor is a host-tier removal;
-/// a loaded snapshot's flag carries over; an unknown rank holds nothing (not evicting).
-#[test]
-fn a_rank_evicts_from_its_first_device_removal_until_a_clear() {
-    let mut idx = index(4);
-    let tokens: Vec<u32> = (0..(8 * BS)).collect();
-    store(
-        &mut idx,
-        at(0, 0),
-        &[1, 2, 3, 4, 5, 6, 7, 8],
-        None,
-        &tokens,
-        Tier::Device,
-    )
-    .unwrap();
-    assert!(
-        !idx.evicting(at(0, 0)),
-        "the index's cap evicted, not the engine"
-    );
-    store(
-        &mut idx,
-        at(1, 0),
-        &[1, 2],
-        None,
-        &tokens[..2 * BS as usize],
-        Tier::Host,
-    )
-    .unwrap();
-    idx.apply_removed(at(1, 0), &[2], Some(Tier::Host));
-    assert!(!idx.evicting(at(1, 0)), "host tier");
-    store(
-        &mut idx,
-        at(1, 0),
-        &[1],
-        None,
-        &tokens[..BS as usize],
-        Tier::Device,
-    )
-    .unwrap();
-    idx.apply_removed(at(1, 0), &[99], None);
-    assert!(!idx.evicting(at(1, 0)), "an unknown hash removed nothing");
-    idx.apply_removed(at(1, 0), &[1], None);
-    assert!(idx.evicting(at(1, 0)));
-    assert_eq!(
-        idx.evicting_of(&[WorkerId(0), WorkerId(1), WorkerId(2)]),
-        vec![false, true, false]
-    );
-    idx.clear(at(1, 0));
-    assert!(!idx.evicting(at(1, 0)));
-    idx.set_evicting(at(0, 0), true);
-    idx.set_evicting(at(0, 0), false);
-    assert!(
-        idx.evicting(at(0, 0)),
-        "a snapshot does not unset what this router saw"
-    );
-}
-
 #[test]
 fn remove_worker_purges_every_rank_and_recycles_the_slot() {
     let mut idx = index(1000);
@@ -517,10 +404,6 @@ fn assert_bookkeeping(idx: &PrefixIndex) {
             state.entries,
             entries.get(&slot).copied().unwrap_or(0),
             "entries of slot {slot}"
-        );
-        assert!(
-            state.peak_entries >= state.entries,
-            "the peak of slot {slot} is below its entries"
         );
         let expected: BTreeMap<(u16, u64), super::tree::Pos> = mapped
             .iter()

@@ -68,6 +68,7 @@ impl RoutingPolicy for LeastLoadedPolicy {
             predicted_cached_tokens: 0,
             indexed_cached_tokens: 0,
             credited_tokens: 0,
+            rule: "two_choices",
             reason: "less loaded of two random candidates",
             scores: lines,
         })

@@ -27,7 +27,7 @@ use crate::ids::WorkerId;
 use crate::index::PrefixIndex;
 use crate::ledger::{BookingSpec, Ledger};
 
-pub use kv_aware::{KvAwareConfig, KvAwarePolicy};
+pub use kv_aware::{removed_option, KvAwareConfig, KvAwarePolicy, Rule as KvAwareRule};
 pub use least_loaded::LeastLoadedPolicy;
 pub use prefix_affinity::{PrefixAffinityConfig, PrefixAffinityPolicy};
 pub use random::RandomPolicy;
@@ -207,6 +207,10 @@ pub struct Decision {
     /// Tokens credited on the chosen worker beyond the index because a booking there is
     /// prefilling them (raw, before the worker's credit trust); 0 without a credit.
     pub credited_tokens: u32,
+    /// The rule that decided, a short name that metrics count and logs show
+    /// (kv_aware: [`kv_aware::Rule`]; other policies: one name each).
+    pub rule: &'static str,
+    /// The same, in words.
     pub reason: &'static str,
     pub scores: Vec<WorkerScore>,
 }

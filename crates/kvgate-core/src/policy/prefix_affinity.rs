@@ -133,6 +133,7 @@ impl RoutingPolicy for PrefixAffinityPolicy {
                 predicted_cached_tokens: 0,
                 indexed_cached_tokens: 0,
                 credited_tokens: 0,
+                rule: "least_loaded",
                 reason: "no routing tokens: least loaded",
                 scores: lines,
             });
@@ -148,20 +149,23 @@ impl RoutingPolicy for PrefixAffinityPolicy {
         } else {
             f64::from(best) / keys.len() as f64
         };
-        let (i, reason) = if self.imbalanced(&lines) {
+        let (i, rule, reason) = if self.imbalanced(&lines) {
             (
                 self.least_in_flight(&lines, None),
+                "load_bound",
                 "load imbalanced: least loaded",
             )
         } else if best > 0 && ratio >= self.config.min_match_ratio {
             let mask: Vec<bool> = runs.iter().map(|r| *r == best).collect();
             (
                 self.least_in_flight(&lines, Some(&mask)),
+                "prefix",
                 "longest remembered prefix",
             )
         } else {
             (
                 self.least_in_flight(&lines, None),
+                "least_loaded",
                 "no remembered prefix: least loaded",
             )
         };
@@ -175,6 +179,7 @@ impl RoutingPolicy for PrefixAffinityPolicy {
             predicted_cached_tokens: runs[i] * block_size,
             indexed_cached_tokens: runs[i] * block_size,
             credited_tokens: 0,
+            rule,
             reason,
             scores: lines,
         })

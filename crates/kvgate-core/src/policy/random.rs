@@ -38,6 +38,7 @@ impl RoutingPolicy for RandomPolicy {
             predicted_cached_tokens: 0,
             indexed_cached_tokens: 0,
             credited_tokens: 0,
+            rule: "random",
             reason: "uniform random",
             scores: load_lines(view),
         })

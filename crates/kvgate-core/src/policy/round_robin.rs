@@ -36,6 +36,7 @@ impl RoutingPolicy for RoundRobinPolicy {
             predicted_cached_tokens: 0,
             indexed_cached_tokens: 0,
             credited_tokens: 0,
+            rule: "rotation",
             reason: "next in rotation",
             scores: load_lines(view),
         })

@@ -44,8 +44,8 @@ pub(crate) fn work_blocks(s: &WorkerScore, block_size: u32) -> f64 {
 }
 
 /// Whether a worker with `in_flight` requests is too far ahead of the least loaded
-/// candidate's `least`: by more than `abs` requests and by more than `rel` times. The
-/// balance rule shared by prefix_affinity and kv_aware's load bound.
+/// candidate's `least`: by more than `abs` requests and by more than `rel` times
+/// (prefix_affinity's balance rule).
 pub(crate) fn too_far_ahead(in_flight: u32, least: u32, abs: u32, rel: f64) -> bool {
     in_flight.saturating_sub(least) > abs && f64::from(in_flight) > rel * f64::from(least)
 }
@@ -67,28 +67,4 @@ pub(crate) fn argmin_random_tie(values: &[f64], rng: &mut impl Rng) -> usize {
         }
     }
     chosen
-}
-
-/// Samples an index with probability ∝ exp(-normalized cost / temperature), costs
-/// normalized to [0, 1] so the temperature means the same at any load.
-pub(crate) fn softmax_sample(costs: &[f64], temperature: f64, rng: &mut impl Rng) -> usize {
-    let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
-    let max = costs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    let range = max - min;
-    if range <= f64::EPSILON || !range.is_finite() {
-        return argmin_random_tie(costs, rng);
-    }
-    let weights: Vec<f64> = costs
-        .iter()
-        .map(|c| (-((c - min) / range) / temperature).exp())
-        .collect();
-    let total: f64 = weights.iter().sum();
-    let mut x = rng.random_range(0.0..total);
-    for (i, w) in weights.iter().enumerate() {
-        if x < *w {
-            return i;
-        }
-        x -= w;
-    }
-    costs.len() - 1
 }

@@ -129,14 +129,15 @@ impl RoutingPolicy for SessionPolicy {
                 self.ring
                     .read()
                     .lookup(xxh3_64(key.as_bytes()), view.candidates)
-                    .map(|w| (w, "session key on the consistent-hash ring"))
+                    .map(|w| (w, "session", "session key on the consistent-hash ring"))
             }
             None => None,
         };
-        let (worker, reason) = match chosen {
+        let (worker, rule, reason) = match chosen {
             Some(c) => c,
             None => (
                 view.candidates[self.fallback.pick(&lines, view.ledger.block_size())],
+                "two_choices",
                 "no session key: less loaded of two random candidates",
             ),
         };
@@ -146,6 +147,7 @@ impl RoutingPolicy for SessionPolicy {
             predicted_cached_tokens: 0,
             indexed_cached_tokens: 0,
             credited_tokens: 0,
+            rule,
             reason,
             scores: lines,
         })

@@ -493,38 +493,6 @@ fn kv_aware_does_not_herd_on_a_shared_prefix() {
 }
 
 #[test]
-fn kv_aware_softmax_prefers_cheap_workers_but_explores() {
-    let ledger = Ledger::new(BS);
-    let mut index = new_index();
-    let prompt: Vec<u32> = (0..1600).collect();
-    engine_caches(&mut index, WorkerId(0), &prompt);
-    let keys = index.hasher().block_keys(&prompt);
-    let policy = KvAwarePolicy::new(
-        KvAwareConfig {
-            temperature: 0.5,
-            ..Default::default()
-        },
-        Some(5),
-    );
-    let mut counts = [0usize; 3];
-    for _ in 0..600 {
-        let d = select(
-            &policy,
-            Some(&keys),
-            1600,
-            None,
-            &workers(3),
-            &ledger,
-            Some(&index),
-        )
-        .unwrap();
-        counts[d.worker.0 as usize] += 1;
-    }
-    assert!(counts[0] > counts[1] && counts[0] > counts[2], "{counts:?}");
-    assert!(counts[1] > 0 && counts[2] > 0, "{counts:?}");
-}
-
-#[test]
 fn prefix_affinity_follows_its_own_decisions_until_load_is_imbalanced() {
     let ledger = Ledger::new(BS);
     let hasher = BlockHasher::new(BS).unwrap();
@@ -634,14 +602,9 @@ fn prefix_affinity_memory_is_bounded_and_expires() {
 fn kv_aware_credits_its_own_recent_decisions_before_events_arrive() {
     let ledger = Ledger::new(BS);
     let index = new_index();
-    // With the DESIGN weights, waiting behind the holder's queue and recomputing the
-    // prefix elsewhere tie, and the holder's decode load breaks the tie away from it; a
-    // queue weight below 1 prefers the holder, and then only the credit can find it.
-    let locality = KvAwareConfig {
-        prefill_queue_weight: 0.5,
-        ..Default::default()
-    };
-    let policy = KvAwarePolicy::new(locality.clone(), Some(3));
+    // Without a credit the holder shows nothing cached and a prefill queued, so an idle
+    // worker is cheaper; only the credit can find it.
+    let policy = KvAwarePolicy::new(KvAwareConfig::default(), Some(3));
     let ws = workers(4);
     let first: Vec<u32> = (0..4096).collect();
     let keys = index.hasher().block_keys(&first);
@@ -669,459 +632,15 @@ fn kv_aware_credits_its_own_recent_decisions_before_events_arrive() {
         "follow-up goes where its prefix is being computed"
     );
     assert_eq!(d2.predicted_cached_tokens, 4096);
-    // Without the credit (TTL 0) and cold homing it would go to an idle worker.
+    // Without the credit (TTL 0) it goes to an idle worker.
     let forgetful = KvAwarePolicy::new(
         KvAwareConfig {
             pending_credit_secs: 0.0,
-            cold_homing: false,
-            ..locality
+            ..Default::default()
         },
         Some(3),
     );
     assert_ne!(route_next(&forgetful).worker, d.worker);
-}
-
-/// A prompt cached nowhere goes to the same home worker every time (whatever the
-/// random tie-breaks), and different prompts spread over the workers.
-#[test]
-fn kv_aware_sends_a_prefix_cached_nowhere_to_its_home() {
-    let ledger = Ledger::new(BS);
-    let index = new_index();
-    let policy = KvAwarePolicy::new(KvAwareConfig::default(), None);
-    let mut homes = HashMap::new();
-    for tenant in 0..64u32 {
-        let prompt: Vec<u32> = (0..256).map(|t| tenant * 10_000 + t).collect();
-        let keys = index.hasher().block_keys(&prompt);
-        let route = || {
-            select(
-                &policy,
-                Some(&keys),
-                256,
-                None,
-                &workers(4),
-                &ledger,
-                Some(&index),
-            )
-            .unwrap()
-        };
-        let d = route();
-        assert!(d.reason.starts_with("cold miss"), "{}", d.reason);
-        for _ in 0..5 {
-            assert_eq!(route().worker, d.worker, "tenant {tenant} left its home");
-        }
-        *homes.entry(d.worker).or_insert(0) += 1;
-    }
-    assert_eq!(homes.len(), 4, "{homes:?}");
-    assert!(homes.values().all(|n| *n >= 8), "{homes:?}");
-}
-
-/// Cold homing is bounded by load: a prompt cached nowhere goes home while the home's
-/// queue is within one prefill of this prompt of the least loaded candidate's, and
-/// otherwise to the next worker in its rendezvous order that is (the same one each
-/// time, so the prefix still has one place to come back to).
-#[test]
-fn kv_aware_cold_homing_yields_when_the_home_is_a_prompt_behind() {
-    let ledger = Ledger::new(BS);
-    let index = new_index();
-    let policy = KvAwarePolicy::new(KvAwareConfig::default(), None);
-    let ws = workers(4);
-    let prompt: Vec<u32> = (0..1024).map(|t| 777_000 + t).collect();
-    let keys = index.hasher().block_keys(&prompt);
-    let route = || select(&policy, Some(&keys), 1024, None, &ws, &ledger, Some(&index)).unwrap();
-    let home = route().worker;
-    let queue_on_home = |prompt_tokens: u32| {
-        ledger.book(
-            home,
-            BookingSpec {
-                prompt_tokens,
-                expected_output_tokens: Some(1),
-                ..Default::default()
-            },
-            &[],
-            Instant::now(),
-        )
-    };
-    // Half this prompt's prefill queued at home (and its KV): still home.
-    let small = queue_on_home(512);
-    assert_eq!(
-        route().worker,
-        home,
-        "a short queue at home is worth waiting for"
-    );
-    // More than one prompt's prefill: the next home, the same one every time.
-    let big = queue_on_home(600);
-    let next = route();
-    assert_ne!(next.worker, home, "the home is a whole prompt behind");
-    assert!(next.reason.starts_with("cold miss"), "{}", next.reason);
-    for _ in 0..5 {
-        assert_eq!(route().worker, next.worker, "the fallback home is stable");
-    }
-    drop((small, big));
-    let again = route();
-    assert_eq!(
-        again.worker, home,
-        "home again once its queue drains: {again:?}"
-    );
-}
-
-/// Cold homing is bounded by cache pressure: a worker whose engine lately served much
-/// less of its prompts from cache than another candidate's (its cache thrashes) is
-/// passed over as a home, for the next worker in the prompt's rendezvous order; with
-/// the bound off (`home_hit_ratio_slack` 1) the prompt goes home all the same.
-#[test]
-fn kv_aware_cold_homing_passes_over_a_worker_whose_cache_thrashes() {
-    let ledger = Ledger::new(BS);
-    let index = new_index();
-    let ws = workers(2);
-    let bounded = KvAwarePolicy::new(KvAwareConfig::default(), None);
-    let unbounded = KvAwarePolicy::new(
-        KvAwareConfig {
-            home_hit_ratio_slack: 1.0,
-            ..Default::default()
-        },
-        None,
-    );
-    let prompt: Vec<u32> = (0..1024).map(|t| 555_000 + t).collect();
-    let keys = index.hasher().block_keys(&prompt);
-    let route = |policy: &KvAwarePolicy| {
-        select(policy, Some(&keys), 1024, None, &ws, &ledger, Some(&index)).unwrap()
-    };
-    let home = route(&bounded).worker;
-    let other = ws.iter().copied().find(|w| *w != home).unwrap();
-    // The home's engine served a quarter of its prompts from cache, the other all.
-    let served = |worker: WorkerId, cached: u32| {
-        for _ in 0..32 {
-            let spec = BookingSpec {
-                prompt_tokens: 2048,
-                cached_tokens: cached,
-                indexed_tokens: cached,
-                ..Default::default()
-            };
-            ledger
-                .book(worker, spec, &[], Instant::now())
-                .engine_reported_cached(cached);
-        }
-    };
-    served(home, 512);
-    served(other, 2048);
-    let moved = route(&bounded);
-    assert_eq!(moved.worker, other, "{moved:?}");
-    assert!(moved.reason.starts_with("cold miss"), "{}", moved.reason);
-    assert_eq!(route(&unbounded).worker, home);
-    // Once the home's cache serves its prompts again (the sums forget the thrashing
-    // over a few windows), both are homes: the prompt goes to its own.
-    for _ in 0..6 {
-        served(home, 2048);
-    }
-    assert_eq!(route(&bounded).worker, home);
-}
-
-/// Plays the engine evicting what [`engine_caches`] stored from `tokens` on `worker`.
-fn engine_evicts(index: &mut PrefixIndex, worker: WorkerId, tokens: &[u32]) {
-    let hashes: Vec<u64> = index
-        .hasher()
-        .block_keys(tokens)
-        .iter()
-        .rev()
-        .map(|k| k.0 ^ (u64::from(worker.0) << 40))
-        .collect();
-    let removed = index.apply_removed(WorkerRef::new(worker, 0), &hashes, Some(Tier::Device));
-    assert_eq!(removed.removed, hashes.len());
-}
-
-/// Cold homing prefers room: a prompt cached nowhere whose home has evicted since its
-/// cache was last cleared (it is full, and caching this prefix costs it another) goes
-/// to a candidate that has not (an engine just restarted, added or reset), and stays
-/// there once both evict (the worker it was last routed to); a cleared cache has room
-/// again.
-#[test]
-fn kv_aware_cold_homing_prefers_a_worker_with_room() {
-    let ledger = Ledger::new(BS);
-    let mut index = new_index();
-    let ws = workers(2);
-    let policy = KvAwarePolicy::new(KvAwareConfig::default(), None);
-    let prompt: Vec<u32> = (0..1024).map(|t| 777_000 + t).collect();
-    let keys = index.hasher().block_keys(&prompt);
-    let route_by = |policy: &KvAwarePolicy, index: &PrefixIndex| {
-        select(policy, Some(&keys), 1024, None, &ws, &ledger, Some(index)).unwrap()
-    };
-    let route = |index: &PrefixIndex| route_by(&policy, index);
-    let home = route(&index).worker;
-    let other = ws.iter().copied().find(|w| *w != home).unwrap();
-    // Another tenant's prefix came and went on the home: its engine evicts.
-    let evicted: Vec<u32> = (0..512).map(|t| 888_000 + t).collect();
-    engine_caches(&mut index, home, &evicted);
-    assert_eq!(route(&index).worker, home, "caching is not evicting");
-    engine_evicts(&mut index, home, &evicted);
-    assert_eq!(index.evicting_of(&[home, other]), vec![true, false]);
-    let moved = route(&index);
-    assert_eq!(moved.worker, other, "{moved:?}");
-    assert!(moved.reason.starts_with("cold miss"), "{}", moved.reason);
-    // Both evict: the worker the prompt was last routed to keeps it (moving it to its
-    // hash home would evict there as much as it frees here); without that memory,
-    // its own home again.
-    engine_caches(&mut index, other, &evicted);
-    engine_evicts(&mut index, other, &evicted);
-    assert_eq!(route(&index).worker, other, "its last worker keeps it");
-    let hash_only = KvAwarePolicy::new(
-        KvAwareConfig {
-            home_remembers_last: false,
-            ..Default::default()
-        },
-        None,
-    );
-    assert_eq!(route_by(&hash_only, &index).worker, home);
-    // The home's engine restarts (its cache is cleared): it has room again.
-    index.clear(WorkerRef::new(home, 0));
-    assert_eq!(index.evicting_of(&[home, other]), vec![false, true]);
-    assert_eq!(route(&index).worker, home);
-    index.clear(WorkerRef::new(other, 0));
-    engine_caches(&mut index, home, &evicted);
-    engine_evicts(&mut index, home, &evicted);
-    assert_eq!(route(&index).worker, other, "a cleared cache has room");
-    // A host-tier eviction is not the device cache making room.
-    let host = WorkerId(7);
-    let host_hashes = [1u64, 2];
-    index
-        .apply_stored(
-            WorkerRef::new(host, 0),
-            &StoredBlocks {
-                engine_hashes: &host_hashes,
-                parent_engine_hash: None,
-                token_ids: &evicted[..2 * BS as usize],
-                block_size: BS,
-                tier: Tier::Host,
-                lora_name: None,
-            },
-        )
-        .unwrap();
-    index.apply_removed(WorkerRef::new(host, 0), &host_hashes, Some(Tier::Host));
-    assert_eq!(index.evicting_of(&[host]), vec![false]);
-}
-
-/// Tenant `t`'s 512-token prompt (no token shared with another tenant's).
-fn tenant_prompt(t: u32) -> Vec<u32> {
-    (0..512).map(|i| t * 10_000 + i).collect()
-}
-
-/// `policy`'s decision for a prompt of `tokens` (512 of them) over `ws`, no session.
-fn route_prompt(
-    policy: &KvAwarePolicy,
-    index: &PrefixIndex,
-    ws: &[WorkerId],
-    ledger: &Ledger,
-    tokens: &[u32],
-) -> Decision {
-    let keys = index.hasher().block_keys(tokens);
-    select(policy, Some(&keys), 512, None, ws, ledger, Some(index)).unwrap()
-}
-
-/// kv_aware whose cold homing, where every home is full, has only the demand plan
-/// before the rendezvous hash: the least-wanted and last-home rules are off, and the
-/// hit-ratio bound never narrows the homes.
-fn only_the_demand_plan() -> KvAwareConfig {
-    KvAwareConfig {
-        home_remembers_last: false,
-        home_evicts_least_wanted: false,
-        home_hit_ratio_slack: 1.0,
-        ..Default::default()
-    }
-}
-
-/// Cold homing evicts the least wanted prefix: where both workers are full, a prompt
-/// cached nowhere goes to the one whose next eviction (the prefix this router sent it
-/// longest ago that it still holds) was requested clearly less lately, even where its
-/// hash home is the other; where the two victims are about as wanted, the rule
-/// abstains and the hash decides.
-#[test]
-fn kv_aware_cold_homing_evicts_the_least_wanted_prefix() {
-    let ledger = Ledger::new(BS);
-    let mut index = new_index();
-    let ws = workers(2);
-    let tenant = tenant_prompt;
-    let hash_only = KvAwareConfig {
-        home_remembers_last: false,
-        home_evicts_least_wanted: false,
-        home_plans_by_demand: false,
-        ..Default::default()
-    };
-    // This test is the least-wanted rule's: the demand plan, which acts first, is off.
-    let rule = KvAwareConfig {
-        home_plans_by_demand: false,
-        ..Default::default()
-    };
-    let route = |policy: &KvAwarePolicy, index: &PrefixIndex, tokens: &[u32]| {
-        route_prompt(policy, index, &ws, &ledger, tokens)
-    };
-    // Both engines are full: each evicted a prefix since its cache was cleared.
-    for &w in &ws {
-        engine_caches(&mut index, w, &tenant(1));
-        engine_evicts(&mut index, w, &tenant(1));
-    }
-    // A cold prompt whose hash home is worker 0.
-    let cold = (100..)
-        .map(tenant)
-        .find(|p| route(&KvAwarePolicy::new(hash_only.clone(), None), &index, p).worker == ws[0])
-        .unwrap();
-    // Worker 0 holds a hot prefix (requested 8 times), worker 1 one requested once.
-    let (hot, rare) = (tenant(2), tenant(3));
-    engine_caches(&mut index, ws[0], &hot);
-    engine_caches(&mut index, ws[1], &rare);
-    let policy = KvAwarePolicy::new(rule.clone(), None);
-    for _ in 0..8 {
-        assert_eq!(route(&policy, &index, &hot).worker, ws[0]);
-    }
-    assert_eq!(route(&policy, &index, &rare).worker, ws[1]);
-    let d = route(&policy, &index, &cold);
-    assert!(d.reason.starts_with("cold miss"), "{}", d.reason);
-    assert_eq!(d.worker, ws[1], "the rare prefix is the one to lose");
-    let off = KvAwareConfig {
-        home_evicts_least_wanted: false,
-        ..rule.clone()
-    };
-    let off = KvAwarePolicy::new(off, None);
-    for _ in 0..8 {
-        route(&off, &index, &hot);
-    }
-    route(&off, &index, &rare);
-    assert_eq!(route(&off, &index, &cold).worker, ws[0], "the hash home");
-    // About as wanted (6 requests against 8): the rule abstains (the hash home).
-    let even = KvAwarePolicy::new(rule, None);
-    for i in 0..8 {
-        route(&even, &index, &hot);
-        if i < 6 {
-            route(&even, &index, &rare);
-        }
-    }
-    assert_eq!(route(&even, &index, &cold).worker, ws[0]);
-}
-
-/// Cold homing plans by demand: where both workers are full, the prefixes routed lately
-/// fill the worker with the most demand homed on it first, up to what its cache holds
-/// (the most blocks its index has shown), so a rare prompt cached nowhere, left out of
-/// the plan, goes to the worker whose planned prefixes are clearly the least wanted,
-/// even where its hash home is the other and the other rules are off; where the two
-/// workers' demand is even, the plan does not decide and the hash does.
-#[test]
-fn kv_aware_plans_cold_homes_by_demand() {
-    let ledger = Ledger::new(BS);
-    let ws = workers(2);
-    let tenant = tenant_prompt;
-    let only_the_plan = only_the_demand_plan();
-    let hash_only = KvAwareConfig {
-        home_plans_by_demand: false,
-        ..only_the_plan.clone()
-    };
-    let route = |policy: &KvAwarePolicy, index: &PrefixIndex, tokens: &[u32]| {
-        route_prompt(policy, index, &ws, &ledger, tokens)
-    };
-    // Both engines are full (each evicted since its cache was cleared) and hold two
-    // tenants' prompts each: worker 0 tenants 2 and 3, worker 1 tenants 4 and 5.
-    let full_fleet = || {
-        let mut index = new_index();
-        for &w in &ws {
-            engine_caches(&mut index, w, &tenant(1));
-            engine_evicts(&mut index, w, &tenant(1));
-        }
-        for (w, t) in [(0, 2), (0, 3), (1, 4), (1, 5)] {
-            engine_caches(&mut index, ws[w], &tenant(t));
-        }
-        index
-    };
-    let index = full_fleet();
-    // A cold prompt whose hash home is worker 0.
-    let cold = (100..)
-        .map(tenant)
-        .find(|p| route(&KvAwarePolicy::new(hash_only.clone(), None), &index, p).worker == ws[0])
-        .unwrap();
-    // Worker 0's tenants are wanted (8 and 6 requests), worker 1's hardly (1 each).
-    let skewed = |config: &KvAwareConfig| {
-        let policy = KvAwarePolicy::new(config.clone(), None);
-        for (t, n, w) in [(2, 8, 0), (3, 6, 0), (4, 1, 1), (5, 1, 1)] {
-            for _ in 0..n {
-                assert_eq!(route(&policy, &index, &tenant(t)).worker, ws[w]);
-            }
-        }
-        policy
-    };
-    let d = route(&skewed(&only_the_plan), &index, &cold);
-    assert!(d.reason.starts_with("cold miss"), "{}", d.reason);
-    assert_eq!(d.worker, ws[1], "left out of the plan: the poorer worker");
-    assert_eq!(
-        route(&skewed(&hash_only), &index, &cold).worker,
-        ws[0],
-        "the hash home"
-    );
-    // Even demand (4 requests each): the plan does not decide, the hash does.
-    let even = KvAwarePolicy::new(only_the_plan, None);
-    for (t, w) in [(2, 0), (3, 0), (4, 1), (5, 1)] {
-        for _ in 0..4 {
-            route(&even, &index, &tenant(t));
-        }
-        assert_eq!(route(&even, &index, &tenant(t)).worker, ws[w]);
-    }
-    assert_eq!(route(&even, &index, &cold).worker, ws[0]);
-}
-
-/// The demand plan sizes a full home by the most its cache has held, not by what its
-/// index shows at the decision: worker 0 once held three tenants' prompts and now
-/// shows two (an engine's index is short while a prefill runs, or after it evicted
-/// for one), so a cold prefix wanted more than worker 1's tenants joins worker 0's
-/// two most wanted there. Where worker 0 never held more than two, the plan puts it
-/// with worker 1's.
-#[test]
-fn kv_aware_plans_homes_by_what_their_full_caches_held() {
-    let ledger = Ledger::new(BS);
-    let ws = workers(2);
-    let tenant = tenant_prompt;
-    let only_the_plan = only_the_demand_plan();
-    let route = |policy: &KvAwarePolicy, index: &PrefixIndex, tokens: &[u32]| {
-        route_prompt(policy, index, &ws, &ledger, tokens)
-    };
-    // Both engines are full and now hold two tenants each: worker 0 tenants 2 and 3,
-    // worker 1 tenants 4 and 5. Worker 0 held tenant 1 beside its two before it
-    // evicted it, or (`held_three` false) evicted it before caching them.
-    let fleet = |held_three: bool| {
-        let mut index = new_index();
-        engine_caches(&mut index, ws[0], &tenant(1));
-        if !held_three {
-            engine_evicts(&mut index, ws[0], &tenant(1));
-        }
-        engine_caches(&mut index, ws[0], &tenant(2));
-        engine_caches(&mut index, ws[0], &tenant(3));
-        if held_three {
-            engine_evicts(&mut index, ws[0], &tenant(1));
-        }
-        engine_caches(&mut index, ws[1], &tenant(6));
-        engine_evicts(&mut index, ws[1], &tenant(6));
-        engine_caches(&mut index, ws[1], &tenant(4));
-        engine_caches(&mut index, ws[1], &tenant(5));
-        index
-    };
-    // The cold prefix was asked for 5 times while worker 1 held it (evicted since),
-    // worker 0's tenants 8 and 6 times, worker 1's once each. (No earlier decision is
-    // a cold one: it would rank the demand then, and the plan keeps a ranking a
-    // second.)
-    let cold = tenant(100);
-    let home_of_cold = |held_three: bool| {
-        let index = fleet(held_three);
-        let mut held_cold = fleet(held_three);
-        engine_caches(&mut held_cold, ws[1], &cold);
-        let policy = KvAwarePolicy::new(only_the_plan.clone(), None);
-        for _ in 0..5 {
-            assert_eq!(route(&policy, &held_cold, &cold).worker, ws[1]);
-        }
-        for (t, n) in [(2, 8), (3, 6), (4, 1), (5, 1)] {
-            for _ in 0..n {
-                route(&policy, &index, &tenant(t));
-            }
-        }
-        let d = route(&policy, &index, &cold);
-        assert!(d.reason.starts_with("cold miss"), "{}", d.reason);
-        d.worker
-    };
-    assert_eq!(home_of_cold(true), ws[0], "room for a third on worker 0");
-    assert_eq!(home_of_cold(false), ws[1], "worker 0 is full with two");
 }
 
 /// Four workers; worker 0 caches a conversation's history and has prompts of the given
@@ -1203,54 +722,9 @@ fn kv_aware_keeps_a_conversation_on_its_holder_despite_a_queue() {
     assert_ne!(design_only.worker, WorkerId(0));
 }
 
-/// However large its cached lead, a worker too far ahead in requests in flight is not
-/// eligible; with a loose bound the same request goes to it.
-#[test]
-fn kv_aware_load_bound_overrides_a_cached_lead() {
-    let ledger = Ledger::new(BS);
-    let mut index = new_index();
-    let prompt: Vec<u32> = (0..2048).collect();
-    engine_caches(&mut index, WorkerId(0), &prompt);
-    for w in 1..3u32 {
-        let own: Vec<u32> = (0..2048).map(|t| 1_000_000 * w + t).collect();
-        engine_caches(&mut index, WorkerId(w), &own);
-    }
-    let bookings: Vec<_> = (0..20)
-        .map(|_| {
-            let b = ledger.book(
-                WorkerId(0),
-                BookingSpec {
-                    prompt_tokens: 160,
-                    expected_output_tokens: Some(16),
-                    ..Default::default()
-                },
-                &[],
-                Instant::now(),
-            );
-            b.prefill_done();
-            b
-        })
-        .collect();
-    let keys = index.hasher().block_keys(&prompt);
-    let ws = workers(3);
-    let pick = |config: KvAwareConfig| {
-        let policy = KvAwarePolicy::new(config, Some(2));
-        select(&policy, Some(&keys), 2048, None, &ws, &ledger, Some(&index)).unwrap()
-    };
-    let bounded = pick(KvAwareConfig::default());
-    assert_ne!(bounded.worker, WorkerId(0), "{:?}", bounded.scores);
-    assert!(bounded.reason.contains("load bound"), "{}", bounded.reason);
-    let loose = pick(KvAwareConfig {
-        balance_abs_threshold: 100,
-        ..Default::default()
-    });
-    assert_eq!(loose.worker, WorkerId(0));
-    drop(bookings);
-}
-
 /// The case that cost the most hit rate on the Mooncake trace (docs/BENCHMARKS.md): a
 /// conversation with a short history (2,048 tokens) whose holder has long prompts queued
-/// (96k tokens over six requests, well inside the load bound). The default locality
+/// (96k tokens over six requests). The default locality
 /// weight keeps the turn with its history; weight 16 sent it to an idle worker, which
 /// recomputes the history, and the conversation's copy on the holder goes dead.
 #[test]
@@ -1495,6 +969,7 @@ fn kv_aware_warm_up_sends_load_to_an_empty_worker_until_it_caches_its_share() {
     };
     let d = route(KvAwareConfig::default(), &index);
     assert_eq!(d.worker, WorkerId(1), "{:?}", d.scores);
+    assert_eq!(d.rule, "warmup", "the decision names the rule that decided");
     assert!(d.reason.starts_with("warm-up"), "{}", d.reason);
     let off = route(
         KvAwareConfig {
@@ -1514,4 +989,65 @@ fn kv_aware_warm_up_sends_load_to_an_empty_worker_until_it_caches_its_share() {
     engine_caches(&mut index, WorkerId(1), &other);
     let warm = route(KvAwareConfig::default(), &index);
     assert_eq!(warm.worker, WorkerId(0), "{:?}", warm.scores);
+    assert_eq!(warm.rule, "cached");
+}
+
+/// A prompt nobody holds goes to the least work and says so; one that a worker holds
+/// goes there and says it was the cached prefix.
+#[test]
+fn kv_aware_names_the_rule_that_decided() {
+    let ledger = Ledger::new(BS);
+    let mut index = new_index();
+    let held: Vec<u32> = (0..1024).collect();
+    engine_caches(&mut index, WorkerId(0), &held);
+    let other: Vec<u32> = (500_000..501_024).collect();
+    engine_caches(&mut index, WorkerId(1), &other);
+    let policy = KvAwarePolicy::new(KvAwareConfig::default(), Some(1));
+    let route = |tokens: &[u32]| {
+        let keys = index.hasher().block_keys(tokens);
+        select(
+            &policy,
+            Some(&keys),
+            tokens.len() as u32,
+            None,
+            &workers(2),
+            &ledger,
+            Some(&index),
+        )
+        .unwrap()
+    };
+    let cached = route(&held);
+    assert_eq!((cached.worker, cached.rule), (WorkerId(0), "cached"));
+    let cold: Vec<u32> = (900_000..901_024).collect();
+    assert_eq!(route(&cold).rule, "least_work");
+}
+
+/// A kv_aware option that was removed is refused with the reason it went, in YAML
+/// (here through serde, as the gateway's config reads it) and as a flag name; an
+/// unknown field is refused too, and the four knobs and tier credits still parse.
+#[test]
+fn kv_aware_refuses_a_removed_option_naming_why() {
+    let parse = |json: &str| serde_json::from_str::<KvAwareConfig>(json);
+    let err = parse(r#"{"cold_homing": false}"#).unwrap_err().to_string();
+    assert!(
+        err.contains("`cold_homing` was removed: cold homing is gone"),
+        "{err}"
+    );
+    let err = parse(r#"{"balance_abs_threshold": 16}"#)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("load bound is gone"), "{err}");
+    let err = parse(r#"{"overlap_weigth": 2}"#).unwrap_err().to_string();
+    assert!(
+        err.contains("unknown kv_aware field `overlap_weigth`"),
+        "{err}"
+    );
+    let ok = parse(r#"{"overlap_weight": 2, "locality_weight": 8, "pending_credit_secs": 1, "warmup_fraction": 0, "host_credit": 1, "disk_credit": 0}"#).unwrap();
+    assert_eq!((ok.overlap_weight, ok.locality_weight), (2.0, 8.0));
+    assert_eq!(parse("{}").unwrap(), KvAwareConfig::default());
+    for (name, _) in crate::policy::kv_aware::REMOVED {
+        let flag = format!("--{}", name.replace('_', "-"));
+        assert!(crate::removed_kv_aware_option(&flag).is_some(), "{flag}");
+    }
+    assert_eq!(crate::removed_kv_aware_option("--overlap-weight"), None);
 }

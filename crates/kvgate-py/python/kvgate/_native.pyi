@@ -20,6 +20,7 @@ class Selection:
     overlap_blocks: int
     predicted_cached_tokens: int
     policy: str
+    rule: str
     reason: str
     scores: List[WorkerScore]
 

@@ -189,6 +189,7 @@ class SelectionActor:
             "worker_id": s.worker_id,
             "overlap_blocks": s.overlap_blocks,
             "predicted_cached_tokens": s.predicted_cached_tokens,
+            "rule": s.rule,
             "reason": s.reason,
         }
 
