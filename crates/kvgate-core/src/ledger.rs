@@ -67,7 +67,7 @@ pub const PREFILL_CHECKPOINT_STRIDE: usize = 16;
 const ACCURACY_WINDOW: f64 = 64.0;
 
 /// Prior of the credit trust, in tokens credited and all realized: a worker starts fully
-/// trusted, and a handful of short credits cannot swing its trust.
+/// trusted, and a handful of short credits cannot swing it.
 const CREDIT_TRUST_PRIOR_TOKENS: f64 = 2048.0;
 
 /// Floor of a booking's decode weight: a request that has run past its expected length
@@ -115,10 +115,6 @@ pub struct WorkerAccuracy {
     pub credited: f64,
     /// Decayed sum of the credited tokens the engine did serve from cache.
     pub credit_realized: f64,
-    /// Decayed sum of the tokens the index showed cached when the request was routed.
-    pub indexed: f64,
-    /// Decayed sum of those the engine did serve from cache.
-    pub indexed_realized: f64,
 }
 
 impl WorkerAccuracy {
@@ -129,18 +125,11 @@ impl WorkerAccuracy {
     }
 
     /// The share of credited tokens that the engine turned out to serve from cache,
-    /// shrunk toward 1 by a prior worth [`CREDIT_TRUST_PRIOR_TOKENS`]: in `(0, 1]`.
+    /// shrunk toward 1 by a prior worth [`CREDIT_TRUST_PRIOR_TOKENS`]: in `(0, 1]`. A
+    /// diagnostic (`kvgate_worker_credit_trust`): how far the prefill credit comes true.
     pub fn credit_trust(&self) -> f64 {
         (self.credit_realized + CREDIT_TRUST_PRIOR_TOKENS)
             / (self.credited + CREDIT_TRUST_PRIOR_TOKENS)
-    }
-
-    /// The share of the tokens the index showed cached that the engine then served from
-    /// cache (blocks evicted between routing and prefill were not), shrunk toward 1 by
-    /// the same prior as the credit's: in `(0, 1]`.
-    pub fn index_trust(&self) -> f64 {
-        (self.indexed_realized + CREDIT_TRUST_PRIOR_TOKENS)
-            / (self.indexed + CREDIT_TRUST_PRIOR_TOKENS)
     }
 
     fn record(&mut self, spec: &BookingSpec, reported: u32) {
@@ -155,9 +144,6 @@ impl WorkerAccuracy {
         self.reported = self.reported * keep + f64::from(reported);
         self.credited = self.credited * keep + f64::from(spec.credited_tokens);
         self.credit_realized = self.credit_realized * keep + f64::from(realized);
-        self.indexed = self.indexed * keep + f64::from(spec.indexed_tokens);
-        self.indexed_realized =
-            self.indexed_realized * keep + f64::from(reported.min(spec.indexed_tokens));
     }
 }
 
@@ -197,18 +183,6 @@ impl TypicalRequest {
             decode_blocks: f64::from(requests) * self.decode_blocks,
         }
     }
-}
-
-/// What [`Ledger::prefill_credits`] says of one candidate.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct PrefillCredit {
-    /// Leading blocks of the request that a booking on this worker is prefilling now
-    /// (a multiple of [`PREFILL_CHECKPOINT_STRIDE`]).
-    pub blocks: u32,
-    /// The worker's [`WorkerAccuracy::credit_trust`].
-    pub trust: f64,
-    /// The worker's [`WorkerAccuracy::index_trust`].
-    pub index_trust: f64,
 }
 
 /// Cumulative counters.
@@ -436,29 +410,19 @@ impl Ledger {
     }
 
     /// Per candidate (in `candidates` order): the leading blocks of `keys` that a booking
-    /// on it, made within `max_age` of `now`, is prefilling now (none when `max_age` is
-    /// zero: the credit is off), and how far the worker's credits and indexed
-    /// predictions have come true. Probes the request's checkpoints from the deepest
-    /// down, so the cost is a few map lookups however many bookings exist.
+    /// on it, made within `max_age` of `now`, is prefilling now (a multiple of
+    /// [`PREFILL_CHECKPOINT_STRIDE`]; none when `max_age` is zero: the credit is off).
+    /// Probes the request's checkpoints from the deepest down, so the cost is a few map
+    /// lookups however many bookings exist.
     pub fn prefill_credits(
         &self,
         keys: &[BlockKey],
         candidates: &[WorkerId],
         now: Instant,
         max_age: Duration,
-    ) -> Vec<PrefillCredit> {
+    ) -> Vec<u32> {
         let inner = self.inner.lock();
-        let mut out: Vec<PrefillCredit> = candidates
-            .iter()
-            .map(|w| {
-                let accuracy = inner.accuracy.get(w);
-                PrefillCredit {
-                    blocks: 0,
-                    trust: accuracy.map_or(1.0, WorkerAccuracy::credit_trust),
-                    index_trust: accuracy.map_or(1.0, WorkerAccuracy::index_trust),
-                }
-            })
-            .collect();
+        let mut out = vec![0u32; candidates.len()];
         if (inner.prefilling.is_empty() && !inner.peers.has_prefilling()) || max_age.is_zero() {
             return out;
         }
@@ -480,8 +444,8 @@ impl Ledger {
             // first token, so they are fresh.
             for worker in fresh_own.chain(inner.peers.prefilling_on(key)) {
                 if let Some(i) = candidates.iter().position(|w| w == worker) {
-                    if out[i].blocks == 0 {
-                        out[i].blocks = p as u32;
+                    if out[i] == 0 {
+                        out[i] = p as u32;
                         missing -= 1;
                     }
                 }
@@ -981,11 +945,7 @@ mod tests {
     }
 
     fn prefilling_blocks(ledger: &Ledger, keys: &[BlockKey], ws: &[WorkerId]) -> Vec<u32> {
-        ledger
-            .prefill_credits(keys, ws, Instant::now(), Duration::from_secs(60))
-            .iter()
-            .map(|c| c.blocks)
-            .collect()
+        ledger.prefill_credits(keys, ws, Instant::now(), Duration::from_secs(60))
     }
 
     /// A prompt is credited to its worker while its prefill is pending, and no longer
@@ -1041,7 +1001,7 @@ mod tests {
             Instant::now(),
         );
         let off = ledger.prefill_credits(&prompt, &ws, Instant::now(), Duration::ZERO);
-        assert_eq!(off.iter().map(|c| c.blocks).collect::<Vec<_>>(), [0, 0]);
+        assert_eq!(off, [0, 0]);
     }
 
     /// Reading a credit or booking the same prefix again never extends an old credit:
@@ -1055,9 +1015,8 @@ mod tests {
         let t0 = Instant::now();
         let first = ledger.book(WorkerId(0), spec(256, 0, None), &prompt, t0);
         let later = t0 + Duration::from_secs(5);
-        let at = |now: Instant| {
-            ledger.prefill_credits(&prompt, &ws, now, Duration::from_secs(10))[0].blocks
-        };
+        let at =
+            |now: Instant| ledger.prefill_credits(&prompt, &ws, now, Duration::from_secs(10))[0];
         assert_eq!(at(later), 16);
         assert_eq!(at(t0 + Duration::from_secs(11)), 0, "older than max_age");
         let second = ledger.book(WorkerId(0), spec(256, 0, None), &prompt, later);

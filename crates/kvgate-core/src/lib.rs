@@ -26,8 +26,8 @@ pub use index::{
 };
 
 pub use ledger::{
-    BookingGuard, BookingSpec, EngineQueue, Ledger, LedgerStats, PrefillCredit, WorkerAccuracy,
-    WorkerLoad, PROGRESS_EVERY,
+    BookingGuard, BookingSpec, EngineQueue, Ledger, LedgerStats, WorkerAccuracy, WorkerLoad,
+    PROGRESS_EVERY,
 };
 pub use peer_loads::{PeerApplied, PeerReport, PeerStats};
 pub use policy::{

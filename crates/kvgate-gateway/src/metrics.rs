@@ -148,7 +148,7 @@ impl Metrics {
             worker_healthy: igauge(&r, "kvgate_worker_healthy", "1 when the worker's circuit breaker is closed", mw)?,
             worker_unseen_requests: igauge(&r, "kvgate_worker_unseen_requests", "Requests the worker's engine last reported holding beyond those kvgate replicas booked there (clients calling it directly, other routers); counted as its load", mw)?,
             worker_prediction_ratio: gauge(&r, "kvgate_worker_cached_tokens_prediction_ratio", "Predicted over engine-reported cached prompt tokens per worker, over about the last 64 reports (1 = honest, above 1 = over-predicting)", mw)?,
-            worker_credit_trust: gauge(&r, "kvgate_worker_credit_trust", "Share of tokens credited to a worker for prompts in prefill that its engine then served from cache (kv_aware weighs its credit by this)", mw)?,
+            worker_credit_trust: gauge(&r, "kvgate_worker_credit_trust", "Share of tokens credited to a worker for prompts in prefill that its engine then served from cache (a diagnostic of kv_aware's prefill credit)", mw)?,
             ledger_active: igauge(&r, "kvgate_ledger_active_bookings", "Bookings currently held", &["model"])?,
             ledger_booked: igauge(&r, "kvgate_ledger_booked_total", "Bookings made since start", &["model"])?,
             ledger_swept: igauge(&r, "kvgate_ledger_swept_total", "Bookings freed by the TTL sweep (leaks caught)", &["model"])?,

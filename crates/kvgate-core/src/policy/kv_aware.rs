@@ -8,8 +8,8 @@
 //! With B the block size and, for each candidate worker w:
 //!
 //! ```text
-//! cached(w)   = index_trust(w) · (device + host_credit·host + disk_credit·disk)
-//!             + credit_trust(w) · credited(w)                 (leading blocks held)
+//! cached(w)   = device + host_credit·host + disk_credit·disk + credited(w)
+//!                                                     (leading blocks held, by tier)
 //! lead(w)     = cached(w) − the runner-up's cached, for the sole best holder; else 0
 //! prefill(w)  = queued_prefill_tokens(w)/B + (prompt_blocks − cached(w))
 //!             − locality_weight · lead(w)
@@ -45,11 +45,6 @@
 //!   follow-up that arrives before the engine's events can find it. It ends at that
 //!   request's first token or end, and at the latest `pending_credit_secs` after
 //!   booking ([`Ledger::prefill_credits`]).
-//! - **The trusts** scale what the index shows and what is credited by how much of each
-//!   came true on that worker lately (the engines' reported cached tokens,
-//!   [`WorkerAccuracy`]): a worker whose queue outlasts its cache's turnover, or whose
-//!   credits are evicted before they run, stops attracting requests on the strength of
-//!   blocks it will not have. Both are 1 while predictions come true.
 //! - **Warm-up**: a fleet that caches its tenants keeps every request where the
 //!   prefixes are (each request's cost says so), so an engine added under load would
 //!   get nothing: the per-request cost cannot see that a prefix recomputed on new
@@ -59,12 +54,13 @@
 //!
 //! Removed after their ablations (each made TTFT or requests served worse, or changed
 //! nothing): the load bound (`balance_*_threshold`), cold homing and its five
-//! refinements, the softmax temperature and the prefill-queue weight. [`REMOVED`]
+//! refinements, the softmax temperature, the prefill-queue weight, and the trusts that
+//! scaled the index and the credit by how far they came true (no options; they changed
+//! no workload's TTFT beyond 1.3%, the better way round without them). [`REMOVED`]
 //! names them, so an old configuration is refused with a reason rather than silently
 //! changing meaning.
 //!
 //! [`Ledger::prefill_credits`]: crate::ledger::Ledger::prefill_credits
-//! [`WorkerAccuracy`]: crate::ledger::WorkerAccuracy
 
 use std::time::Duration;
 
@@ -77,7 +73,6 @@ use super::{
     Decision, FleetView, PolicyKind, RouteRequest, RoutingPolicy, SelectError, WorkerScore,
 };
 use crate::ids::Tier;
-use crate::ledger::PrefillCredit;
 
 /// kv_aware's knobs: four, plus the YAML-only tier credits.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -235,7 +230,7 @@ pub struct KvAwarePolicy {
 
 /// Each candidate's cached prefix as kv_aware counts it.
 struct Cached {
-    /// Trusted device blocks plus tier-credited host/disk blocks plus trusted credit.
+    /// Device blocks plus tier-credited host/disk blocks plus credited blocks.
     blocks: Vec<f64>,
     /// Device blocks the index shows.
     indexed_device: Vec<u32>,
@@ -267,12 +262,12 @@ impl KvAwarePolicy {
     }
 
     /// Each candidate's cached prefix (index overlap by tier, plus the prefill credit
-    /// beyond it, each as far as the worker's trust goes), recorded in its score line.
+    /// beyond it), recorded in its score line.
     fn cached_blocks(
         &self,
         lines: &mut [WorkerScore],
         overlaps: &crate::index::OverlapScores,
-        credits: &[PrefillCredit],
+        credits: &[u32],
     ) -> Cached {
         let c = &self.config;
         let mut indexed_device = vec![0u32; lines.len()];
@@ -288,11 +283,9 @@ impl KvAwarePolicy {
                 indexed_device[i] = line.overlap_blocks[Tier::Device.index()];
                 let [device, host, disk] = line.overlap_blocks.map(f64::from);
                 let indexed = device + c.host_credit * host + c.disk_credit * disk;
-                credited[i] = credit
-                    .blocks
-                    .saturating_sub(line.overlap_blocks.iter().sum::<u32>());
+                credited[i] = credit.saturating_sub(line.overlap_blocks.iter().sum::<u32>());
                 line.overlap_blocks[Tier::Device.index()] += credited[i];
-                credit.index_trust * indexed + credit.trust * f64::from(credited[i])
+                indexed + f64::from(credited[i])
             })
             .collect();
         Cached {
@@ -386,13 +379,10 @@ impl RoutingPolicy for KvAwarePolicy {
         let (i, rule) = self.choose(&costs, &eligible, &cached.blocks);
         let indexed_cached_tokens = cached.indexed_device[i] * bs;
         let credited_tokens = cached.credited[i] * bs;
-        let trusted_credit = (credits[i].trust * f64::from(credited_tokens)).round() as u32;
-        let trusted_indexed =
-            (credits[i].index_trust * f64::from(indexed_cached_tokens)).round() as u32;
         Ok(Decision {
             worker: lines[i].worker,
             policy: PolicyKind::KvAware,
-            predicted_cached_tokens: trusted_indexed + trusted_credit,
+            predicted_cached_tokens: indexed_cached_tokens + credited_tokens,
             indexed_cached_tokens,
             credited_tokens,
             rule: rule.as_str(),
