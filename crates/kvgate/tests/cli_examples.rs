@@ -1,5 +1,5 @@
 //! The command lines users copy must parse: every `kvgate` (or `cargo run -- `) command
-//! in the code blocks of README.md and docs/BENCHMARKS.md, and every example flag a
+//! in the code blocks of README.md, docs/BENCHMARKS.md and docs/operations.md, and every example flag a
 //! `--help` text gives (`e.g. --engine-arg=--max-num-seqs=64`), is run through the real
 //! binary's parser (`<command> --help`: clap checks every flag and value before it
 //! sees `--help`, and nothing starts). Also: each value-taking flag of `kvgate serve`
@@ -109,7 +109,7 @@ fn parses(args: &[String]) -> Result<(), String> {
 #[test]
 fn documented_command_lines_parse() {
     let mut checked = 0;
-    for doc in ["README.md", "docs/BENCHMARKS.md"] {
+    for doc in ["README.md", "docs/BENCHMARKS.md", "docs/operations.md"] {
         let text = std::fs::read_to_string(repo().join(doc)).unwrap();
         for args in documented_commands(&text) {
             if let Err(e) = parses(&args) {

@@ -1,7 +1,7 @@
 //! `kvgate up` through the real binary: it starts 2 simulated engines and a kv_aware
 //! gateway, prints curl commands, and every printed command answers 200 when sent as
 //! printed; Ctrl-C (SIGINT) stops everything and exits 0; logs redirected to files carry
-//! no ANSI colour codes. The README's metric table and the gateway's `/metrics` before
+//! no ANSI colour codes. The metric table of docs/operations.md and the gateway's `/metrics` before
 //! its first request name the same metrics, and the Grafana dashboard in deploy/grafana
 //! queries only those.
 
@@ -11,14 +11,17 @@ use std::time::Duration;
 use kvgate_bench::process::{free_ports, ManagedChild};
 use kvgate_bench::up::READY_LINE;
 
-/// The metric names (or `*` patterns) of the README's metric table.
+/// The metric names (or `*` patterns) of the metric table in docs/operations.md.
 fn readme_metrics() -> Vec<String> {
-    let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md")).unwrap();
+    let readme = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../docs/operations.md"
+    ))
+    .unwrap();
     let section = readme
         .split("\n## Metrics\n")
         .nth(1)
-        .expect("README has a Metrics section");
+        .expect("docs/operations.md has a Metrics section");
     let section = section.split("\n## ").next().unwrap_or(section);
     section
         .lines()
@@ -34,7 +37,7 @@ fn readme_metrics() -> Vec<String> {
         .collect()
 }
 
-/// A metric name against a README name that may hold one `*`.
+/// A metric name against a documented name that may hold one `*`.
 fn matches(pattern: &str, name: &str) -> bool {
     match pattern.split_once('*') {
         Some((pre, post)) => {
@@ -44,8 +47,8 @@ fn matches(pattern: &str, name: &str) -> bool {
     }
 }
 
-/// Every metric the README lists is exported before any request, and every exported
-/// metric is in the README.
+/// Every metric docs/operations.md lists is exported before any request, and every exported
+/// metric is listed there.
 async fn check_metrics_against_readme(http: &reqwest::Client, port: u16) {
     let text = http
         .get(format!("http://127.0.0.1:{port}/metrics"))
@@ -71,13 +74,13 @@ async fn check_metrics_against_readme(http: &reqwest::Client, port: u16) {
         });
         assert!(
             series,
-            "README lists {pattern} but /metrics has no sample of it before the first request:\n{text}"
+            "docs/operations.md lists {pattern} but /metrics has no sample of it before the first request:\n{text}"
         );
     }
     for name in &exported {
         assert!(
             listed.iter().any(|p| matches(p, name)),
-            "/metrics exports {name}, which the README's metric table does not list"
+            "/metrics exports {name}, which the metric table of docs/operations.md does not list"
         );
     }
     check_dashboard(&exported);

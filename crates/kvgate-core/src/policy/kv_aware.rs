@@ -33,7 +33,7 @@
 //!   request's first token (its queue plus this prompt's uncached part) against the
 //!   decode it carries. `overlap_weight` (4) counts a block of prefill as four of
 //!   decode: at 1 the decode term drowns the cache savings on long prompts (Mooncake
-//!   window TTFT p50 +6%, herding p90 +1%).
+//!   window TTFT p50 +7%, herding p90 +1%).
 //! - **The locality lead** counts the sole best holder's lead `1 + locality_weight`
 //!   times, so a conversation stays on the worker holding its history unless its queue
 //!   is very long: moving it recomputes the history elsewhere and leaves the copy dead,
@@ -49,8 +49,10 @@
 //!   prefixes are (each request's cost says so), so an engine added under load would
 //!   get nothing: the per-request cost cannot see that a prefix recomputed on new
 //!   capacity pays for itself over the requests that follow. Without it an added
-//!   engine's fleet serves 12% fewer requests. The rule acts only on an imbalance of
-//!   cache, which a steady fleet does not have.
+//!   engine's fleet serves 12% fewer requests, and a system prompt every request shares
+//!   piles onto the first engine that cached it (herding TTFT p90 8x): warm-up is also
+//!   what spreads a fleet's first requests. The rule acts only on an imbalance of cache,
+//!   which a steady fleet does not have.
 //!
 //! Removed after their ablations (each made TTFT or requests served worse, or changed
 //! nothing): the load bound (`balance_*_threshold`), cold homing and its five
@@ -113,7 +115,7 @@ impl Default for KvAwareConfig {
 pub const REMOVED: &[(&str, &str)] = &[
     ("balance_abs_threshold", "the load bound is gone: the cost's queue and decode terms spread load, and the bound only cost TTFT in its ablation"),
     ("balance_rel_threshold", "the load bound is gone: the cost's queue and decode terms spread load, and the bound only cost TTFT in its ablation"),
-    ("cold_homing", "cold homing is gone: a prompt cached nowhere goes to the cheapest worker (homing cost up to 21% of TTFT p90)"),
+    ("cold_homing", "cold homing is gone: a prompt cached nowhere goes to the cheapest worker (homing cost up to 30% of TTFT p90)"),
     ("home_hit_ratio_slack", "cold homing is gone, with its refinements"),
     ("home_prefers_room", "cold homing is gone, with its refinements"),
     ("home_remembers_last", "cold homing is gone, with its refinements"),
