@@ -146,6 +146,10 @@ pub struct ServeArgs {
     pub pending_credit_secs: Option<f64>,
     #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware warm-up: a worker whose index holds less than this fraction of the workers' mean (just added, restarted or reset) may not be more than one request in flight behind any other (0 = off)", KvAwareConfig::default().warmup_fraction))]
     pub warmup_fraction: Option<f64>,
+    #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware load bound: a worker more than this many requests in flight ahead of the least loaded one", KvAwareConfig::default().balance_abs_threshold))]
+    pub balance_abs_threshold: Option<u32>,
+    #[arg(long, help_heading = KV_AWARE, help = with_default("...and more than this many times ahead is not eligible", KvAwareConfig::default().balance_rel_threshold))]
+    pub balance_rel_threshold: Option<f64>,
     /// Seed for the policy's random choices (unset: seeded from the OS).
     #[arg(long, help_heading = KV_AWARE)]
     pub seed: Option<u64>,
@@ -355,6 +359,12 @@ impl ServeArgs {
                 *field = v;
             }
         }
+        if let Some(a) = self.balance_abs_threshold {
+            k.balance_abs_threshold = a;
+        }
+        if let Some(r) = self.balance_rel_threshold {
+            k.balance_rel_threshold = r;
+        }
         Ok(m)
     }
 
@@ -493,8 +503,11 @@ mod tests {
             e.contains("`--cold-homing` was removed: cold homing is gone"),
             "{e}"
         );
-        let e = refuse(&["--balance-abs-threshold=16"]);
-        assert!(e.contains("load bound is gone"), "{e}");
+        let e = refuse(&["--home-plans-by-demand=false"]);
+        assert!(
+            e.contains("cold homing is gone, with its refinements"),
+            "{e}"
+        );
         let e = refuse(&["--no-such-flag"]);
         assert!(e.contains("unexpected argument"), "{e}");
     }

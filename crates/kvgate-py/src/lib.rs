@@ -130,7 +130,7 @@ pub struct PySelection {
     /// Prompt tokens predicted to be served from the chosen worker's cache.
     predicted_cached_tokens: u32,
     policy: String,
-    /// The rule that decided (kv_aware: `cached`, `least_work`, `warmup`).
+    /// The rule that decided (kv_aware: `cached`, `least_work`, `load_bound`, `warmup`).
     rule: String,
     reason: String,
     scores: Vec<PyWorkerScore>,

@@ -591,10 +591,17 @@ async fn a_late_replica_loads_a_peers_index_snapshot_where_replay_buffers_fall_s
         metric(&url(1), "kvgate_kv_events_incomplete_starts_total").await >= 1.0,
         "a replay buffer that no longer reaches back is reported"
     );
-    let (_, blocks) = route_of(&url(1), 0).await;
-    assert_eq!(
-        blocks, 0,
-        "without a peer the first tenant's blocks are unknown"
+    // Which tenants fell out of the buffers depends on how they were spread over the
+    // two engines (an engine that served few of them may still replay its first).
+    let mut unknown = 0;
+    for t in 0..served.len() {
+        if route_of(&url(1), t).await.1 == 0 {
+            unknown += 1;
+        }
+    }
+    assert!(
+        unknown >= 1,
+        "without a peer the early tenants' blocks are unknown"
     );
 
     let peer = vec!["--peer".to_owned(), url(0)];

@@ -722,6 +722,52 @@ fn kv_aware_keeps_a_conversation_on_its_holder_despite_a_queue() {
     assert_ne!(design_only.worker, WorkerId(0));
 }
 
+/// However large its cached lead, a worker too far ahead in requests in flight is not
+/// eligible, and the decision says the load bound decided; with a loose bound the same
+/// request goes to the holder.
+#[test]
+fn kv_aware_load_bound_overrides_a_cached_lead() {
+    let ledger = Ledger::new(BS);
+    let mut index = new_index();
+    let prompt: Vec<u32> = (0..2048).collect();
+    engine_caches(&mut index, WorkerId(0), &prompt);
+    for w in 1..3u32 {
+        let own: Vec<u32> = (0..2048).map(|t| 1_000_000 * w + t).collect();
+        engine_caches(&mut index, WorkerId(w), &own);
+    }
+    let bookings: Vec<_> = (0..20)
+        .map(|_| {
+            let b = ledger.book(
+                WorkerId(0),
+                BookingSpec {
+                    prompt_tokens: 160,
+                    expected_output_tokens: Some(16),
+                    ..Default::default()
+                },
+                &[],
+                Instant::now(),
+            );
+            b.prefill_done();
+            b
+        })
+        .collect();
+    let keys = index.hasher().block_keys(&prompt);
+    let ws = workers(3);
+    let pick = |config: KvAwareConfig| {
+        let policy = KvAwarePolicy::new(config, Some(2));
+        select(&policy, Some(&keys), 2048, None, &ws, &ledger, Some(&index)).unwrap()
+    };
+    let bounded = pick(KvAwareConfig::default());
+    assert_ne!(bounded.worker, WorkerId(0), "{:?}", bounded.scores);
+    assert_eq!(bounded.rule, "load_bound");
+    let loose = pick(KvAwareConfig {
+        balance_abs_threshold: 100,
+        ..Default::default()
+    });
+    assert_eq!((loose.worker, loose.rule), (WorkerId(0), "cached"));
+    drop(bookings);
+}
+
 /// The case that cost the most hit rate on the Mooncake trace (docs/BENCHMARKS.md): a
 /// conversation with a short history (2,048 tokens) whose holder has long prompts queued
 /// (96k tokens over six requests). The default locality
@@ -908,16 +954,14 @@ fn kv_aware_refuses_a_removed_option_naming_why() {
         err.contains("`cold_homing` was removed: cold homing is gone"),
         "{err}"
     );
-    let err = parse(r#"{"balance_abs_threshold": 16}"#)
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("load bound is gone"), "{err}");
+    let err = parse(r#"{"temperature": 0.1}"#).unwrap_err().to_string();
+    assert!(err.contains("the softmax never helped"), "{err}");
     let err = parse(r#"{"overlap_weigth": 2}"#).unwrap_err().to_string();
     assert!(
         err.contains("unknown kv_aware field `overlap_weigth`"),
         "{err}"
     );
-    let ok = parse(r#"{"overlap_weight": 2, "locality_weight": 8, "pending_credit_secs": 1, "warmup_fraction": 0, "host_credit": 1, "disk_credit": 0}"#).unwrap();
+    let ok = parse(r#"{"overlap_weight": 2, "locality_weight": 8, "pending_credit_secs": 1, "warmup_fraction": 0, "balance_abs_threshold": 4, "balance_rel_threshold": 2, "host_credit": 1, "disk_credit": 0}"#).unwrap();
     assert_eq!((ok.overlap_weight, ok.locality_weight), (2.0, 8.0));
     assert_eq!(parse("{}").unwrap(), KvAwareConfig::default());
     for (name, _) in crate::policy::kv_aware::REMOVED {
