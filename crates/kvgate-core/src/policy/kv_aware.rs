@@ -55,7 +55,7 @@
 //!   requests sharing a system prompt went 33:1 to its holder without the bound
 //!   (`test_a_shared_system_prompt_does_not_herd`). It has a price where many requests
 //!   are in flight and the mock engines' batches (256) never fill: at concurrency 48
-//!   the scenario suite serves up to 15% fewer requests with it; at the window's load
+//!   the scenario suite serves up to 16% fewer requests with it; at the window's load
 //!   it costs nothing beyond noise at an absolute threshold of 24, 3.5% of TTFT p90 at
 //!   16. A cost term for the batch limit could replace it.
 //! - **Warm-up**: a fleet that caches its tenants keeps every request where the
@@ -68,11 +68,11 @@
 //!   which a steady fleet does not have.
 //!
 //! Removed after their ablations (each made TTFT or requests served worse, or changed
-//! nothing): cold homing and its five refinements, the softmax temperature, the prefill-queue weight, and the trusts that
-//! scaled the index and the credit by how far they came true (no options; they changed
-//! no workload's TTFT beyond 1.3%, the better way round without them). [`REMOVED`]
-//! names them, so an old configuration is refused with a reason rather than silently
-//! changing meaning.
+//! nothing): cold homing and its five refinements, the softmax temperature, the
+//! prefill-queue weight, and the trusts that scaled the index and the credit by how far
+//! they came true (no options; they changed no workload's TTFT beyond 1.3%, the better
+//! way round without them). [`REMOVED`] names them, so an old configuration is refused
+//! with a reason rather than silently changing meaning.
 //!
 //! [`Ledger::prefill_credits`]: crate::ledger::Ledger::prefill_credits
 
