@@ -46,6 +46,13 @@ pub fn explain_removed_flag(err: clap::Error) -> clap::Error {
     }
 }
 
+/// Overrides `dst` with a flag's value when the flag was given.
+fn set<T: Clone>(dst: &mut T, v: &Option<T>) {
+    if let Some(v) = v {
+        *dst = v.clone();
+    }
+}
+
 /// Run the OpenAI-compatible routing gateway.
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct ServeArgs {
@@ -349,31 +356,16 @@ impl ServeArgs {
             ..ModelConfig::default()
         };
         let k = &mut m.kv_aware;
-        for (value, field) in [
-            (self.overlap_weight, &mut k.overlap_weight),
-            (self.locality_weight, &mut k.locality_weight),
-            (self.pending_credit_secs, &mut k.pending_credit_secs),
-            (self.warmup_fraction, &mut k.warmup_fraction),
-        ] {
-            if let Some(v) = value {
-                *field = v;
-            }
-        }
-        if let Some(a) = self.balance_abs_threshold {
-            k.balance_abs_threshold = a;
-        }
-        if let Some(r) = self.balance_rel_threshold {
-            k.balance_rel_threshold = r;
-        }
+        set(&mut k.overlap_weight, &self.overlap_weight);
+        set(&mut k.locality_weight, &self.locality_weight);
+        set(&mut k.pending_credit_secs, &self.pending_credit_secs);
+        set(&mut k.warmup_fraction, &self.warmup_fraction);
+        set(&mut k.balance_abs_threshold, &self.balance_abs_threshold);
+        set(&mut k.balance_rel_threshold, &self.balance_rel_threshold);
         Ok(m)
     }
 
     fn apply_globals(&self, c: &mut Config) {
-        fn set<T: Clone>(dst: &mut T, v: &Option<T>) {
-            if let Some(v) = v {
-                *dst = v.clone();
-            }
-        }
         set(&mut c.host, &self.host);
         set(&mut c.port, &self.port);
         if self.api_key.is_some() {

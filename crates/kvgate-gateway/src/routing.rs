@@ -342,15 +342,7 @@ pub fn try_pick(
         .with_label_values(&[&*model.name, model.kind().as_str()])
         .observe(start.elapsed().as_secs_f64());
     let decision = match result {
-        Ok(d) => {
-            if candidates_from == Candidates::WithFreeSlot {
-                gw.metrics
-                    .routing_decisions
-                    .with_label_values(&[&*model.name, model.kind().as_str(), d.rule])
-                    .inc();
-            }
-            d
-        }
+        Ok(d) => d,
         Err(SelectError::NoIndex) => return Err(ApiError::kv_events_not_configured(&model.name)),
         Err(SelectError::MissingTokens) => {
             return Err(ApiError::bad_request(
@@ -475,8 +467,14 @@ pub async fn pick(
         match try_pick(gw, p, session, excluded, Candidates::WithFreeSlot) {
             Err(e) => Some(Err(e)),
             Ok(Pick::Chosen { decision, worker }) => {
-                Lease::try_take(p, &worker, &decision, admission, limit)
-                    .map(|lease| Ok((decision, lease)))
+                let lease = Lease::try_take(p, &worker, &decision, admission, limit)?;
+                // Counted once the choice is booked: a choice whose worker filled up
+                // meanwhile is made again.
+                gw.metrics
+                    .routing_decisions
+                    .with_label_values(&[&*p.model.name, p.model.kind().as_str(), decision.rule])
+                    .inc();
+                Some(Ok((decision, lease)))
             }
             Ok(Pick::Full) => None,
             Ok(Pick::NoneHealthy) => Some(Err(ApiError::no_healthy_worker(
