@@ -49,6 +49,7 @@ use smallvec::SmallVec;
 
 use crate::hashing::BlockKey;
 use crate::ids::WorkerId;
+use crate::load::WorkerLoad;
 use crate::peer_loads::{self, PeerApplied, PeerLoads, PeerReport, PeerStats};
 
 /// Callers report a booking's output progress every this many output tokens (the
@@ -88,16 +89,6 @@ pub struct BookingSpec {
     pub credited_tokens: u32,
     /// `max_tokens`, or a better hint of the output length, when known.
     pub expected_output_tokens: Option<u32>,
-}
-
-/// Load one worker carries, as booked by this router.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
-pub struct WorkerLoad {
-    pub in_flight: u32,
-    /// Uncached prompt tokens of requests whose first token has not arrived.
-    pub prefill_tokens: u64,
-    /// Weighted KV blocks of requests in flight.
-    pub decode_blocks: f64,
 }
 
 /// How well this router's predictions of cached tokens on one worker matched what the

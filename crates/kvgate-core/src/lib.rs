@@ -3,7 +3,7 @@
 //! Owns the routing logic and nothing else: how prompts become block keys
 //! ([`hashing`]), which worker holds which blocks ([`index`]), how much work each
 //! worker has that this router booked ([`ledger`]) and that its peer replicas
-//! reported ([`peer_loads`]), and how a worker is chosen
+//! reported ([`peer_loads`]), in the figures both share ([`load`]), and how a worker is chosen
 //! ([`policy`]). It must not do I/O, spawn threads, read clocks behind the caller's
 //! back in ways tests cannot control, or depend on an async runtime: every input
 //! arrives as an argument so the crate can be tested and benchmarked exactly.
@@ -15,6 +15,7 @@ pub mod hashing;
 pub mod ids;
 pub mod index;
 pub mod ledger;
+pub mod load;
 pub mod peer_loads;
 pub mod policy;
 
@@ -26,9 +27,9 @@ pub use index::{
 };
 
 pub use ledger::{
-    BookingGuard, BookingSpec, EngineQueue, Ledger, LedgerStats, WorkerAccuracy, WorkerLoad,
-    PROGRESS_EVERY,
+    BookingGuard, BookingSpec, EngineQueue, Ledger, LedgerStats, WorkerAccuracy, PROGRESS_EVERY,
 };
+pub use load::WorkerLoad;
 pub use peer_loads::{PeerApplied, PeerReport, PeerStats};
 pub use policy::{
     build_policy, removed_option as removed_kv_aware_option, Decision, FleetView, KvAwareConfig,

@@ -32,7 +32,7 @@ use smallvec::SmallVec;
 
 use crate::hashing::BlockKey;
 use crate::ids::WorkerId;
-use crate::ledger::WorkerLoad;
+use crate::load::WorkerLoad;
 
 /// One replica's report of the load it has booked, per worker.
 #[derive(Clone, Debug, PartialEq)]

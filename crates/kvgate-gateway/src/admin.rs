@@ -4,8 +4,8 @@
 //! "kv_events_replay"?,"dp_size"?,"pool"?,"bootstrap_port"?}`; `"pool":"prefill"` adds
 //! to a disaggregated model's prefill pool), `DELETE /admin/workers/{id}` or
 //! `DELETE /admin/workers?model=M&url=U` (either pool). Off (404) unless an admin token is
-//! configured; every call must carry it as a bearer token. Owns request/response shapes
-//! only; the gateway does the work.
+//! configured; every call must carry it as a bearer token (checked at the front door).
+//! Owns request/response shapes only; the gateway does the work.
 
 use std::sync::Arc;
 
@@ -17,20 +17,11 @@ use kvgate_core::WorkerId;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::auth::require_bearer;
+use crate::body::read_bounded;
 use crate::config::WorkerConfig;
 use crate::errors::ApiError;
 use crate::gateway::Gateway;
 use crate::registry::{ModelState, Worker};
-
-fn guard(gw: &Gateway, headers: &http::HeaderMap) -> Result<(), ApiError> {
-    require_bearer(
-        headers,
-        gw.config.admin_token.as_deref(),
-        "admin token",
-        "the admin API endpoints",
-    )
-}
 
 pub fn worker_json(model: &ModelState, pool: &str, w: &Worker) -> Value {
     let load = model.ledger().load(w.id);
@@ -50,10 +41,7 @@ pub fn worker_json(model: &ModelState, pool: &str, w: &Worker) -> Value {
     })
 }
 
-pub async fn list(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
-    if let Err(e) = guard(&gw, req.headers()) {
-        return e.into_response();
-    }
+pub async fn list(State(gw): State<Arc<Gateway>>) -> Response {
     let workers: Vec<Value> = gw
         .pools_named()
         .flat_map(|(m, pool)| {
@@ -65,6 +53,9 @@ pub async fn list(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
         .collect();
     Json(json!({ "workers": workers })).into_response()
 }
+
+/// Largest `POST /admin/workers` body read.
+const ADD_WORKER_MAX_BYTES: usize = 1 << 20;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -85,10 +76,7 @@ struct AddWorker {
 }
 
 pub async fn add(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
-    if let Err(e) = guard(&gw, req.headers()) {
-        return e.into_response();
-    }
-    let body = match axum::body::to_bytes(req.into_body(), 1 << 20).await {
+    let body = match read_bounded(&mut req.into_body(), ADD_WORKER_MAX_BYTES, None).await {
         Ok(b) => b,
         Err(e) => return ApiError::bad_request("invalid_body", e.to_string()).into_response(),
     };
@@ -102,7 +90,7 @@ pub async fn add(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
     };
     let pool_name = match add.pool.as_deref() {
         None | Some("") => "",
-        Some(crate::gateway::PREFILL_POOL) => crate::gateway::PREFILL_POOL,
+        Some(crate::registry::PREFILL_POOL) => crate::registry::PREFILL_POOL,
         Some(other) => {
             return ApiError::bad_request(
                 "invalid_worker",
@@ -121,7 +109,7 @@ pub async fn add(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
         )
         .into_response();
     };
-    let sglang_prefill = pool_name == crate::gateway::PREFILL_POOL
+    let sglang_prefill = pool_name == crate::registry::PREFILL_POOL
         && model
             .prefill
             .as_ref()
@@ -189,25 +177,14 @@ fn remove_by(gw: &Gateway, pred: impl Fn(&ModelState, &Worker) -> bool) -> Respo
     Json(json!({ "removed": removed })).into_response()
 }
 
-pub async fn remove_id(
-    State(gw): State<Arc<Gateway>>,
-    Path(id): Path<u32>,
-    req: Request,
-) -> Response {
-    if let Err(e) = guard(&gw, req.headers()) {
-        return e.into_response();
-    }
+pub async fn remove_id(State(gw): State<Arc<Gateway>>, Path(id): Path<u32>) -> Response {
     remove_by(&gw, |_, w| w.id == WorkerId(id))
 }
 
 pub async fn remove_query(
     State(gw): State<Arc<Gateway>>,
     Query(q): Query<RemoveQuery>,
-    req: Request,
 ) -> Response {
-    if let Err(e) = guard(&gw, req.headers()) {
-        return e.into_response();
-    }
     let Some(url) = q.url.map(|u| crate::config::normalize_url(&u)) else {
         return ApiError::bad_request(
             "missing_url",

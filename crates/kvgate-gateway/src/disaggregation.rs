@@ -21,7 +21,7 @@
 //! both legs.
 //!
 //! Owns the handover protocols and the order of the legs. Must not choose workers
-//! (routing.rs) or send requests itself (failover.rs's attempt loop sends every leg).
+//! (select.rs) or send requests itself (failover.rs's attempt loop sends every leg).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,22 +30,22 @@ use axum::response::Response;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
 use http_body_util::BodyExt;
-use kvgate_core::WorkerId;
 use serde_json::{json, Map, Value};
-use smallvec::SmallVec;
 
+use crate::body::read_bounded;
 use crate::config::PdMode;
 use crate::errors::ApiError;
-use crate::failover::{answer, call_workers, engine_error, Accepted, Forwarded, Route, Unanswered};
+use crate::failover::{call_workers, engine_error, Accepted, Attempts, Forwarded, Given, Held};
 use crate::gateway::Gateway;
 use crate::limits::Admission;
+use crate::metrics::RequestRecord;
+use crate::prepare::Prepared;
 use crate::registry::{ModelState, PrefillPool};
-use crate::routing::{pick, try_pick, Candidates, Pick, Prepared};
+use crate::respond::answer;
+use crate::select::{pick, try_pick, Candidates, Pick, Routed};
 
-/// The `route` labels of `kvgate_disaggregated_requests_total`.
-pub const ROUTES: [&str; 4] = ["split", "whole", "handover_failed", "prefill_retried"];
-
-/// Counts a disaggregated request by how it ran (one of [`ROUTES`]).
+/// Counts a disaggregated request by how it ran (one of
+/// [`crate::metrics::DISAGGREGATED_ROUTES`]).
 pub(crate) fn count(gw: &Gateway, model: &str, route: &str) {
     gw.metrics
         .disaggregated
@@ -67,7 +67,7 @@ const PREFILL_ANSWER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// Whether a request of a disaggregated model skips the split: its prompt has fewer
 /// uncached tokens (the prefill pool's best prediction taken off) than the threshold,
 /// so a decode worker computes it whole.
-pub(crate) fn skips_prefill(gw: &Gateway, prefill: &PrefillPool, p: &Prepared) -> bool {
+pub fn skips_prefill(gw: &Gateway, prefill: &PrefillPool, p: &Prepared) -> bool {
     let threshold = prefill.uncached_token_threshold;
     if threshold == 0 {
         return false;
@@ -101,13 +101,13 @@ fn for_prefill(prefill: &PrefillPool, p: &Prepared) -> Prepared {
 }
 
 /// Runs a disaggregated request's legs; the decode worker's answer is the client's.
-pub(crate) async fn dispatch(
+pub async fn serve(
     gw: &Arc<Gateway>,
     prefill: &PrefillPool,
     mut request: Forwarded,
     p: &Prepared,
     admission: &Arc<Admission>,
-    record: &mut Unanswered,
+    record: &RequestRecord,
 ) -> Result<Response, ApiError> {
     count(gw, &p.model.name, "split");
     if !request.headers.contains_key(REQUEST_ID) {
@@ -124,10 +124,11 @@ pub(crate) async fn dispatch(
         prefill_p: for_prefill(prefill, p),
         decode_p: decode,
         admission,
+        record,
     };
     match prefill.mode {
-        PdMode::Vllm => legs.vllm(record).await,
-        PdMode::Sglang => legs.sglang(record).await,
+        PdMode::Vllm => legs.vllm().await,
+        PdMode::Sglang => legs.sglang().await,
     }
 }
 
@@ -139,22 +140,29 @@ struct Legs<'a> {
     prefill_p: Prepared,
     decode_p: Prepared,
     admission: &'a Arc<Admission>,
+    record: &'a RequestRecord,
 }
 
 impl Legs<'_> {
+    /// The attempt loop's picker for one leg (`p`: the leg's prepared request).
+    fn routed<'a>(&'a self, p: &'a Prepared) -> Routed<'a> {
+        Routed {
+            p,
+            headers: &self.request.headers,
+            admission: self.admission,
+            record: self.record,
+        }
+    }
+
     /// vLLM: prefill, then decode with the prefill answer's `kv_transfer_params`.
-    async fn vllm(self, record: &mut Unanswered) -> Result<Response, ApiError> {
+    async fn vllm(&self) -> Result<Response, ApiError> {
         let gw = self.gw;
         let prefill_request = Forwarded {
             body: vllm_prefill_body(&self.request.body)?,
             ..self.request.clone()
         };
-        let route = Route::Booked {
-            p: &self.prefill_p,
-            admission: self.admission,
-            record,
-        };
-        let accepted = call_workers(gw, &prefill_request, route).await?;
+        let accepted =
+            call_workers(gw, &prefill_request, &mut self.routed(&self.prefill_p)).await?;
         if !accepted.resp.status().is_success() {
             // The engine refused the request, or every attempt failed: its answer.
             return answer(gw, &prefill_request, accepted).await;
@@ -167,14 +175,9 @@ impl Legs<'_> {
         })?;
         let decode_request = Forwarded {
             body: vllm_decode_body(&self.request.body, params)?,
-            ..self.request
+            ..self.request.clone()
         };
-        let route = Route::Booked {
-            p: &self.decode_p,
-            admission: self.admission,
-            record,
-        };
-        let accepted = call_workers(gw, &decode_request, route).await?;
+        let accepted = call_workers(gw, &decode_request, &mut self.routed(&self.decode_p)).await?;
         let mut resp = answer(gw, &decode_request, accepted).await?;
         resp.headers_mut()
             .insert(PREFILL_WORKER_HEADER, prefill_worker.header_value.clone());
@@ -182,35 +185,24 @@ impl Legs<'_> {
     }
 
     /// SGLang: prefill and decode at once, paired by a bootstrap room; a prefill leg
-    /// that fails before the decode answer begins ends the pair, which is tried again.
-    async fn sglang(self, record: &mut Unanswered) -> Result<Response, ApiError> {
+    /// that fails before the decode answer begins ends the pair, which is tried again
+    /// (the attempt loop's [`Attempts`]: another prefill worker, after a backoff).
+    async fn sglang(&self) -> Result<Response, ApiError> {
         let gw = self.gw;
         let failover = &gw.config.failover;
-        let mut excluded: SmallVec<[WorkerId; 4]> = SmallVec::new();
-        let mut last_err: Option<ApiError> = None;
-        let mut backoff = Duration::from_millis(failover.backoff_ms);
-        for attempt in 0..failover.max_attempts {
-            if attempt > 0 {
-                tokio::time::sleep(backoff).await;
-                backoff = backoff.saturating_mul(2);
-            }
+        let mut attempts = Attempts::new(failover, failover.max_attempts as usize);
+        while attempts.next().await {
             let picked = pick(
                 gw,
                 &self.prefill_p,
                 &self.request.headers,
-                &excluded,
+                attempts.excluded(),
                 self.admission,
             )
             .await;
             let (decision, lease) = match picked {
                 Ok(x) => x,
-                // After a failed pair, "nobody left" means the pairs failed.
-                Err(e) => {
-                    return Err(match last_err {
-                        Some(prev) if e.status == StatusCode::SERVICE_UNAVAILABLE => prev,
-                        _ => e,
-                    })
-                }
+                Err(e) => return Err(attempts.none_left(e)),
             };
             let prefill_worker = lease.worker().clone();
             let Some(port) = prefill_worker.config.bootstrap_port else {
@@ -249,12 +241,8 @@ impl Legs<'_> {
                 prefill_request,
                 (decision, lease),
             );
-            let route = Route::Booked {
-                p: &self.decode_p,
-                admission: self.admission,
-                record: &mut *record,
-            };
-            let decode = call_workers(gw, &decode_request, route);
+            let mut decode_picker = self.routed(&self.decode_p);
+            let decode = call_workers(gw, &decode_request, &mut decode_picker);
             tokio::pin!(decode);
             let first = tokio::select! {
                 accepted = &mut decode => First::Decode(Box::new(accepted)),
@@ -266,10 +254,9 @@ impl Legs<'_> {
                 First::Prefill(Err(LegFailure::Final(e))) => return Err(e),
                 First::Prefill(Err(LegFailure::Retry(e))) => {
                     // The decode attempt waits for KV that will not come: drop it.
-                    tracing::debug!(worker = %prefill_worker.url, error = %e.message, attempt, "prefill leg failed before the decode answer");
+                    tracing::debug!(worker = %prefill_worker.url, error = %e.message, "prefill leg failed before the decode answer");
                     count(gw, &self.decode_p.model.name, "prefill_retried");
-                    excluded.push(prefill_worker.id);
-                    last_err = Some(e);
+                    attempts.failed(prefill_worker.id, e);
                     continue;
                 }
             };
@@ -280,7 +267,7 @@ impl Legs<'_> {
                 .insert(PREFILL_WORKER_HEADER, prefill_worker.header_value.clone());
             return Ok(resp);
         }
-        Err(last_err.unwrap_or_else(|| {
+        Err(attempts.exhausted(|| {
             ApiError::no_healthy_worker(
                 &self.prefill.pool.name,
                 gw.config.health.open_ms.div_ceil(1000),
@@ -317,14 +304,14 @@ impl PrefillLeg {
         gw: Arc<Gateway>,
         pool: Arc<ModelState>,
         request: Forwarded,
-        lease: (kvgate_core::Decision, crate::lease::Lease),
+        held: Held,
     ) -> PrefillLeg {
         let task = tokio::spawn(async move {
-            let route = Route::Leased {
+            let mut given = Given {
                 model: pool,
-                lease: Some(lease),
+                held: Some(held),
             };
-            let accepted = call_workers(&gw, &request, route)
+            let accepted = call_workers(&gw, &request, &mut given)
                 .await
                 .map_err(LegFailure::Retry)?;
             let status = accepted.resp.status();
@@ -341,7 +328,7 @@ impl PrefillLeg {
             let Accepted {
                 worker,
                 resp,
-                lease,
+                held,
                 cut_off,
             } = accepted;
             let mut body = resp.into_body();
@@ -359,7 +346,7 @@ impl PrefillLeg {
                     }
                 }
             }
-            drop(lease);
+            drop(held);
             Ok(())
         });
         PrefillLeg { task: Some(task) }
@@ -394,20 +381,21 @@ impl Drop for PrefillLeg {
 async fn transfer_params_of(accepted: Accepted) -> Result<Value, String> {
     let Accepted {
         resp,
-        lease,
+        held,
         cut_off,
         ..
     } = accepted;
-    let read = http_body_util::Limited::new(resp.into_body(), PREFILL_ANSWER_MAX_BYTES);
+    let mut body = resp.into_body();
+    let read = read_bounded(
+        &mut body,
+        PREFILL_ANSWER_MAX_BYTES,
+        Some(PREFILL_ANSWER_READ_TIMEOUT),
+    );
     let body = tokio::select! {
-        read = tokio::time::timeout(PREFILL_ANSWER_READ_TIMEOUT, read.collect()) => match read {
-            Ok(Ok(b)) => b.to_bytes(),
-            Ok(Err(e)) => return Err(format!("its answer broke off: {e}")),
-            Err(_) => return Err("its answer did not arrive in time".into()),
-        },
+        read = read => read.map_err(|e| format!("its answer could not be read: {e}"))?,
         () = cut_off.cancelled() => return Err("it was taken out of rotation (dead or stalled) while answering".into()),
     };
-    drop(lease);
+    drop(held);
     transfer_params_in(&body)
 }
 

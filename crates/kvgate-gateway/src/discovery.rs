@@ -120,7 +120,7 @@ pub async fn run_worker_discovery(gw: Arc<Gateway>) {
         let pools = [
             ("", m.workers_dns.as_ref(), m.workers_kubernetes.as_ref()),
             (
-                crate::gateway::PREFILL_POOL,
+                crate::registry::PREFILL_POOL,
                 prefill.and_then(|pd| pd.prefill_workers_dns.as_ref()),
                 prefill.and_then(|pd| pd.prefill_workers_kubernetes.as_ref()),
             ),

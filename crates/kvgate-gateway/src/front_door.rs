@@ -1,35 +1,116 @@
-//! The front door: what every client API request passes, in this order, before any
-//! per-request work.
+//! The front door: what every request passes before any per-request work, as axum
+//! middleware that server.rs applies from its route table, so no route is served
+//! without it.
 //!
-//! 1. the API key (`Authorization: Bearer`, scheme case-insensitive);
-//! 2. the Content-Type (absent or JSON; anything else is 415);
-//! 3. a declared `Content-Length` above the body limit (413 before any wait);
-//! 4. **admission**: a gateway-wide in-flight slot, waiting in the bounded queue
-//!    (429 with `Retry-After` beyond it);
-//! 5. the body, read up to the limit (413 beyond it), which must be a JSON object.
+//! 1. [`count`] (chat and completions): the request's line in `kvgate_requests_total`
+//!    ([`RequestRecord`]: once, however it ends), and the end of the shutdown grace
+//!    period, which answers a request still queued or tokenizing with a 503.
+//! 2. [`guard`] (every route): its group's token ([`Access`]): the API key, the metrics
+//!    token, or the admin token (the admin API and the peer endpoints, each off with a
+//!    404 unless one is configured); `Authorization: Bearer`, scheme case-insensitive.
+//! 3. [`admit`] (routes that take a request body for the engines): the Content-Type
+//!    (absent or JSON; anything else is 415), a declared `Content-Length` above the
+//!    body limit (413 before any wait), **admission** (a gateway-wide in-flight slot,
+//!    waiting in the bounded queue: 429 with `Retry-After` beyond it), then the body,
+//!    read up to the limit (413 beyond it), which must be a JSON object. The handler
+//!    takes it as [`Admitted`].
 //!
 //! Admission comes before the body is read, so `--max-in-flight` bounds the memory and
-//! CPU of everything after it (body, parsing, tokenization, routing, proxying): at most
-//! `max_in_flight` requests hold a body and tokenize at once. The slot travels with the
-//! request ([`Admitted::admission`], then each attempt's lease) until its response
-//! ends. Owns no routing or proxying; the per-worker slot is taken with the lease when
-//! a worker is chosen (routing.rs, lease.rs).
+//! CPU of everything after it (body, parsing, tokenization, routing, proxying). The slot
+//! travels with the request ([`Admitted::admission`], then each attempt's lease) until
+//! its response ends. Owns no routing or proxying.
 
-use axum::body::Body;
-use axum::extract::Request;
-use bytes::Bytes;
-use http::{header, HeaderMap};
-use http_body_util::{BodyExt, Limited};
 use std::sync::Arc;
 
-use crate::auth::check_bearer;
+use axum::body::Body;
+use axum::extract::{FromRequestParts, Request, State};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use http::request::Parts;
+use http::{header, HeaderMap};
+
+use crate::auth::{check_bearer, require_bearer};
+use crate::body::{discard, read_bounded, BodyError};
 use crate::errors::ApiError;
 use crate::gateway::Gateway;
 use crate::limits::Admission;
+use crate::metrics::RequestRecord;
+use crate::proxy::{is_json_media_type, WORKER_HEADER};
 
-/// A request past the front door.
+/// How long a refused request's body is read (and dropped) before the answer.
+const DISCARD_BODY_FOR: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Which token a route group asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    /// No token (liveness and readiness probes).
+    Public,
+    /// The client API key (`api_key`), when one is configured.
+    ApiKey,
+    /// The metrics token (`metrics_token`), when one is configured.
+    MetricsToken,
+    /// The admin token (`admin_token`) for the admin API, off (404) without one.
+    Admin,
+    /// The admin token for the peer endpoints, which other kvgate replicas call; off
+    /// (404) without one (peers refuse to start without it).
+    Peer,
+}
+
+/// Refuses a request without its route group's token.
+pub async fn guard(
+    State((gw, access)): State<(Arc<Gateway>, Access)>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let headers = req.headers();
+    let checked = match access {
+        Access::Public => Ok(()),
+        Access::ApiKey => check_bearer(headers, gw.config.api_key.as_deref(), "API key"),
+        Access::MetricsToken => {
+            check_bearer(headers, gw.config.metrics_token.as_deref(), "metrics token")
+        }
+        Access::Admin => require_bearer(
+            headers,
+            gw.config.admin_token.as_deref(),
+            "admin token",
+            "the admin API endpoints",
+        ),
+        Access::Peer => require_bearer(
+            headers,
+            gw.config.admin_token.as_deref(),
+            "admin token",
+            "the peer endpoints",
+        ),
+    };
+    match checked {
+        Ok(()) => next.run(req).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Counts the request once in `kvgate_requests_total` (with the status and worker of
+/// its answer, or 499 if the client leaves first), and answers 503 when the shutdown
+/// grace period ends before its response began.
+pub async fn count(State(gw): State<Arc<Gateway>>, mut req: Request, next: Next) -> Response {
+    let record = RequestRecord::new(&gw.metrics);
+    req.extensions_mut().insert(record.clone());
+    let grace_over = gw.grace_over.clone();
+    let response = tokio::select! {
+        r = next.run(req) => r,
+        () = grace_over.cancelled() => ApiError::gateway_shutting_down().into_response(),
+    };
+    let worker = response
+        .headers()
+        .get(WORKER_HEADER)
+        .and_then(|v| v.to_str().ok());
+    record.answered(response.status(), worker);
+    response
+}
+
+/// A request past the front door's admission: its body and its admission.
+#[derive(Clone)]
 pub struct Admitted {
-    pub headers: HeaderMap,
     /// The whole body: a JSON object (checked by its first byte; parsed later).
     pub body: Bytes,
     /// The request's admission (its gateway-wide in-flight slot), shared with the
@@ -37,30 +118,78 @@ pub struct Admitted {
     pub admission: Arc<Admission>,
 }
 
-/// Runs the front door's checks and admission for one API request.
-pub async fn admit(gw: &Gateway, req: Request) -> Result<Admitted, ApiError> {
-    let (parts, body) = req.into_parts();
-    check_bearer(&parts.headers, gw.config.api_key.as_deref(), "API key")?;
-    check_json_content_type(&parts.headers)?;
+impl<S: Send + Sync> FromRequestParts<S> for Admitted {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, ApiError> {
+        parts
+            .extensions
+            .remove::<Admitted>()
+            .ok_or_else(|| ApiError::internal("a route took a body without the front door"))
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for RequestRecord {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, ApiError> {
+        parts
+            .extensions
+            .get::<RequestRecord>()
+            .cloned()
+            .ok_or_else(|| ApiError::internal("a counted route without its record"))
+    }
+}
+
+/// Checks the body's type and declared size, admits the request, reads its body; the
+/// handler takes both as [`Admitted`].
+pub async fn admit(State(gw): State<Arc<Gateway>>, req: Request, next: Next) -> Response {
+    let (mut parts, mut body) = req.into_parts();
+    match admitted(&gw, &parts.headers, &mut body).await {
+        Ok(a) => {
+            parts.extensions.insert(a);
+            next.run(Request::from_parts(parts, Body::empty())).await
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn admitted(
+    gw: &Gateway,
+    headers: &HeaderMap,
+    body: &mut Body,
+) -> Result<Admitted, ApiError> {
+    check_json_content_type(headers)?;
     let max = gw.config.limits.max_body_bytes;
-    if declared_length(&parts.headers).is_some_and(|len| len > max) {
+    if declared_length(headers).is_some_and(|len| len > max) {
         // Read (and drop) what the client is sending so it can read the 413.
-        discard_body(body, max.saturating_mul(4)).await;
+        discard(body, max.saturating_mul(4), DISCARD_BODY_FOR).await;
         return Err(ApiError::body_too_large(max));
     }
     let admission = match gw.limiter.acquire().await {
         Ok(a) => Arc::new(a),
         Err(refused) => {
             // A client still sending its body would see a reset, not the 429.
-            discard_body(body, max).await;
+            discard(body, max, DISCARD_BODY_FOR).await;
             return Err(refused);
         }
     };
-    let body = read_body(body, max).await?;
-    check_json_object(&body)?;
+    let bytes = match read_bounded(body, max, None).await {
+        Ok(b) => b,
+        Err(BodyError::TooLarge { .. }) => {
+            discard(body, max.saturating_mul(4), DISCARD_BODY_FOR).await;
+            return Err(ApiError::body_too_large(max));
+        }
+        Err(e) => {
+            return Err(ApiError::bad_request(
+                "invalid_body",
+                format!("cannot read the request body: {e}"),
+            ))
+        }
+    };
+    check_json_object(&bytes)?;
     Ok(Admitted {
-        headers: parts.headers,
-        body,
+        body: bytes,
         admission,
     })
 }
@@ -83,54 +212,6 @@ fn check_json_content_type(headers: &HeaderMap) -> Result<(), ApiError> {
     }
 }
 
-/// Whether a Content-Type names JSON: `application/json` or `*+json`, any case, with
-/// any parameters. Used for client bodies here and for engine error pages (failover.rs).
-pub(crate) fn is_json_media_type(value: &http::HeaderValue) -> bool {
-    value
-        .to_str()
-        .ok()
-        .and_then(|v| v.split(';').next())
-        .map(|v| v.trim().to_ascii_lowercase())
-        .is_some_and(|m| m == "application/json" || m.ends_with("+json"))
-}
-
-async fn read_body(mut body: Body, max: usize) -> Result<Bytes, ApiError> {
-    // Most bodies arrive in one frame: keep it as is, copy only to join several.
-    let mut frames: Vec<Bytes> = Vec::new();
-    let mut len = 0usize;
-    while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| {
-            ApiError::bad_request("invalid_body", format!("cannot read the request body: {e}"))
-        })?;
-        let Ok(data) = frame.into_data() else {
-            continue; // trailers
-        };
-        if len + data.len() > max {
-            discard_body(body, max.saturating_mul(4)).await;
-            return Err(ApiError::body_too_large(max));
-        }
-        len += data.len();
-        frames.push(data);
-    }
-    Ok(match frames.len() {
-        0 => Bytes::new(),
-        1 => frames.swap_remove(0),
-        _ => frames.concat().into(),
-    })
-}
-
-/// Reads and drops a refused request's body (up to `max` bytes, for at most
-/// [`DISCARD_BODY_FOR`]), so its client can read the answer instead of a connection
-/// reset (what web servers call a lingering close).
-async fn discard_body(body: Body, max: usize) {
-    let mut body = Limited::new(body, max);
-    let drain = async { while let Some(Ok(_)) = body.frame().await {} };
-    let _ = tokio::time::timeout(DISCARD_BODY_FOR, drain).await;
-}
-
-/// How long a refused request's body is read (and dropped) before the answer.
-const DISCARD_BODY_FOR: std::time::Duration = std::time::Duration::from_secs(2);
-
 /// Every API body is a JSON object; say so plainly instead of a serde type error.
 fn check_json_object(body: &[u8]) -> Result<(), ApiError> {
     match body.trim_ascii_start().first() {
@@ -147,8 +228,7 @@ fn check_json_object(body: &[u8]) -> Result<(), ApiError> {
 }
 
 /// A wrong method on a known path: a JSON 405 (axum's own answer has no body).
-pub async fn method_not_allowed(req: Request) -> axum::response::Response {
-    use axum::response::IntoResponse;
+pub async fn method_not_allowed(req: Request) -> Response {
     ApiError::method_not_allowed(req.method(), req.uri().path()).into_response()
 }
 
@@ -178,27 +258,6 @@ mod tests {
             let e = check_json_content_type(&h).unwrap_err();
             assert_eq!(e.status, StatusCode::UNSUPPORTED_MEDIA_TYPE, "{bad}");
         }
-    }
-
-    #[tokio::test]
-    async fn bodies_are_read_whole_within_the_limit() {
-        let chunks = |parts: &[&'static str]| {
-            let parts: Vec<Result<Bytes, std::io::Error>> = parts
-                .iter()
-                .map(|p| Ok(Bytes::from_static(p.as_bytes())))
-                .collect();
-            Body::from_stream(futures::stream::iter(parts))
-        };
-        assert_eq!(
-            read_body(chunks(&["{\"a\":", "1", "}"]), 64).await.unwrap(),
-            "{\"a\":1}"
-        );
-        assert_eq!(read_body(chunks(&["{}"]), 64).await.unwrap(), "{}");
-        assert_eq!(read_body(chunks(&[]), 64).await.unwrap(), "");
-        let e = read_body(chunks(&["{\"a\":", "12345"]), 8)
-            .await
-            .unwrap_err();
-        assert_eq!(e.status, StatusCode::PAYLOAD_TOO_LARGE);
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! Adding a worker registers it with the model's selection service (which starts its
 //! KV-event subscribers); removing one (or declaring it dead) tells the service, which
 //! stops them and purges its index entries. Must not serve HTTP (server.rs) or pick
-//! workers (routing.rs).
+//! workers (select.rs).
 
 use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
@@ -27,9 +27,6 @@ use crate::metrics::Metrics;
 use crate::proxy::{build_client, ForwardAuth, HttpClient, Upstream};
 use crate::registry::{ModelState, PrefillPool, Worker};
 
-/// The name of a disaggregated model's prefill pool in peers' load reports.
-pub const PREFILL_POOL: &str = "prefill";
-
 /// Shared state of one gateway process.
 pub struct Gateway {
     pub config: Config,
@@ -48,7 +45,7 @@ pub struct Gateway {
     pub(crate) grace_over: CancellationToken,
     forward_auth: ForwardAuth,
     /// This replica's identity and load reports for its peers.
-    pub(crate) peers: Arc<crate::peers::PeerHub>,
+    pub(crate) peers: Arc<crate::peers::hub::PeerHub>,
 }
 
 impl std::fmt::Debug for Gateway {
@@ -75,7 +72,7 @@ impl Gateway {
         // One worker-id counter for every model's service: ids are unique gateway-wide.
         let worker_ids = Arc::new(AtomicU32::new(0));
         let ledger_ttl = Duration::from_secs(config.ledger_ttl_secs.max(1));
-        let peers = Arc::new(crate::peers::PeerHub::default());
+        let peers = Arc::new(crate::peers::hub::PeerHub::default());
         let client = build_client(&config.timeouts);
         for mc in &config.models {
             let model = match mc.pd_pools() {
@@ -103,14 +100,15 @@ impl Gateway {
                 // snapshot of the worker before replaying its engine's buffer (a
                 // prefill pool's too: peers find its workers by URL in either pool).
                 for (pool, _) in model.pools() {
-                    pool.selection.set_bootstrap(crate::peers::bootstrap(
-                        client.clone(),
-                        peers.clone(),
-                        config.peers.clone(),
-                        config.admin_token.clone(),
-                        mc.name.clone(),
-                        pool.selection.hasher().fingerprint(),
-                    ));
+                    pool.selection
+                        .set_bootstrap(crate::peers::client::bootstrap(
+                            client.clone(),
+                            peers.clone(),
+                            config.peers.clone(),
+                            config.admin_token.clone(),
+                            mc.name.clone(),
+                            pool.selection.hasher().fingerprint(),
+                        ));
                 }
             }
             models.insert(mc.name.clone(), model.clone());

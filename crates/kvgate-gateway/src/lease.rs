@@ -8,18 +8,36 @@
 //! without being counted and there is no second count to drift. The only way to end a
 //! lease is to drop it (the response finished, failed, or the client left; a retry takes
 //! a new lease): that frees the booking, wakes requests waiting for a worker slot, and
-//! frees the admission slot once the request's last lease is gone. Must not choose
-//! workers (routing.rs) or talk to them (failover.rs, proxy.rs).
+//! frees the admission slot once the request's last lease is gone. What a booking holds
+//! ([`booking_spec`]) is written once, for this replica's leases and for the choices a
+//! leader replica holds for its peers. Must not choose workers (select.rs) or talk to
+//! them (failover.rs, proxy.rs).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvgate_core::{BookingGuard, Decision};
+use kvgate_core::{BlockKey, BookingGuard, BookingSpec, Decision};
 
 use crate::limits::Admission;
 use crate::registry::{ModelState, Worker};
-use crate::routing::Prepared;
+
+/// What a request's booking holds on the worker `decision` chose: its prompt (the
+/// part the policy predicts cached is no prefill work) and its expected output. A
+/// decode leg (`kv_transferred`) computes none of its prompt: its KV arrives from its
+/// prefill worker.
+pub fn booking_spec(
+    decision: &Decision,
+    prompt_tokens: u32,
+    max_tokens: Option<u32>,
+    kv_transferred: bool,
+) -> BookingSpec {
+    let mut spec = decision.booking(prompt_tokens, max_tokens);
+    if kv_transferred {
+        spec.cached_tokens = spec.prompt_tokens;
+    }
+    spec
+}
 
 /// One attempt's hold: admission, and a booking on one worker.
 #[derive(Debug)]
@@ -31,33 +49,25 @@ pub struct Lease {
 }
 
 impl Lease {
-    /// Books `worker` (the one `decision` chose) for one attempt of request `p` if it
-    /// has fewer than `max_in_flight` requests in flight (0 = no limit), through the
+    /// Books `spec` (prompt `keys`) on `worker` of `model` for one attempt if it has
+    /// fewer than `max_in_flight` requests in flight (0 = no limit), through the
     /// model's selection service; `None` when it is full.
-    pub(crate) fn try_take(
-        p: &Prepared,
+    pub fn try_take(
+        model: &Arc<ModelState>,
         worker: &Arc<Worker>,
-        decision: &Decision,
+        spec: BookingSpec,
+        keys: &[BlockKey],
         admission: &Arc<Admission>,
         max_in_flight: u32,
     ) -> Option<Lease> {
-        let mut spec = decision.booking(p.prompt_tokens, p.max_tokens);
-        if p.kv_transferred {
-            // A decode leg: the prompt's KV arrives from its prefill worker, nothing of
-            // it is computed here.
-            spec.cached_tokens = spec.prompt_tokens;
-        }
-        let booking = p.model.selection.try_book_spec(
-            decision.worker,
-            spec,
-            p.keys.as_deref().unwrap_or_default(),
-            max_in_flight,
-            Instant::now(),
-        )?;
+        let booking =
+            model
+                .selection
+                .try_book_spec(worker.id, spec, keys, max_in_flight, Instant::now())?;
         Some(Lease {
             booking: Some(booking),
             worker: worker.clone(),
-            model: p.model.clone(),
+            model: model.clone(),
             _admission: admission.clone(),
         })
     }

@@ -1,22 +1,34 @@
 //! # kvgate-gateway: `kvgate serve`, the OpenAI-compatible routing gateway
 //!
-//! Wires the core policies, prefix index and ledger (kvgate-core), KV-event ingestion
-//! (kvgate-events) and pre-routing tokenization (kvgate-tokenize) into one HTTP
-//! process. Request path: `server` (endpoints) → `front_door` (auth, Content-Type,
-//! admission, body limit) → `routing` (parse, model, tokenize, select) → `failover`
-//! (an attempt's `lease`: admission plus booking; forward, retry before the first
-//! byte) → `proxy` (upstream HTTP) → `observe` (pass bytes through, drive the
-//! booking, end the lease). A disaggregated model's request runs a prefill and a
-//! decode leg (`disaggregation`), each through `failover`'s attempt loop.
-//! Background: `health` (checks, ledger sweep), `peers` (load reports and index
-//! snapshots exchanged with other kvgate replicas), `discovery` (engines found through
-//! DNS). State: `gateway`, `registry`,
-//! `breaker`, `limits`. Must not contain policy scoring (kvgate-core) or event
-//! decoding (kvgate-events).
+//! Wires the core policies, prefix index and ledger (kvgate-core, through
+//! kvgate-selection), KV-event ingestion (kvgate-events) and pre-routing tokenization
+//! (kvgate-tokenize) into one HTTP process. Its modules are layers whose imports only
+//! point down (a test, `module_layers`, fails on a circle); docs/DESIGN.md has the
+//! table of which file owns which concern. From the bottom:
+//!
+//! - **types and records**: `errors`, `config`, `metrics` (which owns every label and
+//!   counts each request once), `auth`, `body` (the one bounded body read), `breaker`,
+//!   `progress`;
+//! - **fleet state**: `registry` (workers, model pools), `limits` (admission), `lease`
+//!   (one attempt's booking), `proxy` (the upstream HTTP client), `peers::{wire, hub,
+//!   client}`, then `gateway` (the process's shared state);
+//! - **calling workers**: `health` (what a failure counts), `failover` (the one
+//!   attempt loop), `observe` (the proxied body);
+//! - **the request path**: `prepare` → `select` → `respond`, `disaggregation`, and
+//!   `pipeline`, the request's life in one function;
+//! - **the edges**: `front_door` (middleware: token, admission, count), `api`,
+//!   `admin`, `peers::{endpoints, leader, publish, follow}`, the background tasks
+//!   (`checks`, `stall`, `engine_load`, `discovery`), and `server` (the route table
+//!   and start/stop), `cli`.
+//!
+//! Must not contain policy scoring (kvgate-core) or event decoding (kvgate-events).
 
 pub mod admin;
+pub mod api;
 pub mod auth;
+pub mod body;
 pub mod breaker;
+pub mod checks;
 pub mod cli;
 pub mod config;
 pub mod disaggregation;
@@ -32,9 +44,13 @@ pub mod limits;
 pub mod metrics;
 pub mod observe;
 pub mod peers;
+pub mod pipeline;
+pub mod prepare;
+pub mod progress;
 pub mod proxy;
 pub mod registry;
-pub mod routing;
+pub mod respond;
+pub mod select;
 pub mod server;
 pub mod stall;
 

@@ -6,11 +6,10 @@
 //! read; a body of 16 KiB or more also takes one of a few large-body slots while it is
 //! parsed and tokenized (one per core by default), which bounds the memory tokenization
 //! can take at once; after routing it takes a slot on its worker with its lease
-//! ([`crate::lease::Lease::try_take`]); when every healthy candidate is full it waits
+//! (`lease.rs`); when every healthy candidate is full it waits
 //! for a slot to free ([`wait_for_slot`]), bounded by the same timeout. Beyond either bound the answer
 //! is 429 with `Retry-After`, never a hang. Must not choose workers.
 
-use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -188,14 +187,6 @@ where
     }
 }
 
-/// Runs `fut` with an optional timeout.
-pub async fn maybe_timeout<F: Future>(d: Option<Duration>, fut: F) -> Result<F::Output, ()> {
-    match d {
-        Some(d) => tokio::time::timeout(d, fut).await.map_err(|_| ()),
-        None => Ok(fut.await),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -243,7 +234,7 @@ mod tests {
         assert!(matches!(p, Ok(Admission(None))));
     }
 
-    fn futures_lite_block_on<F: Future>(f: F) -> F::Output {
+    fn futures_lite_block_on<F: std::future::Future>(f: F) -> F::Output {
         tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()

@@ -3,15 +3,142 @@
 //! Owns the metric registry and the text rendering. Counters and histograms are
 //! updated on the request path; per-worker load gauges (from the ledger), health,
 //! index size and the KV-event ingestion counters (from kvgate-events) are read at
-//! scrape time, so the hot path never touches them. Must not make routing decisions.
+//! scrape time, so the hot path never touches them. Also owns every label whose values
+//! are known ahead (so each series exists from the first scrape) and the one place a
+//! request is counted in `kvgate_requests_total` ([`RequestRecord`]). Must not make
+//! routing decisions, and imports nothing of the gateway: every module records here.
 
 use std::fmt::Write as _;
+use std::sync::Arc;
+
+use http::StatusCode;
+use parking_lot::Mutex;
 
 use kvgate_events::EventMetricsSnapshot;
 use prometheus::{
     Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
     Registry, TextEncoder,
 };
+
+/// The `reason` labels of `kvgate_retries_total`: a retryable HTTP status, or why an
+/// attempt got no response head (`SendError::reason`).
+pub const RETRY_REASONS: [&str; 5] = [
+    "status",
+    "connect",
+    "transport",
+    "first_byte_timeout",
+    "worker_down",
+];
+
+/// The `route` labels of `kvgate_disaggregated_requests_total`.
+pub const DISAGGREGATED_ROUTES: [&str; 4] =
+    ["split", "whole", "handover_failed", "prefill_retried"];
+
+/// The `to` labels of `kvgate_worker_health_transitions_total`.
+pub const BREAKER_TRANSITIONS: [&str; 2] = ["open", "closed"];
+
+/// The outcomes `kvgate_peer_decisions_total` counts.
+pub const PEER_DECISION_OUTCOMES: [&str; 3] = ["asked", "fallback", "served"];
+
+/// How a proxied response ended (`kvgate_response_ends_total{outcome}`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ResponseEnd {
+    Complete,
+    ClientDisconnect,
+    UpstreamError,
+    Timeout,
+    /// Health checks declared the worker dead mid-response.
+    WorkerDown,
+    /// The gateway's shutdown grace period ended mid-response.
+    Shutdown,
+}
+
+impl ResponseEnd {
+    pub const ALL: [ResponseEnd; 6] = [
+        ResponseEnd::Complete,
+        ResponseEnd::ClientDisconnect,
+        ResponseEnd::UpstreamError,
+        ResponseEnd::Timeout,
+        ResponseEnd::WorkerDown,
+        ResponseEnd::Shutdown,
+    ];
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            ResponseEnd::Complete => "complete",
+            ResponseEnd::ClientDisconnect => "client_disconnect",
+            ResponseEnd::UpstreamError => "upstream_error",
+            ResponseEnd::Timeout => "timeout",
+            ResponseEnd::WorkerDown => "worker_down",
+            ResponseEnd::Shutdown => "shutdown",
+        }
+    }
+}
+
+/// One request's line in `kvgate_requests_total`, counted exactly once however the
+/// request ends: with the status it was answered with (and the worker that answered,
+/// when one did), or as 499 when it is dropped unanswered (the client went away while
+/// it waited for admission, tokenization, a worker slot or a first byte). Shared
+/// (`Clone`) between the front door, which answers, and the request's pipeline, which
+/// names its model and the worker it waits on.
+#[derive(Clone)]
+pub struct RequestRecord(Arc<Mutex<RecordState>>);
+
+struct RecordState {
+    counter: IntCounterVec,
+    model: Arc<str>,
+    policy: &'static str,
+    /// The worker the request waits on now (for a 499).
+    worker: Option<Arc<str>>,
+    counted: bool,
+}
+
+impl RequestRecord {
+    pub fn new(metrics: &Metrics) -> Self {
+        Self(Arc::new(Mutex::new(RecordState {
+            counter: metrics.requests.clone(),
+            model: Arc::from(""),
+            policy: "",
+            worker: None,
+            counted: false,
+        })))
+    }
+
+    /// The request's model, and the policy that routes it.
+    pub fn model(&self, name: &Arc<str>, policy: &'static str) {
+        let mut s = self.0.lock();
+        s.model = name.clone();
+        s.policy = policy;
+    }
+
+    /// The worker the request was sent to (its 499's worker if the client leaves now).
+    pub fn worker(&self, url: &Arc<str>) {
+        self.0.lock().worker = Some(url.clone());
+    }
+
+    /// Counts the request as answered with `status` by `worker` (`None`: the gateway
+    /// answered itself). Only the first call counts.
+    pub fn answered(&self, status: StatusCode, worker: Option<&str>) {
+        let mut s = self.0.lock();
+        if std::mem::replace(&mut s.counted, true) {
+            return;
+        }
+        s.counter
+            .with_label_values(&[&*s.model, worker.unwrap_or(""), s.policy, status.as_str()])
+            .inc();
+    }
+}
+
+impl Drop for RecordState {
+    fn drop(&mut self) {
+        if !self.counted {
+            let worker = self.worker.as_deref().unwrap_or("");
+            self.counter
+                .with_label_values(&[&*self.model, worker, self.policy, "499"])
+                .inc();
+        }
+    }
+}
 
 /// All gateway metrics.
 pub struct Metrics {
@@ -176,16 +303,17 @@ impl Metrics {
             }
         }
         self.tokenize_seconds.with_label_values(&[model]);
-        for reason in crate::failover::RETRY_REASONS {
+        for reason in RETRY_REASONS {
             self.retries.with_label_values(&[model, reason]);
         }
-        for outcome in crate::observe::RESPONSE_OUTCOMES {
-            self.stream_ends.with_label_values(&[model, outcome]);
+        for outcome in ResponseEnd::ALL {
+            self.stream_ends
+                .with_label_values(&[model, outcome.as_str()]);
         }
-        for route in crate::disaggregation::ROUTES {
+        for route in DISAGGREGATED_ROUTES {
             self.disaggregated.with_label_values(&[model, route]);
         }
-        for outcome in crate::peers::DECISION_OUTCOMES {
+        for outcome in PEER_DECISION_OUTCOMES {
             self.peer_decisions.with_label_values(&[model, outcome]);
         }
         for c in [
@@ -207,7 +335,7 @@ impl Metrics {
     pub fn init_worker(&self, model: &str, policy: &str, worker: &str) {
         self.requests
             .with_label_values(&[model, worker, policy, "200"]);
-        for to in crate::health::BREAKER_TRANSITIONS {
+        for to in BREAKER_TRANSITIONS {
             self.health_transitions
                 .with_label_values(&[model, worker, to]);
         }

@@ -30,47 +30,13 @@ use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 use crate::errors::ApiError;
 use crate::gateway::Gateway;
 use crate::lease::Lease;
+use crate::metrics::ResponseEnd;
 use crate::proxy::UpstreamBody;
 
 /// Longest SSE line kept across frame boundaries.
 const MAX_LINE: usize = 1 << 20;
 /// Largest JSON body kept to read its `usage`.
 const MAX_JSON: usize = 8 << 20;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Outcome {
-    Complete,
-    ClientDisconnect,
-    UpstreamError,
-    Timeout,
-    /// Health checks declared the worker dead mid-response.
-    WorkerDown,
-    /// The gateway's shutdown grace period ended mid-response.
-    Shutdown,
-}
-
-/// The `outcome` labels of `kvgate_response_ends_total`.
-pub(crate) const RESPONSE_OUTCOMES: [&str; 6] = [
-    Outcome::Complete.as_str(),
-    Outcome::ClientDisconnect.as_str(),
-    Outcome::UpstreamError.as_str(),
-    Outcome::Timeout.as_str(),
-    Outcome::WorkerDown.as_str(),
-    Outcome::Shutdown.as_str(),
-];
-
-impl Outcome {
-    const fn as_str(self) -> &'static str {
-        match self {
-            Outcome::Complete => "complete",
-            Outcome::ClientDisconnect => "client_disconnect",
-            Outcome::UpstreamError => "upstream_error",
-            Outcome::Timeout => "timeout",
-            Outcome::WorkerDown => "worker_down",
-            Outcome::Shutdown => "shutdown",
-        }
-    }
-}
 
 /// OpenAI `usage`, the parts kvgate reads.
 #[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
@@ -167,7 +133,7 @@ impl ObservedBody {
     /// a 2xx status, is already sent).
     fn fail(
         &mut self,
-        outcome: Outcome,
+        outcome: ResponseEnd,
         err: ApiError,
     ) -> Poll<Option<Result<Frame<Bytes>, axum::BoxError>>> {
         tracing::warn!(model = self.obs.life.model_name(), worker = self.obs.worker_url(), outcome = outcome.as_str(), error = %err.message, "response ended early");
@@ -194,21 +160,21 @@ impl Body for ObservedBody {
         }
         if let Some(d) = &mut this.deadline {
             if d.as_mut().poll(cx).is_ready() {
-                return this.fail(Outcome::Timeout, ApiError::upstream_total_timeout());
+                return this.fail(ResponseEnd::Timeout, ApiError::upstream_total_timeout());
             }
         }
         if this.cut_off.as_mut().poll(cx).is_ready() {
             // Cut off because the shutdown grace period ended, or the worker died.
             if this.obs.life.gw.grace_over.is_cancelled() {
-                return this.fail(Outcome::Shutdown, ApiError::gateway_shutting_down());
+                return this.fail(ResponseEnd::Shutdown, ApiError::gateway_shutting_down());
             }
             let err = ApiError::worker_gone(this.obs.worker_url());
-            return this.fail(Outcome::WorkerDown, err);
+            return this.fail(ResponseEnd::WorkerDown, err);
         }
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Pending => Poll::Pending,
             Poll::Ready(None) => {
-                this.obs.finish(Outcome::Complete);
+                this.obs.finish(ResponseEnd::Complete);
                 Poll::Ready(None)
             }
             Poll::Ready(Some(Ok(frame))) => {
@@ -219,12 +185,12 @@ impl Body for ObservedBody {
                     this.obs.observe(data);
                 }
                 if this.inner.is_end_stream() {
-                    this.obs.finish(Outcome::Complete);
+                    this.obs.finish(ResponseEnd::Complete);
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(e))) => {
-                this.fail(Outcome::UpstreamError, ApiError::upstream_broken(e))
+                this.fail(ResponseEnd::UpstreamError, ApiError::upstream_broken(e))
             }
         }
     }
@@ -242,9 +208,9 @@ impl Drop for ObservedBody {
     fn drop(&mut self) {
         if !self.obs.finished {
             let outcome = if self.inner.is_end_stream() {
-                Outcome::Complete
+                ResponseEnd::Complete
             } else {
-                Outcome::ClientDisconnect
+                ResponseEnd::ClientDisconnect
             };
             self.obs.finish(outcome);
         }
@@ -351,12 +317,12 @@ impl Observer {
         }
     }
 
-    fn finish(&mut self, outcome: Outcome) {
+    fn finish(&mut self, outcome: ResponseEnd) {
         if self.finished {
             return;
         }
         self.finished = true;
-        if !self.sse && outcome == Outcome::Complete && !self.overflow {
+        if !self.sse && outcome == ResponseEnd::Complete && !self.overflow {
             self.usage = usage_of_json(&self.buf);
         }
         self.buf = Vec::new();

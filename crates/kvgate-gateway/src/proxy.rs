@@ -4,9 +4,8 @@
 //! Owns header hygiene (hop-by-hop headers, `Host`, the gateway's own credentials,
 //! `Accept-Encoding` so the stream stays observable), the connect/first-byte timeouts,
 //! and where an answer begins: its head, or for an event stream its first event
-//! ([`UpstreamBody`]). The body is passed on untouched by
-//! [`crate::observe::ObservedBody`]. Must not retry (failover.rs) or choose workers
-//! (routing.rs).
+//! ([`UpstreamBody`]). The body is passed on untouched by `observe.rs`. Must not retry
+//! (failover.rs) or choose workers (select.rs).
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -22,8 +21,8 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 
+use crate::body::read_bounded;
 use crate::config::TimeoutsConfig;
-use crate::limits::maybe_timeout;
 use crate::registry::{Endpoint, Worker};
 
 /// The shared upstream client (HTTP/1.1, keep-alive pool).
@@ -62,10 +61,7 @@ pub enum SendError {
 }
 
 impl SendError {
-    /// Every [`reason`](Self::reason).
-    pub const REASONS: [&'static str; 4] =
-        ["connect", "transport", "first_byte_timeout", "worker_down"];
-
+    /// Its `kvgate_retries_total` label (one of [`crate::metrics::RETRY_REASONS`]).
     pub fn reason(&self) -> &'static str {
         match self {
             SendError::Connect(_) => "connect",
@@ -147,15 +143,17 @@ impl Upstream<'_> {
             };
             Ok(Response::from_parts(parts, UpstreamBody { first, rest }))
         };
-        match maybe_timeout(self.first_byte_timeout, answer).await {
-            Err(()) => Err(SendError::Timeout),
-            Ok(sent) => sent,
+        match self.first_byte_timeout {
+            Some(d) => tokio::time::timeout(d, answer)
+                .await
+                .unwrap_or(Err(SendError::Timeout)),
+            None => answer.await,
         }
     }
 }
 
 /// Whether a response is a server-sent event stream.
-pub(crate) fn is_event_stream(headers: &HeaderMap) -> bool {
+pub fn is_event_stream(headers: &HeaderMap) -> bool {
     headers
         .get(header::CONTENT_TYPE)
         .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"))
@@ -231,10 +229,9 @@ pub async fn get_body(
     let fut = async {
         let resp = client.request(req).await?;
         let status = resp.status();
-        let body = http_body_util::Limited::new(resp.into_body(), max_bytes);
-        let bytes = http_body_util::BodyExt::collect(body)
+        let mut body = resp.into_body();
+        let bytes = read_bounded(&mut body, max_bytes, None)
             .await
-            .map(|b| b.to_bytes())
             .map_err(|e| e.to_string());
         Ok::<_, hyper_util::client::legacy::Error>((status, bytes))
     };
@@ -243,6 +240,24 @@ pub async fn get_body(
         Ok(Err(e)) => Err(SendError::Transport(error_chain(&e))),
         Ok(Ok(r)) => Ok(r),
     }
+}
+
+/// Whether a Content-Type names JSON: `application/json` or `*+json`, any case, with
+/// any parameters (client bodies at the front door, engines' error pages).
+pub fn is_json_media_type(value: &HeaderValue) -> bool {
+    value
+        .to_str()
+        .ok()
+        .and_then(|v| v.split(';').next())
+        .map(|v| v.trim().to_ascii_lowercase())
+        .is_some_and(|m| m == "application/json" || m.ends_with("+json"))
+}
+
+/// Whether a message's body is JSON, by its Content-Type.
+pub fn is_json(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(is_json_media_type)
 }
 
 fn error_chain(e: &dyn std::error::Error) -> String {
@@ -313,7 +328,11 @@ mod tests {
             SendError::Timeout,
             SendError::WorkerDown,
         ] {
-            assert!(SendError::REASONS.contains(&e.reason()), "{}", e.reason());
+            assert!(
+                crate::metrics::RETRY_REASONS.contains(&e.reason()),
+                "{}",
+                e.reason()
+            );
         }
     }
 

@@ -6,7 +6,9 @@
 //! from one counter shared by every model's selection service and are never reused.
 //! Adding and removing workers happens through [`ModelState::insert_worker`] /
 //! [`ModelState::remove_worker`]; the gateway (`gateway.rs`) registers them with the
-//! selection service (which runs their KV-event subscribers). Must not do HTTP.
+//! selection service (which runs their KV-event subscribers). The bottom of the fleet
+//! state: imports only configuration, the breaker and the progress clock. Must not do
+//! HTTP.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -23,6 +25,11 @@ use tokio_util::sync::CancellationToken;
 
 use crate::breaker::Breaker;
 use crate::config::{ModelConfig, WorkerConfig};
+use crate::progress::Progress;
+
+/// The name of a disaggregated model's prefill pool (in peers' load reports, the admin
+/// API and `/ready`).
+pub const PREFILL_POOL: &str = "prefill";
 
 /// The upstream paths the gateway forwards to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,8 +66,8 @@ pub struct Worker {
     paths: [PathAndQuery; 5],
     pub breaker: Breaker,
     /// When its engine last showed progress, and whether it is out as stalled
-    /// (stall.rs).
-    pub progress: crate::stall::Progress,
+    /// (progress.rs).
+    pub progress: Progress,
     pub config: WorkerConfig,
     /// Cancelled (and replaced) when health checks declare the worker dead, so requests
     /// in flight on it end now instead of waiting on an engine that will not answer.
@@ -104,7 +111,7 @@ impl Worker {
                 path(Endpoint::Metrics.path())?,
             ],
             breaker: Breaker::new(),
-            progress: crate::stall::Progress::default(),
+            progress: Progress::default(),
             config,
             cut_off: Mutex::new(CancellationToken::new()),
         })
@@ -216,11 +223,7 @@ impl ModelState {
     /// This model's pools, each with its name within the model: itself (`""`: its own
     /// workers, a disaggregated model's decode pool), then its prefill pool if any.
     pub fn pools(self: &Arc<Self>) -> impl Iterator<Item = (&Arc<ModelState>, &'static str)> {
-        std::iter::once((self, "")).chain(
-            self.prefill
-                .as_ref()
-                .map(|p| (&p.pool, crate::gateway::PREFILL_POOL)),
-        )
+        std::iter::once((self, "")).chain(self.prefill.as_ref().map(|p| (&p.pool, PREFILL_POOL)))
     }
 
     /// Whether routing a request needs its token ids (this pool's policy, or the

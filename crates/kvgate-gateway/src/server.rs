@@ -1,291 +1,184 @@
-//! The HTTP surface: axum router, request handlers, and starting/stopping the gateway
-//! in-process ([`start`] → [`RunningGateway`]).
+//! The HTTP surface: the route table, the router built from it (each route behind its
+//! front door), the operational endpoints (`/health`, `/ready`, `/metrics`), and
+//! starting/stopping the gateway in-process ([`start`] → [`RunningGateway`]).
 //!
-//! Owns endpoint wiring, the shutdown sequence (grace period, then every running
-//! response ended with an error), and mapping failures to responses (with the request
-//! counter for gateway-made answers). Every API request enters through
-//! `front_door::admit` (auth, Content-Type, admission, body); routing, proxying and
-//! failover live in their own modules; this file must not grow policy or streaming
-//! logic.
+//! Owns endpoint wiring, the background tasks' start, and the shutdown sequence (grace
+//! period, then every running response ended with an error). Every route is declared
+//! once, in [`ROUTES`], with the token it needs and the front door it passes
+//! (front_door.rs); the router is built from that table alone, so a route cannot be
+//! served without its guard. Must not grow policy, proxying or streaming logic.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use axum::body::Body;
 use axum::extract::{Request, State};
+use axum::middleware::from_fn_with_state;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post};
+use axum::routing::{delete, get, post, MethodRouter};
 use axum::{Json, Router};
-use bytes::Bytes;
-use http::{header, HeaderMap, StatusCode};
-use kvgate_core::Tier;
-use kvgate_tokenize::RequestKind;
+use http::{header, Method, StatusCode};
 use serde_json::{json, Value};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::auth::check_bearer;
 use crate::config::Config;
 use crate::errors::ApiError;
-use crate::failover::{dispatch, side_call, Unanswered};
-use crate::front_door::{admit, Admitted};
+use crate::front_door::{self, Access};
 use crate::gateway::Gateway;
-use crate::proxy::prepare_response_headers;
-use crate::registry::{Endpoint, ModelState};
-use crate::routing::{prepare, session_key, try_pick, Candidates, Pick, TokenUse};
+use crate::peers::wire::{DECIDE_PATH, INDEX_PATH, LOADS_PATH};
+use crate::{admin, api, checks, discovery, engine_load, peers, pipeline, stall};
 
-/// Builds the router over a gateway.
+/// Which front door a route passes beyond its token ([`Access`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Door {
+    /// The token only.
+    Token,
+    /// Admission and the request body ([`front_door::admit`]): routes whose body goes
+    /// to the engines or their tokenizer.
+    Admitted,
+    /// As `Admitted`, and counted in `kvgate_requests_total` ([`front_door::count`]):
+    /// the proxied requests.
+    Counted,
+}
+
+/// One route: its method and path, the token it needs, its front door, its handler.
+pub struct Route {
+    pub method: Method,
+    pub path: &'static str,
+    pub access: Access,
+    pub door: Door,
+    handler: fn() -> MethodRouter<Arc<Gateway>>,
+}
+
+/// Every route the gateway serves.
+pub const ROUTES: &[Route] = &[
+    route(
+        Method::POST,
+        "/v1/chat/completions",
+        Access::ApiKey,
+        Door::Counted,
+        || post(pipeline::chat),
+    ),
+    route(
+        Method::POST,
+        "/v1/completions",
+        Access::ApiKey,
+        Door::Counted,
+        || post(pipeline::completions),
+    ),
+    route(
+        Method::GET,
+        "/v1/models",
+        Access::ApiKey,
+        Door::Token,
+        || get(api::models),
+    ),
+    route(
+        Method::POST,
+        "/tokenize",
+        Access::ApiKey,
+        Door::Admitted,
+        || post(api::tokenize),
+    ),
+    route(
+        Method::POST,
+        "/v1/route/explain",
+        Access::ApiKey,
+        Door::Admitted,
+        || post(api::explain),
+    ),
+    route(Method::GET, "/health", Access::Public, Door::Token, || {
+        get(health)
+    }),
+    route(Method::GET, "/ready", Access::Public, Door::Token, || {
+        get(ready)
+    }),
+    route(
+        Method::GET,
+        "/metrics",
+        Access::MetricsToken,
+        Door::Token,
+        || get(metrics),
+    ),
+    route(
+        Method::GET,
+        "/admin/workers",
+        Access::Admin,
+        Door::Token,
+        || get(admin::list),
+    ),
+    route(
+        Method::POST,
+        "/admin/workers",
+        Access::Admin,
+        Door::Token,
+        || post(admin::add),
+    ),
+    route(
+        Method::DELETE,
+        "/admin/workers",
+        Access::Admin,
+        Door::Token,
+        || delete(admin::remove_query),
+    ),
+    route(
+        Method::DELETE,
+        "/admin/workers/{id}",
+        Access::Admin,
+        Door::Token,
+        || delete(admin::remove_id),
+    ),
+    route(Method::GET, LOADS_PATH, Access::Peer, Door::Token, || {
+        get(peers::endpoints::serve_loads)
+    }),
+    route(Method::POST, INDEX_PATH, Access::Peer, Door::Token, || {
+        post(peers::endpoints::serve_snapshot)
+    }),
+    route(Method::POST, DECIDE_PATH, Access::Peer, Door::Token, || {
+        post(peers::endpoints::serve_decide)
+    }),
+];
+
+const fn route(
+    method: Method,
+    path: &'static str,
+    access: Access,
+    door: Door,
+    handler: fn() -> MethodRouter<Arc<Gateway>>,
+) -> Route {
+    Route {
+        method,
+        path,
+        access,
+        door,
+        handler,
+    }
+}
+
+/// Builds the router over a gateway from [`ROUTES`]: each route behind its token
+/// guard, and its admission and request count where its door says.
 pub fn router(gw: Arc<Gateway>) -> Router {
-    Router::new()
-        .route("/v1/chat/completions", post(chat))
-        .route("/v1/completions", post(completions))
-        .route("/v1/models", get(models))
-        .route("/tokenize", post(tokenize))
-        .route("/v1/route/explain", post(explain))
-        .route("/health", get(health))
-        .route("/ready", get(ready))
-        .route("/metrics", get(metrics))
-        .route(
-            "/admin/workers",
-            get(crate::admin::list)
-                .post(crate::admin::add)
-                .delete(crate::admin::remove_query),
-        )
-        .route("/admin/workers/{id}", delete(crate::admin::remove_id))
-        .route(crate::peers::LOADS_PATH, get(crate::peers::serve_loads))
-        .route(crate::peers::INDEX_PATH, post(crate::peers::serve_snapshot))
-        .route(crate::peers::DECIDE_PATH, post(crate::peers::serve_decide))
-        .fallback(not_found)
-        .method_not_allowed_fallback(crate::front_door::method_not_allowed)
-        .with_state(gw)
-}
-
-/// Records and renders a response the gateway made itself.
-fn fail(gw: &Gateway, model: Option<&ModelState>, e: ApiError) -> Response {
-    let (name, policy) = model
-        .map(|m| (&*m.name, m.kind().as_str()))
-        .unwrap_or(("", ""));
-    gw.metrics
-        .requests
-        .with_label_values(&[name, "", policy, e.status.as_str()])
-        .inc();
-    e.into_response()
-}
-
-async fn chat(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
-    proxied(gw, req, Endpoint::Chat, RequestKind::Chat).await
-}
-
-async fn completions(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
-    proxied(gw, req, Endpoint::Completions, RequestKind::Completion).await
-}
-
-async fn proxied(
-    gw: Arc<Gateway>,
-    req: Request,
-    endpoint: Endpoint,
-    kind: RequestKind,
-) -> Response {
-    // Counts the request as 499 if the client leaves before any answer.
-    let mut record = Unanswered::new(&gw);
-    let grace_over = gw.grace_over.clone();
-    let response = tokio::select! {
-        r = route_and_forward(&gw, req, endpoint, kind, &mut record) => r,
-        // Still queued or tokenizing when the shutdown grace period ends.
-        () = grace_over.cancelled() => fail(&gw, None, ApiError::gateway_shutting_down()),
-    };
-    record.answered(response)
-}
-
-async fn route_and_forward(
-    gw: &Arc<Gateway>,
-    req: Request,
-    endpoint: Endpoint,
-    kind: RequestKind,
-    record: &mut Unanswered,
-) -> Response {
-    let admitted = match admit(gw, req).await {
-        Ok(a) => a,
-        Err(e) => return fail(gw, None, e),
-    };
-    let p = match prepare(gw, Some(kind), &admitted.body, TokenUse::ForPolicy).await {
-        Ok(p) => p,
-        Err(e) => return fail(gw, None, e),
-    };
-    let model = p.model.clone();
-    record.model = Some(model.clone());
-    match dispatch(gw, endpoint, admitted, p, record).await {
-        Ok(r) => r,
-        Err(e) => fail(gw, Some(&model), e),
-    }
-}
-
-async fn models(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Response {
-    if let Err(e) = check_bearer(&headers, gw.config.api_key.as_deref(), "API key") {
-        return e.into_response();
-    }
-    let created = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    let data: Vec<Value> = gw
-        .served_names()
-        .map(|(name, m, lora)| {
-            json!({
-                "id": name,
-                "object": "model",
-                "created": created,
-                "owned_by": "kvgate",
-                "root": &*m.name,
-                "parent": if lora { Some(&*m.name) } else { None },
-            })
-        })
-        .collect();
-    Json(json!({"object": "list", "data": data})).into_response()
-}
-
-async fn tokenize(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
-    let Admitted {
-        headers,
-        body: bytes,
-        admission: _admission,
-    } = match admit(&gw, req).await {
-        Ok(a) => a,
-        Err(e) => return e.into_response(),
-    };
-    let p = match prepare(&gw, None, &bytes, TokenUse::ReturnIds).await {
-        Ok(p) => p,
-        Err(e) => return e.into_response(),
-    };
-    if p.model.tokenizer.is_none() {
-        return forward_tokenize(&gw, &p.model, &headers, bytes).await;
-    }
-    match p.token_ids {
-        Some(ids) => Json(json!({"model": &*p.model.name, "count": ids.len(), "tokens": ids}))
-            .into_response(),
-        None => ApiError::bad_request(
-            "nothing_to_tokenize",
-            "the body has no single prompt or messages to tokenize",
-        )
-        .into_response(),
-    }
-}
-
-/// `/tokenize` without a local tokenizer: ask a healthy worker (no ledger booking).
-async fn forward_tokenize(
-    gw: &Arc<Gateway>,
-    model: &ModelState,
-    headers: &HeaderMap,
-    body: Bytes,
-) -> Response {
-    match side_call(gw, model, Endpoint::Tokenize, headers, body).await {
-        Ok((w, resp)) => {
-            let (mut parts, incoming) = resp.into_parts();
-            prepare_response_headers(&mut parts.headers, &w);
-            Response::from_parts(parts, Body::new(incoming))
+    let mut router = Router::new();
+    for r in ROUTES {
+        let mut handler = (r.handler)();
+        if r.door != Door::Token {
+            handler = handler.layer(from_fn_with_state(gw.clone(), front_door::admit));
         }
-        Err(e) => e.into_response(),
+        handler = handler.layer(from_fn_with_state(
+            (gw.clone(), r.access),
+            front_door::guard,
+        ));
+        if r.door == Door::Counted {
+            handler = handler.layer(from_fn_with_state(gw.clone(), front_door::count));
+        }
+        router = router.route(r.path, handler);
     }
-}
-
-async fn explain(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
-    let Admitted {
-        headers,
-        body: bytes,
-        admission: _admission,
-    } = match admit(&gw, req).await {
-        Ok(a) => a,
-        Err(e) => return e.into_response(),
-    };
-    let p = match prepare(&gw, None, &bytes, TokenUse::ForPolicy).await {
-        Ok(p) => p,
-        Err(e) => return e.into_response(),
-    };
-    let session = session_key(&p.model, &headers);
-    let mut answer = match explain_pool(&gw, &p, session) {
-        Ok(a) => a,
-        Err(e) => return e.into_response(),
-    };
-    answer["model"] = json!(&*p.model.name);
-    answer["lora"] = json!(p.lora.as_deref());
-    answer["prompt_tokens"] = json!(p.prompt_tokens);
-    answer["prompt_tokens_estimated"] = json!(p.prompt_tokens_estimated);
-    answer["prompt_blocks"] = json!(p.keys.as_ref().map(Vec::len));
-    if let Some(prefill) = &p.model.prefill {
-        // A disaggregated model: the decode choice above, the prefill choice here.
-        let on_prefill = crate::routing::Prepared {
-            model: prefill.pool.clone(),
-            ..p.clone()
-        };
-        answer["prefill"] = match explain_pool(&gw, &on_prefill, None) {
-            Ok(a) => a,
-            Err(e) => return e.into_response(),
-        };
-        answer["skips_prefill"] = json!(crate::disaggregation::skips_prefill(&gw, prefill, &p));
-    }
-    Json(answer).into_response()
-}
-
-/// What one pool's policy would choose for a prepared request, and why: every
-/// candidate's overlap, load (own and peers') and cost. Books nothing.
-fn explain_pool(
-    gw: &Gateway,
-    p: &crate::routing::Prepared,
-    session: Option<&str>,
-) -> Result<Value, ApiError> {
-    let (decision, worker) = match try_pick(gw, p, session, &[], Candidates::AllHealthy)? {
-        Pick::Chosen { decision, worker } => (decision, worker),
-        _ => return Err(ApiError::no_healthy_worker(&p.model.name, 1)),
-    };
-    let workers = p.model.workers();
-    let url_of = |id| {
-        workers
-            .iter()
-            .find(|w| w.id == id)
-            .map(|w| w.url.to_string())
-    };
-    let scores: Vec<Value> = decision
-        .scores
-        .iter()
-        .map(|s| {
-            json!({
-                "worker": url_of(s.worker),
-                "worker_id": s.worker.0,
-                "overlap_blocks": {
-                    "device": s.overlap_blocks[Tier::Device.index()],
-                    "host": s.overlap_blocks[Tier::Host.index()],
-                    "disk": s.overlap_blocks[Tier::Disk.index()],
-                },
-                "in_flight": s.in_flight,
-                "prefill_tokens": s.prefill_tokens,
-                "decode_blocks": s.decode_blocks,
-                "local": p.model.ledger().load(s.worker),
-                "peer": p.model.ledger().peer_load(s.worker),
-                // What the worker's engine last reported beyond every replica's bookings.
-                "unseen": p.model.ledger().unseen_load(s.worker),
-                "cost": s.cost,
-            })
-        })
-        .collect();
-    Ok(json!({
-        "policy": decision.policy,
-        "worker": &*worker.url,
-        "worker_id": worker.id.0,
-        "rule": decision.rule,
-        "reason": decision.reason,
-        "block_size": p.model.selection.block_size(),
-        "predicted_cached_tokens": decision.predicted_cached_tokens,
-        "peer_replicas": p.model.ledger().peer_replicas(),
-        // The replica that chooses this replica's workers (`peers.decisions: leader`;
-        // null: this one), and the choices made here for peers not yet in their reports.
-        "leader": crate::peers::decides_at_leader(gw, &p.model)
-            .then(|| gw.peers.leader().map(|(_, name)| name))
-            .flatten(),
-        "held_for_peers": p.model.ledger().booked_for_peers(),
-        "scores": scores,
-    }))
+    router
+        .fallback(not_found)
+        .method_not_allowed_fallback(front_door::method_not_allowed)
+        .with_state(gw)
 }
 
 async fn health() -> Response {
@@ -326,14 +219,7 @@ async fn ready(State(gw): State<Arc<Gateway>>) -> Response {
     (status, Json(json!({"ready": all, "models": models}))).into_response()
 }
 
-async fn metrics(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Response {
-    if let Err(e) = check_bearer(
-        &headers,
-        gw.config.metrics_token.as_deref(),
-        "metrics token",
-    ) {
-        return e.into_response();
-    }
+async fn metrics(State(gw): State<Arc<Gateway>>) -> Response {
     let events = gw.events.snapshot();
     let text = gw.metrics.render(
         |g| {
@@ -418,13 +304,13 @@ pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
         tracing::info!(replica = %identity.replica, peers = ?gw.config.peers.urls, dns = ?gw.config.peers.dns, "sharing load with peer replicas");
     }
     let tasks = vec![
-        tokio::spawn(crate::health::run_health_checks(gw.clone())),
-        tokio::spawn(crate::health::run_ledger_sweep(gw.clone())),
-        tokio::spawn(crate::stall::run_stall_watch(gw.clone())),
-        tokio::spawn(crate::engine_load::run_engine_queue_reads(gw.clone())),
-        tokio::spawn(crate::peers::run_publisher(gw.clone())),
-        tokio::spawn(crate::peers::run_followers(gw.clone())),
-        tokio::spawn(crate::discovery::run_worker_discovery(gw.clone())),
+        tokio::spawn(checks::run_health_checks(gw.clone())),
+        tokio::spawn(checks::run_ledger_sweep(gw.clone())),
+        tokio::spawn(stall::run_stall_watch(gw.clone())),
+        tokio::spawn(engine_load::run_engine_queue_reads(gw.clone())),
+        tokio::spawn(peers::publish::run_publisher(gw.clone())),
+        tokio::spawn(peers::follow::run_followers(gw.clone())),
+        tokio::spawn(discovery::run_worker_discovery(gw.clone())),
     ];
     let app = router(gw.clone());
     let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {

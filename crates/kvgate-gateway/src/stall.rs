@@ -20,13 +20,12 @@
 //! engine refusing the probe's model name or credentials, hands it back to the plain
 //! health check).
 //!
-//! Owns the per-worker progress clock ([`Progress`], touched by failover.rs when an
-//! answer starts and by observe.rs on every body chunk; KV events are read from the
-//! event counters), the watcher task and the generation probe. What a stall does to
-//! the breaker and the requests in flight is health.rs's. Must not touch the index or
-//! the ledger.
+//! Owns the watcher task (reading each worker's progress clock, progress.rs, touched
+//! by failover.rs when an answer starts and by observe.rs on every body chunk, and
+//! counting KV events from the event counters) and the generation probe (checks.rs
+//! sends it). What a stall does to the breaker and the requests in flight is
+//! health.rs's. Must not touch the index or the ledger.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -37,56 +36,9 @@ use rustc_hash::FxHashMap;
 
 use crate::gateway::Gateway;
 use crate::health::worker_stalled;
+use crate::progress::Progress;
 use crate::proxy::Upstream;
 use crate::registry::{Endpoint, ModelState, Worker};
-
-/// When a worker's engine last showed it was working on routed requests, and whether
-/// it is out of rotation as stalled.
-#[derive(Debug)]
-pub struct Progress {
-    epoch: Instant,
-    /// Milliseconds after `epoch` of the last sign of progress.
-    last_ms: AtomicU64,
-    stalled: AtomicBool,
-}
-
-impl Default for Progress {
-    fn default() -> Self {
-        Self {
-            epoch: Instant::now(),
-            last_ms: AtomicU64::new(0),
-            stalled: AtomicBool::new(false),
-        }
-    }
-}
-
-impl Progress {
-    /// The engine showed progress now (a byte of an answer, a KV event).
-    #[inline]
-    pub fn touch(&self) {
-        self.touch_at(Instant::now());
-    }
-
-    fn touch_at(&self, at: Instant) {
-        let ms = at.saturating_duration_since(self.epoch).as_millis() as u64;
-        self.last_ms.fetch_max(ms, Ordering::Relaxed);
-    }
-
-    fn last(&self) -> Instant {
-        self.epoch + Duration::from_millis(self.last_ms.load(Ordering::Relaxed))
-    }
-
-    /// Whether the worker is out of rotation as stalled (until a generation probe
-    /// answers).
-    pub fn is_stalled(&self) -> bool {
-        self.stalled.load(Ordering::Acquire)
-    }
-
-    /// Marks the worker stalled or not; returns whether it was.
-    pub(crate) fn set_stalled(&self, stalled: bool) -> bool {
-        self.stalled.swap(stalled, Ordering::AcqRel)
-    }
-}
 
 /// The watcher's view of one worker between ticks.
 #[derive(Debug, Default)]

@@ -223,6 +223,18 @@ async fn split_requests_are_answered_by_decode_with_the_prefill_kv(mode: PdMode)
         in_flight(&prefill_pool(&g)) == 0 && in_flight(g.model("m").unwrap()) == 0
     })
     .await;
+    // Each request counted once (not once per leg), as answered by its decode worker.
+    let counted = requests_counted(&metrics_text(&c, &gw.url()).await);
+    assert_eq!(counted.values().sum::<f64>(), 4.0, "{mode}: {counted:?}");
+    for labels in counted.keys() {
+        assert!(labels.contains("status=\"200\""), "{mode}: {labels}");
+        assert!(
+            decode_urls
+                .iter()
+                .any(|u| labels.contains(&format!("worker=\"{u}\""))),
+            "{mode}: {labels}"
+        );
+    }
     gw.shutdown().await;
 }
 

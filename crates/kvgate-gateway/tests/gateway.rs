@@ -277,6 +277,119 @@ async fn failover_before_the_first_byte() {
     gw.shutdown().await;
 }
 
+/// `kvgate_requests_total` counts each request exactly once, with the status the
+/// client got and the worker that gave it: a retried request is not counted per
+/// attempt (retry then success: one 200 from the good worker; retry then failure: one
+/// 502 from the gateway), a stream the client leaves after its first event counts as answered (200), a
+/// request refused at the front door counts as refused, and one whose client leaves
+/// before any answer counts once as 499 (the worker it waited on).
+#[tokio::test]
+async fn each_request_is_counted_once_however_it_ends() {
+    let bad = fake(
+        "bad",
+        Behavior {
+            status: 500,
+            ..Behavior::default()
+        },
+    )
+    .await;
+    let good = fake("good", Behavior::default()).await;
+    let hung = fake(
+        "hung",
+        Behavior {
+            hang: true,
+            ..Behavior::default()
+        },
+    )
+    .await;
+    let mut cfg = config(&[&bad.url, &good.url], PolicyKind::RoundRobin);
+    cfg.health.failure_threshold = 1_000_000;
+    cfg.api_key = Some("k".into());
+    let gw = start(cfg).await.unwrap();
+    let c = client();
+    let url = format!("{}/v1/chat/completions", gw.url());
+    // Retry then success, twice (round robin starts once on each worker).
+    for _ in 0..2 {
+        let r = c
+            .post(&url)
+            .bearer_auth("k")
+            .json(&chat_body(false))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(
+            (r.status().as_u16(), worker_of(&r)),
+            (200, good.url.clone())
+        );
+        r.bytes().await.unwrap();
+    }
+    // Retry then failure: both workers fail this one.
+    let r = c
+        .post(&url)
+        .bearer_auth("k")
+        .header(BEHAVIOR_HEADER, "error-status")
+        .json(&chat_body(false))
+        .send()
+        .await
+        .unwrap();
+    // No worker left after two failed attempts: the last failure, from the gateway.
+    assert_eq!(r.status(), 502);
+    r.bytes().await.unwrap();
+    // A slow stream the client leaves after its first event.
+    let r = c
+        .post(&url)
+        .bearer_auth("k")
+        .header(BEHAVIOR_HEADER, "slow")
+        .json(&chat_body(true))
+        .send()
+        .await
+        .unwrap();
+    let mut body = r.bytes_stream();
+    body.next().await.unwrap().unwrap();
+    drop(body);
+    // Refused at the front door.
+    let r = c.post(&url).json(&chat_body(false)).send().await.unwrap();
+    assert_eq!(r.status(), 401);
+    eventually("ledger drained", || gw.ledger_in_flight("m") == Some(0)).await;
+    let counted = requests_counted(&metrics_text(&c, &gw.url()).await);
+    let line = |worker: &str, status: u16| {
+        format!("{{model=\"m\",policy=\"round_robin\",status=\"{status}\",worker=\"{worker}\"}}")
+    };
+    let want = std::collections::BTreeMap::from([
+        (line(&good.url, 200), 3.0),
+        (line("", 502), 1.0),
+        (
+            "{model=\"\",policy=\"\",status=\"401\",worker=\"\"}".to_owned(),
+            1.0,
+        ),
+    ]);
+    assert_eq!(counted, want);
+    gw.shutdown().await;
+
+    // A client that leaves while its request waits on a hung engine: one 499.
+    let gw = start(config(&[&hung.url], PolicyKind::RoundRobin))
+        .await
+        .unwrap();
+    let impatient = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let r = impatient
+        .post(format!("{}/v1/chat/completions", gw.url()))
+        .json(&chat_body(false))
+        .send()
+        .await;
+    assert!(r.is_err(), "the hung engine answered");
+    eventually("ledger drained", || gw.ledger_in_flight("m") == Some(0)).await;
+    let counted = requests_counted(&metrics_text(&c, &gw.url()).await);
+    assert_eq!(
+        counted,
+        std::collections::BTreeMap::from([(line(&hung.url, 499), 1.0)])
+    );
+    gw.shutdown().await;
+}
+
 #[tokio::test]
 async fn no_retry_after_the_first_byte() {
     // The delay makes the engine flush its first event before it fails.
@@ -718,62 +831,77 @@ async fn ledger_is_empty_after_a_burst_with_disconnects() {
     gw.shutdown().await;
 }
 
-/// The peer routes, every one of them: a route added to the peer protocol must be added
-/// here, or its auth goes untested.
-const PEER_ROUTES: [(&str, &str); 3] = [
-    ("GET", kvgate_gateway::peers::LOADS_PATH),
-    ("POST", kvgate_gateway::peers::INDEX_PATH),
-    ("POST", kvgate_gateway::peers::DECIDE_PATH),
-];
-
-/// Peer endpoints accept phantom bookings and give away the index, so they are never
-/// open: without the admin token they refuse a request with none or a wrong one (401),
-/// and a gateway started without an admin token has them off for everyone (404).
+/// Every route the gateway serves, from its route table: each one that needs a token
+/// refuses a request with none, a wrong one, or another group's (401); only the
+/// liveness and readiness probes are open. A route added to the table is tested here
+/// as it is added. Without an admin token, the admin API and the peer endpoints (which
+/// accept phantom bookings and give away the index) are off for everyone (404).
 #[tokio::test]
-async fn every_peer_route_refuses_a_missing_or_wrong_token() {
+async fn every_route_refuses_a_missing_or_wrong_token() {
+    use kvgate_gateway::front_door::Access;
+    use kvgate_gateway::server::ROUTES;
     let a = fake("a", Behavior::default()).await;
     let c = client();
-    let send = |url: String, method: &str, token: Option<&str>| {
-        let mut r = match method {
-            "GET" => c.get(url),
-            _ => c.post(url).json(&json!({})),
-        };
+    let send = |url: String, method: &http::Method, token: Option<&str>| {
+        let mut r = c.request(method.clone(), url);
+        if *method != http::Method::GET {
+            r = r.json(&json!({}));
+        }
         if let Some(t) = token {
             r = r.bearer_auth(t);
         }
         r.send()
     };
+    let token_of = |access: Access| match access {
+        Access::Public => None,
+        Access::ApiKey => Some("api"),
+        Access::MetricsToken => Some("met"),
+        Access::Admin | Access::Peer => Some("adm"),
+    };
     let mut cfg = config(&[&a.url], PolicyKind::RoundRobin);
+    cfg.api_key = Some("api".into());
+    cfg.metrics_token = Some("met".into());
     cfg.admin_token = Some("adm".into());
     let gw = start(cfg).await.unwrap();
-    for (method, path) in PEER_ROUTES {
+    let mut open = Vec::new();
+    for route in ROUTES {
+        let (method, path) = (&route.method, route.path.replace("{id}", "1"));
         let url = format!("{}{path}", gw.url());
-        for token in [None, Some("wrong")] {
+        let Some(right) = token_of(route.access) else {
+            open.push(route.path);
+            continue;
+        };
+        for token in [None, Some("wrong"), Some("api"), Some("met"), Some("adm")] {
+            if token == Some(right) {
+                continue;
+            }
             let r = send(url.clone(), method, token).await.unwrap();
             let (status, v) = error_of(r).await;
             assert_eq!(status, 401, "{method} {path} with {token:?}: {v}");
         }
-        let r = send(url.clone(), method, Some("adm")).await.unwrap();
-        assert!(
-            ![401, 404].contains(&r.status().as_u16()),
-            "{method} {path} refused the right token: {}",
-            r.status()
-        );
+        let r = send(url.clone(), method, Some(right)).await.unwrap();
+        assert_ne!(r.status(), 401, "{method} {path} refused the right token");
     }
+    assert_eq!(open, ["/health", "/ready"], "routes open to anyone");
     gw.shutdown().await;
 
-    let open = start(config(&[&a.url], PolicyKind::RoundRobin))
+    let no_admin = start(config(&[&a.url], PolicyKind::RoundRobin))
         .await
         .unwrap();
-    for (method, path) in PEER_ROUTES {
+    for route in ROUTES
+        .iter()
+        .filter(|r| matches!(r.access, Access::Admin | Access::Peer))
+    {
+        let path = route.path.replace("{id}", "1");
         for token in [None, Some("anything")] {
-            let r = send(format!("{}{path}", open.url()), method, token)
+            let r = send(format!("{}{path}", no_admin.url()), &route.method, token)
                 .await
                 .unwrap();
             let (status, v) = error_of(r).await;
             assert_eq!(
                 status, 404,
-                "{method} {path} without a configured token: {v}"
+                "{} {path} without a configured token: {v}",
+                route.method
             );
             assert!(v["error"]["message"]
                 .as_str()
@@ -781,7 +909,7 @@ async fn every_peer_route_refuses_a_missing_or_wrong_token() {
                 .contains("--admin-token"));
         }
     }
-    open.shutdown().await;
+    no_admin.shutdown().await;
 }
 
 #[tokio::test]

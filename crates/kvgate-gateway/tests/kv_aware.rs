@@ -356,6 +356,9 @@ async fn a_stalled_engine_is_cut_off_and_rejoins_once_it_generates() {
     }
     assert_eq!(prompts.len(), 2);
     prompts.extend(["other 1".to_string(), "other 2".to_string()]);
+    let counted_before: f64 = requests_counted(&metrics_text(&c, &url).await)
+        .values()
+        .sum();
     let started = std::time::Instant::now();
     let outcomes = futures::future::join_all(prompts.into_iter().map(|p| send(p, true))).await;
     for (status, worker, text) in &outcomes {
@@ -369,6 +372,10 @@ async fn a_stalled_engine_is_cut_off_and_rejoins_once_it_generates() {
         started.elapsed()
     );
     let metrics = metrics_text(&c, &url).await;
+    // Each counted once, as answered by the healthy worker (the attempts the stall cut
+    // off are not counted).
+    let counted: f64 = requests_counted(&metrics).values().sum();
+    assert_eq!(counted - counted_before, 4.0);
     let stalls = format!("kvgate_worker_stalls_total{{model=\"m\",worker=\"{hung}\"}}");
     assert_eq!(gauge_value(&metrics, &stalls), Some(1.0), "{metrics}");
     // While it hangs it stays out (its health check says 200; the generation probe

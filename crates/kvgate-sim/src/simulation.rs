@@ -457,9 +457,9 @@ impl Simulation<'_> {
             .collect();
         candidates.sort_unstable();
         let ids: Vec<WorkerId> = candidates.iter().map(|(w, _)| *w).collect();
-        // As the gateway prepares a request (routing::prepare): only a policy that
+        // As the gateway prepares a request (prepare::prepare): only a policy that
         // reads the prompt gets it tokenized and keyed; the others book the estimate
-        // of `routing::PromptSize`, which for a prompt of token ids (what the bench
+        // of `prepare::PromptSize`, which for a prompt of token ids (what the bench
         // sends) is its length.
         let prompt_tokens = self.records[record].prompt_tokens;
         let keys = self

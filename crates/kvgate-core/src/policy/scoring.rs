@@ -6,7 +6,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 use super::{FleetView, WorkerScore};
-use crate::ledger::WorkerLoad;
+use crate::load::WorkerLoad;
 
 /// A seeded (or OS-seeded) RNG behind a lock.
 pub(crate) fn rng(seed: Option<u64>) -> Mutex<SmallRng> {

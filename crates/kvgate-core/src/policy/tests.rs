@@ -212,7 +212,7 @@ fn policies_score_the_load_peer_replicas_reported_as_well_as_their_own() {
         seq: 1,
         loads: vec![(
             WorkerId(0),
-            crate::ledger::WorkerLoad {
+            crate::load::WorkerLoad {
                 in_flight: 3,
                 prefill_tokens: 3000,
                 decode_blocks: 200.0,

@@ -374,6 +374,20 @@ pub fn gauge_value(metrics: &str, series: &str) -> Option<f64> {
     })
 }
 
+/// Every `kvgate_requests_total` sample of a Prometheus text: labels → count (the
+/// series created at zero left out).
+pub fn requests_counted(metrics: &str) -> std::collections::BTreeMap<String, f64> {
+    metrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("kvgate_requests_total"))
+        .filter_map(|rest| {
+            let (labels, value) = rest.rsplit_once(' ')?;
+            let value: f64 = value.parse().ok()?;
+            (value > 0.0).then(|| (labels.to_owned(), value))
+        })
+        .collect()
+}
+
 /// The gateway's `/v1/route/explain` answer for a request body.
 pub async fn explain(
     c: &reqwest::Client,

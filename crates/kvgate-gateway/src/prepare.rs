@@ -1,35 +1,26 @@
-//! From request body to chosen worker: parse the fields routing needs, find the model,
-//! tokenize when the policy scores on tokens, hash block keys, and ask the model's
-//! selection service (kvgate-selection) to choose among the healthy candidates with
-//! free slots.
+//! From request body to a request ready to route: parse the fields routing needs
+//! (once, a borrowed scan), find the model, tokenize when the policy scores on tokens
+//! (locally, or through a worker's `/tokenize`), and hash block keys.
 //!
-//! Owns request preparation and selection, and taking the chosen worker's lease
-//! (lease.rs books it) including waiting for a worker slot; with replicas that decide at
-//! a leader, the choice comes from the leader (peers.rs carries the question) and is
-//! booked here the same way. It must not talk to
-//! workers about the request itself (failover.rs and proxy.rs do), and never holds the
-//! index lock across an `.await`.
+//! Owns request preparation. Must not choose workers (select.rs) or send the request
+//! (failover.rs).
 
 use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Instant;
 
 use http::HeaderMap;
-use http_body_util::BodyExt;
-use kvgate_core::{BlockKey, Decision, PolicyKind, SelectError, WorkerId};
-use kvgate_selection::SelectRequest;
+use kvgate_core::BlockKey;
 use kvgate_tokenize::{
     remote_answer, remote_request, RemoteRequest, RequestKind, RoutingTokens, TokenizeError,
 };
 use serde::Deserialize;
-use smallvec::SmallVec;
 
+use crate::body::read_bounded;
 use crate::errors::ApiError;
 use crate::failover::side_call;
 use crate::gateway::Gateway;
-use crate::lease::Lease;
-use crate::limits::Admission;
-use crate::registry::{Endpoint, ModelState, Worker};
+use crate::registry::{Endpoint, ModelState};
 
 /// The request fields routing reads; everything else is skipped while parsing.
 #[derive(Deserialize)]
@@ -265,22 +256,14 @@ async fn tokenize_remotely(
         .await
         .map_err(|e| ApiError::tokenizer_unavailable(e.message))?;
     let status = resp.status().as_u16();
-    let read = http_body_util::Limited::new(resp.into_body(), REMOTE_TOKENIZE_MAX_BYTES);
-    let bytes = match tokio::time::timeout(REMOTE_TOKENIZE_READ_TIMEOUT, read.collect()).await {
-        Ok(Ok(b)) => b.to_bytes(),
-        Ok(Err(e)) => {
-            return Err(ApiError::tokenizer_unavailable(format!(
-                "{}: {e}",
-                worker.url
-            )))
-        }
-        Err(_) => {
-            return Err(ApiError::tokenizer_unavailable(format!(
-                "{}: the /tokenize answer did not arrive in time",
-                worker.url
-            )))
-        }
-    };
+    let mut body = resp.into_body();
+    let bytes = read_bounded(
+        &mut body,
+        REMOTE_TOKENIZE_MAX_BYTES,
+        Some(REMOTE_TOKENIZE_READ_TIMEOUT),
+    )
+    .await
+    .map_err(|e| ApiError::tokenizer_unavailable(format!("{}: {e}", worker.url)))?;
     remote_answer(&worker.url, status, &bytes, non_text_parts).map_err(tokenize_error)
 }
 
@@ -288,214 +271,3 @@ async fn tokenize_remotely(
 const REMOTE_TOKENIZE_MAX_BYTES: usize = 64 << 20;
 /// How long the body of a `/tokenize` answer may take once its head arrived.
 const REMOTE_TOKENIZE_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
-
-/// Which healthy workers a selection may choose from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Candidates {
-    /// Only workers below `--max-in-flight-per-worker` (a request about to be sent).
-    WithFreeSlot,
-    /// Every healthy worker (`/v1/route/explain`: nothing is booked).
-    AllHealthy,
-}
-
-/// Outcome of one selection attempt.
-pub enum Pick {
-    Chosen {
-        decision: Decision,
-        worker: Arc<Worker>,
-    },
-    /// Healthy candidates exist but all are at their in-flight limit.
-    Full,
-    /// No healthy candidate (after exclusions).
-    NoneHealthy,
-}
-
-/// One synchronous selection over the healthy workers not in `excluded`. Books
-/// nothing: the caller takes a lease on the chosen worker.
-pub fn try_pick(
-    gw: &Gateway,
-    p: &Prepared,
-    session_key: Option<&str>,
-    excluded: &[WorkerId],
-    candidates_from: Candidates,
-) -> Result<Pick, ApiError> {
-    let model = &p.model;
-    let workers = model.workers();
-    let found = candidates(gw, model, &workers, excluded, candidates_from);
-    if found.ids.is_empty() {
-        return Ok(if found.any_healthy {
-            Pick::Full
-        } else {
-            Pick::NoneHealthy
-        });
-    }
-    let req = SelectRequest {
-        block_keys: p.keys.as_deref(),
-        prompt_tokens: p.prompt_tokens,
-        session_key,
-        now: Instant::now(),
-    };
-    let start = Instant::now();
-    let result = model.selection.select(&req, &found.ids);
-    gw.metrics
-        .decision_seconds
-        .with_label_values(&[&*model.name, model.kind().as_str()])
-        .observe(start.elapsed().as_secs_f64());
-    let decision = match result {
-        Ok(d) => d,
-        Err(SelectError::NoIndex) => return Err(ApiError::kv_events_not_configured(&model.name)),
-        Err(SelectError::MissingTokens) => {
-            return Err(ApiError::bad_request(
-                "missing_tokens",
-                format!(
-                    "{} routing needs the prompt's token ids and this request has none",
-                    model.kind()
-                ),
-            ))
-        }
-        Err(SelectError::NoCandidates) => return Ok(Pick::NoneHealthy),
-    };
-    let Some(worker) = workers.iter().find(|w| w.id == decision.worker).cloned() else {
-        return Err(ApiError::internal("the policy chose an unknown worker"));
-    };
-    Ok(Pick::Chosen { decision, worker })
-}
-
-/// The workers a selection may choose from.
-struct Found {
-    ids: SmallVec<[WorkerId; 16]>,
-    /// Some worker is healthy (the candidates may still be empty: all full).
-    any_healthy: bool,
-}
-
-/// Healthy workers (breaker closed) not in `excluded`, and with a free slot unless
-/// `from` says otherwise.
-fn candidates(
-    gw: &Gateway,
-    model: &ModelState,
-    workers: &[Arc<Worker>],
-    excluded: &[WorkerId],
-    from: Candidates,
-) -> Found {
-    let passive = gw.passive_open_ms();
-    let limit = gw.config.limits.max_in_flight_per_worker;
-    let mut found = Found {
-        ids: SmallVec::new(),
-        any_healthy: false,
-    };
-    for w in workers {
-        if w.breaker.available(passive) && !excluded.contains(&w.id) {
-            found.ids.push(w.id);
-        }
-    }
-    found.any_healthy = !found.ids.is_empty();
-    if from == Candidates::WithFreeSlot && limit > 0 {
-        // One read of the ledger for every healthy worker's in-flight count.
-        let loads = model.ledger().loads_of(&found.ids);
-        let mut loads = loads.iter();
-        found
-            .ids
-            .retain(|_| loads.next().is_some_and(|l| l.in_flight < limit));
-    }
-    found
-}
-
-/// The session key of a request, from the model's session header.
-pub fn session_key<'h>(model: &ModelState, headers: &'h HeaderMap) -> Option<&'h str> {
-    if model.kind() != PolicyKind::Session {
-        return None;
-    }
-    headers
-        .get(&model.session_header)
-        .and_then(|v| v.to_str().ok())
-}
-
-/// The leader replica's choice among this replica's candidates (healthy, with a free
-/// slot here), when replicas decide at a leader ([`crate::peers`]) and this one does
-/// not lead; `None` to choose here.
-async fn pick_at_leader(
-    gw: &Gateway,
-    p: &Prepared,
-    session: Option<&str>,
-    excluded: &[WorkerId],
-) -> Option<crate::peers::LeaderChoice> {
-    if !crate::peers::decides_at_leader(gw, &p.model) {
-        return None;
-    }
-    // Before any other work: the leader itself (and a replica without peers connected)
-    // chooses here.
-    let leader = gw.peers.leader()?;
-    let workers = p.model.workers();
-    let found = candidates(gw, &p.model, &workers, excluded, Candidates::WithFreeSlot);
-    if found.ids.len() < 2 {
-        // Nothing to choose (or nothing to choose from: the local path says why).
-        return None;
-    }
-    let candidates: Vec<Arc<Worker>> = workers
-        .iter()
-        .filter(|w| found.ids.contains(&w.id))
-        .cloned()
-        .collect();
-    crate::peers::choose_at_leader(gw, leader, p, &candidates, session).await
-}
-
-/// Selects a worker and takes a lease on it (admission plus booking, in one step on
-/// the worker's in-flight count), waiting (bounded) when every healthy worker is full.
-pub async fn pick(
-    gw: &Gateway,
-    p: &Prepared,
-    headers: &HeaderMap,
-    excluded: &[WorkerId],
-    admission: &Arc<Admission>,
-) -> Result<(Decision, Lease), ApiError> {
-    let session = session_key(&p.model, headers);
-    let limit = gw.config.limits.max_in_flight_per_worker;
-    if let Some(choice) = pick_at_leader(gw, p, session, excluded).await {
-        let lease = gw.peers.settle(choice.id, || {
-            Lease::try_take(p, &choice.worker, &choice.decision, admission, limit)
-        });
-        if let Some(lease) = lease {
-            return Ok((choice.decision, lease));
-        }
-        // The worker filled up meanwhile: choose here.
-    }
-    // `None`: every candidate is full (or the chosen one filled up meanwhile): wait.
-    let attempt = || {
-        // Choice and booking under the model's lock: requests arriving together each
-        // see the bookings of those chosen before them.
-        let _choosing = p.model.choosing.lock();
-        match try_pick(gw, p, session, excluded, Candidates::WithFreeSlot) {
-            Err(e) => Some(Err(e)),
-            Ok(Pick::Chosen { decision, worker }) => {
-                let lease = Lease::try_take(p, &worker, &decision, admission, limit)?;
-                // Counted once the choice is booked: a choice whose worker filled up
-                // meanwhile is made again.
-                gw.metrics
-                    .routing_decisions
-                    .with_label_values(&[&*p.model.name, p.model.kind().as_str(), decision.rule])
-                    .inc();
-                Some(Ok((decision, lease)))
-            }
-            Ok(Pick::Full) => None,
-            Ok(Pick::NoneHealthy) => Some(Err(ApiError::no_healthy_worker(
-                &p.model.name,
-                gw.config.health.open_ms.div_ceil(1000),
-            ))),
-        }
-    };
-    if let Some(r) = attempt() {
-        return r;
-    }
-    let deadline = tokio::time::Instant::now() + gw.limiter.timeout();
-    let waited =
-        crate::limits::wait_for_slot(&p.model, gw.config.limits.max_queue, deadline, attempt).await;
-    waited.unwrap_or_else(|| {
-        Err(ApiError::overloaded(
-            format!(
-                "every healthy worker of model {:?} is at its in-flight limit and stayed so for the queue timeout; retry later",
-                &*p.model.name
-            ),
-            gw.limiter.retry_after(),
-        ))
-    })
-}

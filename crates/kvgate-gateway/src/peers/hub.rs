@@ -1,0 +1,152 @@
+//! This replica's side of the exchange: who it is, its latest report line, the peers
+//! whose streams are open, and the choices a leader made for it that it has settled.
+//! Shared (`Arc`) by the gateway, its background tasks and the index bootstrap. Owns
+//! that state and which peer leads; must not do I/O.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use tokio::sync::watch;
+
+/// Settled ids older than this are forgotten whether or not they were reported.
+const SETTLED_MAX_AGE: Duration = Duration::from_secs(10);
+
+/// Who this replica is among its peers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Identity {
+    pub replica: String,
+    /// Start time in nanoseconds since the Unix epoch: a restart has a larger one.
+    pub incarnation: u64,
+}
+
+/// This replica's side of the exchange: its identity and its latest report line.
+/// Shared (`Arc`) with the index bootstrap callbacks.
+pub struct PeerHub {
+    identity: OnceLock<Identity>,
+    pub(crate) latest: watch::Sender<Bytes>,
+    /// Peers whose report stream is open now: address → replica name.
+    pub(crate) followed: parking_lot::Mutex<BTreeMap<String, String>>,
+    /// Choices the leader made for this replica and their settling time, kept in the
+    /// reports for a while (a follower may skip a report; the next still names them).
+    settled: parking_lot::Mutex<VecDeque<(Instant, u64)>>,
+    /// Ids of the choices asked of a leader.
+    pub(crate) next_choice: AtomicU64,
+    /// A leader that did not answer is passed over until then.
+    leader_skipped_until: parking_lot::Mutex<Option<Instant>>,
+}
+
+impl Default for PeerHub {
+    fn default() -> Self {
+        Self {
+            identity: OnceLock::new(),
+            latest: watch::Sender::new(Bytes::new()),
+            followed: Default::default(),
+            settled: Default::default(),
+            next_choice: AtomicU64::new(1),
+            leader_skipped_until: Default::default(),
+        }
+    }
+}
+
+impl PeerHub {
+    /// Sets this replica's identity once it listens (the default name needs the port).
+    pub fn init_identity(&self, configured: Option<&str>, addr: SocketAddr) -> &Identity {
+        self.identity.get_or_init(|| Identity {
+            replica: configured
+                .map(str::to_owned)
+                .unwrap_or_else(|| format!("{}/{addr}", host_name())),
+            incarnation: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64),
+        })
+    }
+
+    pub fn identity(&self) -> Option<&Identity> {
+        self.identity.get()
+    }
+
+    /// The address of the replica that chooses for this one: the smallest name among
+    /// this replica and the peers whose streams are open. `None` when that is this
+    /// replica (or a leader that did not answer is being passed over).
+    pub fn leader(&self) -> Option<(String, String)> {
+        let own = self.identity()?;
+        if self
+            .leader_skipped_until
+            .lock()
+            .is_some_and(|until| Instant::now() < until)
+        {
+            return None;
+        }
+        let followed = self.followed.lock();
+        let (url, name) = followed.iter().min_by(|a, b| a.1.cmp(b.1))?;
+        (name.as_str() < own.replica.as_str()).then(|| (url.clone(), name.clone()))
+    }
+
+    /// Passes the leader over for `how_long`; true when it was not being
+    /// passed over already (so one warning is logged per back-off, not per request).
+    pub(crate) fn skip_leader(&self, how_long: Duration) -> bool {
+        let now = Instant::now();
+        let mut until = self.leader_skipped_until.lock();
+        let fresh = until.is_none_or(|u| u <= now);
+        *until = Some(now + how_long);
+        fresh
+    }
+
+    /// A choice asked of the leader is done with: `book` books it here (or gives it
+    /// up), and the next reports name it as settled. The booking and the settling are
+    /// one step for the publisher, which reads both under the same lock
+    /// ([`Self::settled_with_loads`]): a report never shows the booking without the id,
+    /// which would count it twice at the leader, or the id without the booking.
+    pub fn settle<T>(&self, id: u64, book: impl FnOnce() -> T) -> T {
+        let mut settled = self.settled.lock();
+        let booked = book();
+        let now = Instant::now();
+        // Bounded even while nobody follows this replica (the publisher then prunes
+        // nothing).
+        while settled
+            .front()
+            .is_some_and(|(at, _)| now.saturating_duration_since(*at) > SETTLED_MAX_AGE)
+        {
+            settled.pop_front();
+        }
+        settled.push_back((now, id));
+        booked
+    }
+
+    /// The ids settled within `window` (older ones are dropped), and `loads` read
+    /// under the same lock as [`Self::settle`] books.
+    pub(crate) fn settled_with_loads<T>(
+        &self,
+        window: Duration,
+        loads: impl FnOnce() -> T,
+    ) -> (Vec<u64>, T) {
+        let mut settled = self.settled.lock();
+        let now = Instant::now();
+        while settled
+            .front()
+            .is_some_and(|(at, _)| now.saturating_duration_since(*at) > window)
+        {
+            settled.pop_front();
+        }
+        let ids = settled.iter().map(|(_, id)| *id).collect();
+        (ids, loads())
+    }
+}
+
+/// The machine's host name (a Kubernetes pod's name), for the default replica name.
+fn host_name() -> String {
+    std::env::var("HOSTNAME")
+        .ok()
+        .filter(|h| !h.is_empty())
+        .or_else(|| {
+            std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .ok()
+                .map(|h| h.trim().to_owned())
+                .filter(|h| !h.is_empty())
+        })
+        .unwrap_or_else(|| "kvgate".to_owned())
+}
