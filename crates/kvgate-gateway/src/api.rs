@@ -51,11 +51,12 @@ pub async fn models(State(gw): State<Arc<Gateway>>) -> Response {
 /// `POST /tokenize`: the prompt's token ids, as the engines' own `/tokenize` gives
 /// them (locally, or from a worker when the model has no local tokenizer).
 pub async fn tokenize(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
+    gw: Arc<Gateway>,
     Admitted {
+        headers,
         body: bytes,
         admission: _admission,
+        ..
     }: Admitted,
 ) -> Response {
     let p = match prepare(&gw, None, &bytes, TokenUse::ReturnIds).await {
@@ -96,11 +97,12 @@ async fn forward_tokenize(
 /// `POST /v1/route/explain`: what the policy would choose for a request, and why.
 /// Books nothing.
 pub async fn explain(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
+    gw: Arc<Gateway>,
     Admitted {
+        headers,
         body: bytes,
         admission: _admission,
+        ..
     }: Admitted,
 ) -> Response {
     let p = match prepare(&gw, None, &bytes, TokenUse::ForPolicy).await {

@@ -16,7 +16,7 @@
 //!   attempt loop), `observe` (the proxied body);
 //! - **the request path**: `prepare` → `select` → `respond`, `disaggregation`, and
 //!   `pipeline`, the request's life in one function;
-//! - **the edges**: `front_door` (middleware: token, admission, count), `api`,
+//! - **the edges**: `front_door` (count, token, admission: one service per route), `api`,
 //!   `admin`, `peers::{endpoints, leader, publish, follow}`, the background tasks
 //!   (`checks`, `stall`, `engine_load`, `discovery`), and `server` (the route table
 //!   and start/stop), `cli`.

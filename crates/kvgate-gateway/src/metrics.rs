@@ -86,7 +86,7 @@ pub struct RequestRecord(Arc<Mutex<RecordState>>);
 
 struct RecordState {
     counter: IntCounterVec,
-    model: Arc<str>,
+    model: Option<Arc<str>>,
     policy: &'static str,
     /// The worker the request waits on now (for a 499).
     worker: Option<Arc<str>>,
@@ -97,7 +97,7 @@ impl RequestRecord {
     pub fn new(metrics: &Metrics) -> Self {
         Self(Arc::new(Mutex::new(RecordState {
             counter: metrics.requests.clone(),
-            model: Arc::from(""),
+            model: None,
             policy: "",
             worker: None,
             counted: false,
@@ -107,7 +107,7 @@ impl RequestRecord {
     /// The request's model, and the policy that routes it.
     pub fn model(&self, name: &Arc<str>, policy: &'static str) {
         let mut s = self.0.lock();
-        s.model = name.clone();
+        s.model = Some(name.clone());
         s.policy = policy;
     }
 
@@ -123,8 +123,9 @@ impl RequestRecord {
         if std::mem::replace(&mut s.counted, true) {
             return;
         }
+        let model = s.model.as_deref().unwrap_or("");
         s.counter
-            .with_label_values(&[&*s.model, worker.unwrap_or(""), s.policy, status.as_str()])
+            .with_label_values(&[model, worker.unwrap_or(""), s.policy, status.as_str()])
             .inc();
     }
 }
@@ -133,8 +134,9 @@ impl Drop for RecordState {
     fn drop(&mut self) {
         if !self.counted {
             let worker = self.worker.as_deref().unwrap_or("");
+            let model = self.model.as_deref().unwrap_or("");
             self.counter
-                .with_label_values(&[&*self.model, worker, self.policy, "499"])
+                .with_label_values(&[model, worker, self.policy, "499"])
                 .inc();
         }
     }

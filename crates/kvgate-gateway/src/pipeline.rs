@@ -10,9 +10,7 @@
 
 use std::sync::Arc;
 
-use axum::extract::State;
 use axum::response::{IntoResponse, Response};
-use http::HeaderMap;
 use kvgate_tokenize::RequestKind;
 
 use crate::disaggregation::{self, skips_prefill};
@@ -20,34 +18,23 @@ use crate::errors::ApiError;
 use crate::failover::{call_workers, Forwarded};
 use crate::front_door::Admitted;
 use crate::gateway::Gateway;
-use crate::metrics::RequestRecord;
 use crate::prepare::{prepare, TokenUse};
 use crate::registry::Endpoint;
 use crate::respond::answer;
 use crate::select::Routed;
 
 /// `POST /v1/chat/completions`.
-pub async fn chat(
-    State(gw): State<Arc<Gateway>>,
-    record: RequestRecord,
-    headers: HeaderMap,
-    admitted: Admitted,
-) -> Response {
+pub async fn chat(gw: Arc<Gateway>, admitted: Admitted) -> Response {
     let request = (Endpoint::Chat, RequestKind::Chat);
-    serve(&gw, request, &record, headers, admitted)
+    serve(&gw, request, admitted)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
 
 /// `POST /v1/completions`.
-pub async fn completions(
-    State(gw): State<Arc<Gateway>>,
-    record: RequestRecord,
-    headers: HeaderMap,
-    admitted: Admitted,
-) -> Response {
+pub async fn completions(gw: Arc<Gateway>, admitted: Admitted) -> Response {
     let request = (Endpoint::Completions, RequestKind::Completion);
-    serve(&gw, request, &record, headers, admitted)
+    serve(&gw, request, admitted)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
@@ -56,10 +43,15 @@ pub async fn completions(
 async fn serve(
     gw: &Arc<Gateway>,
     (endpoint, kind): (Endpoint, RequestKind),
-    record: &RequestRecord,
-    headers: HeaderMap,
-    Admitted { body, admission }: Admitted,
+    Admitted {
+        headers,
+        body,
+        admission,
+        record,
+    }: Admitted,
 ) -> Result<Response, ApiError> {
+    let record =
+        &record.ok_or_else(|| ApiError::internal("a proxied route that is not counted"))?;
     let p = prepare(gw, Some(kind), &body, TokenUse::ForPolicy).await?;
     record.model(&p.model.name, p.model.kind().as_str());
     let request = Forwarded {

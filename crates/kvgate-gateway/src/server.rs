@@ -14,9 +14,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use axum::extract::{Request, State};
-use axum::middleware::from_fn_with_state;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post, MethodRouter};
+use axum::routing::{delete, get, post, post_service, MethodRouter};
 use axum::{Json, Router};
 use http::{header, Method, StatusCode};
 use serde_json::{json, Value};
@@ -25,23 +24,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
 use crate::errors::ApiError;
-use crate::front_door::{self, Access};
+use crate::front_door::{self, Access, Door, FrontDoor};
 use crate::gateway::Gateway;
 use crate::peers::wire::{DECIDE_PATH, INDEX_PATH, LOADS_PATH};
 use crate::{admin, api, checks, discovery, engine_load, peers, pipeline, stall};
-
-/// Which front door a route passes beyond its token ([`Access`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Door {
-    /// The token only.
-    Token,
-    /// Admission and the request body ([`front_door::admit`]): routes whose body goes
-    /// to the engines or their tokenizer.
-    Admitted,
-    /// As `Admitted`, and counted in `kvgate_requests_total` ([`front_door::count`]):
-    /// the proxied requests.
-    Counted,
-}
 
 /// One route: its method and path, the token it needs, its front door, its handler.
 pub struct Route {
@@ -49,96 +35,29 @@ pub struct Route {
     pub path: &'static str,
     pub access: Access,
     pub door: Door,
-    handler: fn() -> MethodRouter<Arc<Gateway>>,
+    /// The route's service behind its front door: a route that takes a body is served
+    /// by it (`FrontDoor::admitted`), any other wears it as a layer.
+    handler: fn(FrontDoor) -> MethodRouter<Arc<Gateway>>,
 }
 
 /// Every route the gateway serves.
+#[rustfmt::skip]
 pub const ROUTES: &[Route] = &[
-    route(
-        Method::POST,
-        "/v1/chat/completions",
-        Access::ApiKey,
-        Door::Counted,
-        || post(pipeline::chat),
-    ),
-    route(
-        Method::POST,
-        "/v1/completions",
-        Access::ApiKey,
-        Door::Counted,
-        || post(pipeline::completions),
-    ),
-    route(
-        Method::GET,
-        "/v1/models",
-        Access::ApiKey,
-        Door::Token,
-        || get(api::models),
-    ),
-    route(
-        Method::POST,
-        "/tokenize",
-        Access::ApiKey,
-        Door::Admitted,
-        || post(api::tokenize),
-    ),
-    route(
-        Method::POST,
-        "/v1/route/explain",
-        Access::ApiKey,
-        Door::Admitted,
-        || post(api::explain),
-    ),
-    route(Method::GET, "/health", Access::Public, Door::Token, || {
-        get(health)
-    }),
-    route(Method::GET, "/ready", Access::Public, Door::Token, || {
-        get(ready)
-    }),
-    route(
-        Method::GET,
-        "/metrics",
-        Access::MetricsToken,
-        Door::Token,
-        || get(metrics),
-    ),
-    route(
-        Method::GET,
-        "/admin/workers",
-        Access::Admin,
-        Door::Token,
-        || get(admin::list),
-    ),
-    route(
-        Method::POST,
-        "/admin/workers",
-        Access::Admin,
-        Door::Token,
-        || post(admin::add),
-    ),
-    route(
-        Method::DELETE,
-        "/admin/workers",
-        Access::Admin,
-        Door::Token,
-        || delete(admin::remove_query),
-    ),
-    route(
-        Method::DELETE,
-        "/admin/workers/{id}",
-        Access::Admin,
-        Door::Token,
-        || delete(admin::remove_id),
-    ),
-    route(Method::GET, LOADS_PATH, Access::Peer, Door::Token, || {
-        get(peers::endpoints::serve_loads)
-    }),
-    route(Method::POST, INDEX_PATH, Access::Peer, Door::Token, || {
-        post(peers::endpoints::serve_snapshot)
-    }),
-    route(Method::POST, DECIDE_PATH, Access::Peer, Door::Token, || {
-        post(peers::endpoints::serve_decide)
-    }),
+    route(Method::POST, "/v1/chat/completions", Access::ApiKey, Door::Counted, |d| post_service(d.admitted(pipeline::chat))),
+    route(Method::POST, "/v1/completions", Access::ApiKey, Door::Counted, |d| post_service(d.admitted(pipeline::completions))),
+    route(Method::GET, "/v1/models", Access::ApiKey, Door::Token, |d| get(api::models).layer(d)),
+    route(Method::POST, "/tokenize", Access::ApiKey, Door::Admitted, |d| post_service(d.admitted(api::tokenize))),
+    route(Method::POST, "/v1/route/explain", Access::ApiKey, Door::Admitted, |d| post_service(d.admitted(api::explain))),
+    route(Method::GET, "/health", Access::Public, Door::Token, |d| get(health).layer(d)),
+    route(Method::GET, "/ready", Access::Public, Door::Token, |d| get(ready).layer(d)),
+    route(Method::GET, "/metrics", Access::MetricsToken, Door::Token, |d| get(metrics).layer(d)),
+    route(Method::GET, "/admin/workers", Access::Admin, Door::Token, |d| get(admin::list).layer(d)),
+    route(Method::POST, "/admin/workers", Access::Admin, Door::Token, |d| post(admin::add).layer(d)),
+    route(Method::DELETE, "/admin/workers", Access::Admin, Door::Token, |d| delete(admin::remove_query).layer(d)),
+    route(Method::DELETE, "/admin/workers/{id}", Access::Admin, Door::Token, |d| delete(admin::remove_id).layer(d)),
+    route(Method::GET, LOADS_PATH, Access::Peer, Door::Token, |d| get(peers::endpoints::serve_loads).layer(d)),
+    route(Method::POST, INDEX_PATH, Access::Peer, Door::Token, |d| post(peers::endpoints::serve_snapshot).layer(d)),
+    route(Method::POST, DECIDE_PATH, Access::Peer, Door::Token, |d| post(peers::endpoints::serve_decide).layer(d)),
 ];
 
 const fn route(
@@ -146,7 +65,7 @@ const fn route(
     path: &'static str,
     access: Access,
     door: Door,
-    handler: fn() -> MethodRouter<Arc<Gateway>>,
+    handler: fn(FrontDoor) -> MethodRouter<Arc<Gateway>>,
 ) -> Route {
     Route {
         method,
@@ -157,23 +76,13 @@ const fn route(
     }
 }
 
-/// Builds the router over a gateway from [`ROUTES`]: each route behind its token
-/// guard, and its admission and request count where its door says.
+/// Builds the router over a gateway from [`ROUTES`]: each route behind its front door
+/// (its token, and its admission and request count where its door says).
 pub fn router(gw: Arc<Gateway>) -> Router {
     let mut router = Router::new();
     for r in ROUTES {
-        let mut handler = (r.handler)();
-        if r.door != Door::Token {
-            handler = handler.layer(from_fn_with_state(gw.clone(), front_door::admit));
-        }
-        handler = handler.layer(from_fn_with_state(
-            (gw.clone(), r.access),
-            front_door::guard,
-        ));
-        if r.door == Door::Counted {
-            handler = handler.layer(from_fn_with_state(gw.clone(), front_door::count));
-        }
-        router = router.route(r.path, handler);
+        let door = FrontDoor::new(gw.clone(), r.access, r.door);
+        router = router.route(r.path, (r.handler)(door));
     }
     router
         .fallback(not_found)
