@@ -101,6 +101,10 @@ pub struct ServeArgs {
     /// context_length_exceeded before they are fully tokenized.
     #[arg(long, value_name = "TOKENS", help_heading = MODEL)]
     pub max_model_len: Option<u32>,
+    /// Local tokenization keeps the ids of text it already encoded, up to this many
+    /// MiB, so a conversation's history is not encoded again at every turn (0 = off).
+    #[arg(long, value_name = "MIB", default_value_t = 128, help_heading = MODEL)]
+    pub tokenize_cache_mib: u64,
     /// Workers from a DNS name, NAME:PORT (a Kubernetes headless Service of engine
     /// pods): every address is a worker at http://ADDRESS:PORT, re-resolved every 5 s
     /// (new addresses join, vanished ones leave).
@@ -338,6 +342,7 @@ impl ServeArgs {
             tokenizer: self.tokenizer.clone(),
             remote_tokenize: self.remote_tokenize,
             max_model_len: self.max_model_len,
+            tokenize_cache_mib: self.tokenize_cache_mib,
             block_size: self.block_size,
             kv_fallback: self.kv_fallback,
             session_header: self.session_header.clone(),

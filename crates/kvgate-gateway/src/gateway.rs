@@ -367,7 +367,8 @@ fn build_model(
                         dir.display()
                     )
                 })?
-                .with_max_prompt_tokens(mc.max_model_len),
+                .with_max_prompt_tokens(mc.max_model_len)
+                .with_segment_cache(mc.tokenize_cache_mib.saturating_mul(1 << 20)),
         ))),
         _ => None,
     };

@@ -175,6 +175,9 @@ pub struct Metrics {
     ledger_booked: IntGaugeVec,
     ledger_swept: IntGaugeVec,
     index_entries: IntGaugeVec,
+    tokenize_cache_hits: IntGaugeVec,
+    tokenize_cache_misses: IntGaugeVec,
+    tokenize_cache_bytes: IntGaugeVec,
     /// Load reports sent to peers (`out`, one per report per subscribed peer) and
     /// received from them (`in`).
     pub peer_reports: IntCounterVec,
@@ -282,6 +285,9 @@ impl Metrics {
             ledger_booked: igauge(&r, "kvgate_ledger_booked_total", "Bookings made since start", &["model"])?,
             ledger_swept: igauge(&r, "kvgate_ledger_swept_total", "Bookings freed by the TTL sweep (leaks caught)", &["model"])?,
             index_entries: igauge(&r, "kvgate_index_entries", "Prefix index entries per model", &["model"])?,
+            tokenize_cache_hits: igauge(&r, "kvgate_tokenize_cache_hits_total", "Text segments (a message between special tokens) whose ids local tokenization took from its cache", &["model"])?,
+            tokenize_cache_misses: igauge(&r, "kvgate_tokenize_cache_misses_total", "Text segments long enough for the cache that local tokenization encoded", &["model"])?,
+            tokenize_cache_bytes: igauge(&r, "kvgate_tokenize_cache_bytes", "Bytes the tokenization cache holds (at most --tokenize-cache-mib)", &["model"])?,
             peer_reports: counter(&r, "kvgate_peer_reports_total", "Load reports exchanged with peer replicas: out = sent (per subscriber), in = received", &["direction"])?,
             peer_decisions: counter(&r, "kvgate_peer_decisions_total", "Worker choices made at the leader replica: asked = used the leader's choice, fallback = the leader did not answer or refused (chosen here), served = chosen here for a peer", &["model", "outcome"])?,
             peers_connected: plain_gauge(&r, "kvgate_peers_connected", "Peer replicas whose load reports this replica follows")?,
@@ -361,6 +367,9 @@ impl Metrics {
             &self.ledger_booked,
             &self.ledger_swept,
             &self.index_entries,
+            &self.tokenize_cache_hits,
+            &self.tokenize_cache_misses,
+            &self.tokenize_cache_bytes,
             &self.peer_in_flight,
             &self.peer_replicas,
         ] {
@@ -463,6 +472,24 @@ impl ScrapeGauges<'_> {
             .peer_replicas
             .with_label_values(&[model])
             .set(stats.replicas as i64);
+    }
+
+    /// A model's tokenization cache.
+    pub fn tokenize_cache(&self, model: &str, stats: &kvgate_tokenize::SegmentCacheStats) {
+        let clamp = |v: u64| v.min(i64::MAX as u64) as i64;
+        let l = [model];
+        self.m
+            .tokenize_cache_hits
+            .with_label_values(&l)
+            .set(clamp(stats.hits));
+        self.m
+            .tokenize_cache_misses
+            .with_label_values(&l)
+            .set(clamp(stats.misses));
+        self.m
+            .tokenize_cache_bytes
+            .with_label_values(&l)
+            .set(clamp(stats.bytes));
     }
 
     pub fn index_entries(&self, model: &str, entries: usize) {

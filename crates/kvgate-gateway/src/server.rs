@@ -18,6 +18,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post, post_service, MethodRouter};
 use axum::{Json, Router};
 use http::{header, Method, StatusCode};
+use kvgate_tokenize::Tokenizer;
 use serde_json::{json, Value};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -149,6 +150,14 @@ async fn metrics(State(gw): State<Arc<Gateway>>) -> Response {
                 if let Some(index) = m.index() {
                     g.index_entries(&m.name, index.read().len());
                 }
+            }
+            // Every model, zero without a local tokenizer (a prefill pool has none).
+            for m in gw.models() {
+                let stats = match &m.tokenizer {
+                    Some(Tokenizer::Local(t)) => t.segment_cache_stats().unwrap_or_default(),
+                    _ => Default::default(),
+                };
+                g.tokenize_cache(&m.name, &stats);
             }
         },
         &events,

@@ -15,6 +15,8 @@ use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use aho_corasick::{AhoCorasick, MatchKind};
+
+use crate::segments::{SegmentCache, SEGMENT_MIN_BYTES};
 use rustc_hash::FxHashMap;
 use serde_json::Value;
 
@@ -129,24 +131,23 @@ impl FastEncoder {
 
     /// Encodes `text`, stopping as soon as more than `max_ids` ids are produced (the
     /// result is then longer than `max_ids` and incomplete: the caller rejects it).
+    /// Segments between added tokens long enough to be worth it are looked up in
+    /// `segments` first, and kept there once encoded whole (see `segments` for why
+    /// that is exact).
     pub(crate) fn encode(
         &self,
         model: &impl tokenizers::Model,
         text: &str,
         max_ids: usize,
+        segments: Option<&SegmentCache>,
     ) -> tokenizers::Result<Vec<u32>> {
         let mut ids = Vec::with_capacity((text.len() / 3).min(max_ids.saturating_add(1)));
         let mut piece = String::new();
         let mut start = 0;
         if let Some(added) = &self.added {
             for m in added.find_iter(text) {
-                self.encode_segment(
-                    model,
-                    &text[start..m.start()],
-                    &mut piece,
-                    &mut ids,
-                    max_ids,
-                )?;
+                let segment = &text[start..m.start()];
+                self.encode_cached(model, segment, &mut piece, &mut ids, max_ids, segments)?;
                 ids.push(self.added_ids[m.pattern().as_usize()]);
                 if ids.len() > max_ids {
                     return Ok(ids);
@@ -154,8 +155,36 @@ impl FastEncoder {
                 start = m.end();
             }
         }
-        self.encode_segment(model, &text[start..], &mut piece, &mut ids, max_ids)?;
+        let segment = &text[start..];
+        self.encode_cached(model, segment, &mut piece, &mut ids, max_ids, segments)?;
         Ok(ids)
+    }
+
+    /// One segment between added tokens, through the segment cache when it is long
+    /// enough.
+    fn encode_cached(
+        &self,
+        model: &impl tokenizers::Model,
+        segment: &str,
+        piece: &mut String,
+        ids: &mut Vec<u32>,
+        max_ids: usize,
+        segments: Option<&SegmentCache>,
+    ) -> tokenizers::Result<()> {
+        let Some(cache) = segments.filter(|_| segment.len() >= SEGMENT_MIN_BYTES) else {
+            return self.encode_segment(model, segment, piece, ids, max_ids);
+        };
+        if let Some(hit) = cache.get(segment) {
+            ids.extend_from_slice(&hit);
+            return Ok(());
+        }
+        let start = ids.len();
+        self.encode_segment(model, segment, piece, ids, max_ids)?;
+        // Within the limit, the segment was encoded whole.
+        if ids.len() <= max_ids {
+            cache.insert(segment, &ids[start..]);
+        }
+        Ok(())
     }
 
     fn encode_segment(

@@ -20,6 +20,7 @@ pub mod local;
 mod pyjson;
 pub mod remote;
 mod request;
+pub mod segments;
 mod template;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -27,6 +28,7 @@ use std::sync::Arc;
 
 pub use local::LocalTokenizer;
 pub use remote::{remote_answer, remote_request, RemoteRequest, RemoteTokenizer};
+pub use segments::SegmentCacheStats;
 
 /// Which OpenAI endpoint a body was sent to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -15,6 +15,7 @@ use serde_json::{Map, Value};
 
 use crate::fast::FastEncoder;
 use crate::request::{self, ChatOptions, Conversation, Shape};
+use crate::segments::{SegmentCache, SegmentCacheStats};
 use crate::template::TemplateSet;
 use crate::{count_non_text_parts, RequestKind, RoutingTokens, TokenizeError};
 
@@ -23,6 +24,10 @@ use crate::{count_non_text_parts, RequestKind, RoutingTokens, TokenizeError};
 /// chat (~4 KiB) takes ~0.2 ms, an 8k one ~1.6 ms, so 16 KiB (~4k tokens) caps inline
 /// work below ~1 ms while `spawn_blocking`'s fixed cost (~10-20 µs) stays negligible.
 pub const SPAWN_BLOCKING_MIN_BYTES: usize = 16 * 1024;
+
+/// The segment cache's bound unless set ([`LocalTokenizer::with_segment_cache`]): the ids
+/// of about 32M tokens of history.
+pub const DEFAULT_SEGMENT_CACHE_BYTES: u64 = 128 << 20;
 
 /// Special-token attributes HF exposes to chat templates (`special_tokens_map`).
 const SPECIAL_TOKEN_KEYS: &[&str] = &[
@@ -40,6 +45,8 @@ pub struct LocalTokenizer {
     tokenizer: tokenizers::Tokenizer,
     /// Same ids as `tokenizer`, faster, for the byte-level BPE shape (see `fast`).
     fast: Option<FastEncoder>,
+    /// The ids of long segments already encoded (fast path only; see `segments`).
+    segments: Option<SegmentCache>,
     templates: Option<TemplateSet>,
     /// Template context entries from `tokenizer_config.json` (bos/eos/... tokens).
     special_tokens: Map<String, Value>,
@@ -123,6 +130,7 @@ impl LocalTokenizer {
         Ok(LocalTokenizer {
             tokenizer,
             fast,
+            segments: SegmentCache::new(DEFAULT_SEGMENT_CACHE_BYTES),
             templates,
             special_tokens,
             dir: dir.to_owned(),
@@ -137,6 +145,20 @@ impl LocalTokenizer {
     pub fn with_max_prompt_tokens(mut self, limit: Option<u32>) -> Self {
         self.max_prompt_tokens = limit;
         self
+    }
+
+    /// Keeps the ids of up to `max_bytes` of segments already encoded (0: none), so a
+    /// conversation's history is not encoded again at every turn. Only the byte-level
+    /// BPE fast path uses it (where it is exact; see `segments`).
+    pub fn with_segment_cache(mut self, max_bytes: u64) -> Self {
+        self.segments = SegmentCache::new(max_bytes);
+        self
+    }
+
+    /// The segment cache's counters (`None` without one, or off this tokenizer's path).
+    pub fn segment_cache_stats(&self) -> Option<SegmentCacheStats> {
+        self.fast.as_ref()?;
+        self.segments.as_ref().map(SegmentCache::stats)
     }
 
     /// Whether a chat template was found (without one, chat requests are rejected).
@@ -169,7 +191,12 @@ impl LocalTokenizer {
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
         match &self.fast {
             Some(fast) if fast.supports(add_special_tokens) => fast
-                .encode(self.tokenizer.get_model(), text, usize::MAX)
+                .encode(
+                    self.tokenizer.get_model(),
+                    text,
+                    usize::MAX,
+                    self.segments.as_ref(),
+                )
                 .map_err(|e| TokenizeError::Invalid(format!("tokenizer error: {e}"))),
             _ => self.encode_with_tokenizers_crate(text, add_special_tokens),
         }
@@ -190,7 +217,12 @@ impl LocalTokenizer {
         }
         let ids = match &self.fast {
             Some(fast) if fast.supports(add_special_tokens) => fast
-                .encode(self.tokenizer.get_model(), text, limit as usize)
+                .encode(
+                    self.tokenizer.get_model(),
+                    text,
+                    limit as usize,
+                    self.segments.as_ref(),
+                )
                 .map_err(|e| TokenizeError::Invalid(format!("tokenizer error: {e}")))?,
             _ => self.encode_with_tokenizers_crate(text, add_special_tokens)?,
         };

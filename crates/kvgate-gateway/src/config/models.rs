@@ -36,6 +36,9 @@ pub struct ModelConfig {
     /// tokenization refuses longer prompts with 400 `context_length_exceeded` and stops
     /// encoding as soon as the limit is passed, which bounds its time and memory.
     pub max_model_len: Option<u32>,
+    /// Local tokenization keeps the ids of text it already encoded, up to this many MiB
+    /// (`--tokenize-cache-mib`; 0 = off).
+    pub tokenize_cache_mib: u64,
     /// Tokens per KV block (must equal the engines' block size; events say so loudly).
     pub block_size: u32,
     /// Extra salt folded into block keys (must match on every router replica).
@@ -176,6 +179,7 @@ impl Default for ModelConfig {
             tokenizer: None,
             remote_tokenize: false,
             max_model_len: None,
+            tokenize_cache_mib: 128,
             block_size: 16,
             hash_salt: None,
             lora_adapters: Vec::new(),
