@@ -219,6 +219,19 @@ pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
         .peers
         .init_identity(gw.config.peers.replica_id.as_deref(), addr);
     if gw.config.peers.enabled() {
+        let unique = peers::client::check_unique_name(
+            &gw.client,
+            &gw.peers,
+            &gw.config.peers,
+            gw.config.admin_token.as_deref(),
+        )
+        .await;
+        if let Err(e) = unique {
+            for m in gw.pools() {
+                m.selection.shutdown();
+            }
+            return Err(e);
+        }
         tracing::info!(replica = %identity.replica, peers = ?gw.config.peers.urls, dns = ?gw.config.peers.dns, "sharing load with peer replicas");
     }
     let tasks = vec![

@@ -912,6 +912,40 @@ async fn every_route_refuses_a_missing_or_wrong_token() {
     no_admin.shutdown().await;
 }
 
+/// Two replicas under one `--replica-id` would each take the other's reports for their
+/// own and ignore them: the second is refused at start, naming the flag, while the
+/// first keeps serving; a replica of another name starts beside it.
+#[tokio::test]
+async fn a_replica_whose_name_a_peer_has_is_refused_at_start() {
+    let a = fake("a", Behavior::default()).await;
+    let replica = |id: &str, peers: Vec<String>| {
+        let mut cfg = config(&[&a.url], PolicyKind::LeastLoaded);
+        cfg.admin_token = Some("adm".into());
+        cfg.peers.replica_id = Some(id.into());
+        cfg.peers.urls = peers;
+        cfg
+    };
+    let first = start(replica("same", Vec::new())).await.unwrap();
+    let err = start(replica("same", vec![first.url()]))
+        .await
+        .expect_err("a second replica of the same name started");
+    let msg = format!("{err:#}");
+    assert!(
+        msg.contains("--replica-id") && msg.contains(&first.url()),
+        "{msg}"
+    );
+    let other = start(replica("other", vec![first.url()])).await.unwrap();
+    let r = client()
+        .post(format!("{}/v1/chat/completions", first.url()))
+        .json(&chat_body(false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    other.shutdown().await;
+    first.shutdown().await;
+}
+
 #[tokio::test]
 async fn workers_are_added_and_removed_at_run_time() {
     let a = fake("a", Behavior::default()).await;

@@ -140,7 +140,10 @@ mod tests {
         let key = |i: usize| format!("segment {i} {}", "x".repeat(300));
         assert!(cache.get(&key(1999)).is_some());
         let held = (0..2_000).filter(|&i| cache.get(&key(i)).is_some()).count() as u64;
-        assert!(held <= bound / (500 * 4 + ENTRY_OVERHEAD_BYTES), "{held} held");
+        assert!(
+            held <= bound / (500 * 4 + ENTRY_OVERHEAD_BYTES),
+            "{held} held"
+        );
         assert_eq!(cache.stats().hits + cache.stats().misses, 2_001);
     }
 }

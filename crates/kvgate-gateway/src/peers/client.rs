@@ -16,7 +16,10 @@ use crate::config::PeersConfig;
 use crate::proxy::HttpClient;
 
 use super::hub::PeerHub;
-use super::wire::{same_keys, SnapshotRequest, WireSnapshot, INDEX_PATH, REPLICA_HEADER};
+use super::wire::{
+    same_keys, SnapshotRequest, WireSnapshot, DUPLICATE_REPLICA_ID, INCARNATION_HEADER, INDEX_PATH,
+    LOADS_PATH, REPLICA_HEADER,
+};
 
 /// Largest snapshot accepted from a peer.
 const MAX_SNAPSHOT_BYTES: usize = 1 << 30;
@@ -39,11 +42,12 @@ pub(crate) fn peer_request(
         .uri(url)
         .body(Full::new(body))
         .map_err(|e| format!("bad peer URL: {e}"))?;
-    if let Some(v) = hub
-        .identity()
-        .and_then(|i| HeaderValue::from_str(&i.replica).ok())
-    {
-        req.headers_mut().insert(REPLICA_HEADER, v);
+    if let Some(identity) = hub.identity() {
+        if let Ok(v) = HeaderValue::from_str(&identity.replica) {
+            req.headers_mut().insert(REPLICA_HEADER, v);
+        }
+        req.headers_mut()
+            .insert(INCARNATION_HEADER, HeaderValue::from(identity.incarnation));
     }
     if let Some(v) = admin_token.and_then(|t| HeaderValue::from_str(&format!("Bearer {t}")).ok()) {
         req.headers_mut().insert(header::AUTHORIZATION, v);
@@ -62,6 +66,64 @@ pub(crate) async fn peer_urls(cfg: &PeersConfig) -> std::io::Result<Vec<String>>
         );
     }
     Ok(urls)
+}
+
+/// How long the start-up check waits for each peer.
+const UNIQUE_ID_CHECK_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Refuses to start a replica whose name a running peer already has: asks every peer
+/// (configured URLs and the DNS name's addresses, at once, each for at most two
+/// seconds) for its report stream, and fails when one answers that it is another
+/// replica of this name. Two replicas of one name would each take the other's reports
+/// for their own and ignore them, so their bookings would never be seen. A peer that
+/// does not answer is no evidence either way (it is followed once it does).
+pub async fn check_unique_name(
+    client: &HttpClient,
+    hub: &PeerHub,
+    cfg: &PeersConfig,
+    admin_token: Option<&str>,
+) -> anyhow::Result<()> {
+    let Some(own) = hub.identity() else {
+        return Ok(());
+    };
+    let urls = peer_urls(cfg).await.unwrap_or_else(|_| cfg.urls.clone());
+    let asks = urls.into_iter().map(|url| async move {
+        let req = peer_request(
+            http::Method::GET,
+            format!("{url}{LOADS_PATH}"),
+            Bytes::new(),
+            hub,
+            admin_token,
+        )
+        .ok()?;
+        let answer = async {
+            let resp = client.request(req).await.ok()?;
+            if resp.status() != StatusCode::CONFLICT {
+                return None; // the stream (or a refusal of another kind) is dropped
+            }
+            let mut body = resp.into_body();
+            let body = read_bounded(&mut body, 64 << 10, None).await.ok()?;
+            (error_code(&body).as_deref() == Some(DUPLICATE_REPLICA_ID)).then_some(url)
+        };
+        tokio::time::timeout(UNIQUE_ID_CHECK_TIMEOUT, answer)
+            .await
+            .ok()
+            .flatten()
+    });
+    if let Some(url) = futures::future::join_all(asks)
+        .await
+        .into_iter()
+        .flatten()
+        .next()
+    {
+        anyhow::bail!(
+            "the peer at {url} already runs as replica {:?}: give every replica its own \
+             --replica-id (env KVGATE_REPLICA_ID, YAML peers.replica_id), or leave it unset \
+             (the host name and port)",
+            own.replica
+        );
+    }
+    Ok(())
 }
 
 /// The index bootstrap a model's KV-event subscribers use: asks each peer (the

@@ -17,8 +17,8 @@ use crate::gateway::Gateway;
 
 use super::leader::decide_for_peer;
 use super::wire::{
-    keys_refused, same_keys, DecideRequest, SnapshotRequest, WireSnapshot, MAX_DECIDE_BYTES,
-    REPLICA_HEADER,
+    keys_refused, same_keys, DecideRequest, SnapshotRequest, WireSnapshot, DUPLICATE_REPLICA_ID,
+    INCARNATION_HEADER, MAX_DECIDE_BYTES, REPLICA_HEADER,
 };
 
 /// `GET /peer/v1/loads`: this replica's reports as a stream of JSON lines, the
@@ -77,15 +77,30 @@ fn admit_peer(gw: &Gateway, headers: &HeaderMap) -> Result<(), ApiError> {
         .with_retry_after(1));
     };
     let asker = headers.get(&REPLICA_HEADER).and_then(|v| v.to_str().ok());
-    if asker == Some(identity.replica.as_str()) {
+    if asker != Some(identity.replica.as_str()) {
+        return Ok(());
+    }
+    let run = headers
+        .get(&INCARNATION_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if run.is_some_and(|run| run != identity.incarnation) {
         return Err(ApiError::new(
             StatusCode::CONFLICT,
             "invalid_request_error",
-            "peer_is_self",
-            "this is the replica asking: a replica does not follow or bootstrap from itself",
+            DUPLICATE_REPLICA_ID,
+            format!(
+                "replica {:?} is already running here: every replica needs its own --replica-id",
+                identity.replica
+            ),
         ));
     }
-    Ok(())
+    Err(ApiError::new(
+        StatusCode::CONFLICT,
+        "invalid_request_error",
+        "peer_is_self",
+        "this is the replica asking: a replica does not follow or bootstrap from itself",
+    ))
 }
 
 /// Runs a closure when dropped.

@@ -12,10 +12,11 @@ use http_body_util::BodyExt;
 use kvgate_core::{BlockKey, PeerApplied, PeerReport, WorkerLoad};
 use tokio_util::sync::CancellationToken;
 
+use crate::body::read_bounded;
 use crate::gateway::Gateway;
 
-use super::client::{peer_request, peer_urls};
-use super::wire::{WireReport, LOADS_PATH};
+use super::client::{error_code, peer_request, peer_urls};
+use super::wire::{WireReport, DUPLICATE_REPLICA_ID, LOADS_PATH};
 
 /// A report line longer than this ends the stream (a peer gone wrong).
 const MAX_REPORT_BYTES: usize = 4 << 20;
@@ -137,7 +138,18 @@ async fn follow_once(gw: &Gateway, url: &str, stop: &CancellationToken) -> Strea
     };
     match resp.status() {
         StatusCode::OK => {}
-        StatusCode::CONFLICT => return StreamEnd::IsSelf,
+        StatusCode::CONFLICT => {
+            let mut body = resp.into_body();
+            let body = read_bounded(&mut body, 64 << 10, Some(expiry)).await;
+            let code = body.ok().and_then(|b| error_code(&b));
+            if code.as_deref() != Some(DUPLICATE_REPLICA_ID) {
+                return StreamEnd::IsSelf;
+            }
+            // Started together (each passed the other's start-up check): neither
+            // sees the other's bookings until one is renamed.
+            tracing::error!(peer = %url, "this peer runs under this replica's name: give every replica its own --replica-id");
+            return StreamEnd::Retry("the peer has this replica's name".into());
+        }
         status => return StreamEnd::Retry(format!("answered {status}")),
     }
     let connected = gw.metrics.peers_connected.clone();

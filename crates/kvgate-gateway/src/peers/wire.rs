@@ -21,6 +21,12 @@ pub const MAX_DECIDE_BYTES: usize = 2 << 20;
 /// Header with which a follower names itself, so a replica can refuse to follow
 /// itself (a DNS name lists every replica, this one included).
 pub const REPLICA_HEADER: HeaderName = HeaderName::from_static("x-kvgate-replica");
+/// Header with the asker's incarnation (its start time): a peer answering to the same
+/// name tells itself (same run) from another replica given the same `--replica-id`.
+pub const INCARNATION_HEADER: HeaderName = HeaderName::from_static("x-kvgate-incarnation");
+/// The `error.code` with which a replica refuses a peer that has its name but is not
+/// itself.
+pub const DUPLICATE_REPLICA_ID: &str = "duplicate_replica_id";
 
 /// A report as it travels: one JSON object per line.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
