@@ -308,43 +308,29 @@ async fn each_request_is_counted_once_however_it_ends() {
     let gw = start(cfg).await.unwrap();
     let c = client();
     let url = format!("{}/v1/chat/completions", gw.url());
+    let send = |behavior: &'static str, stream: bool| {
+        c.post(&url)
+            .bearer_auth("k")
+            .header(BEHAVIOR_HEADER, behavior)
+            .json(&chat_body(stream))
+            .send()
+    };
     // Retry then success, twice (round robin starts once on each worker).
     for _ in 0..2 {
-        let r = c
-            .post(&url)
-            .bearer_auth("k")
-            .json(&chat_body(false))
-            .send()
-            .await
-            .unwrap();
+        let r = send("ok", false).await.unwrap();
         assert_eq!(
             (r.status().as_u16(), worker_of(&r)),
             (200, good.url.clone())
         );
         r.bytes().await.unwrap();
     }
-    // Retry then failure: both workers fail this one.
-    let r = c
-        .post(&url)
-        .bearer_auth("k")
-        .header(BEHAVIOR_HEADER, "error-status")
-        .json(&chat_body(false))
-        .send()
-        .await
-        .unwrap();
-    // No worker left after two failed attempts: the last failure, from the gateway.
+    // Retry then failure: both workers fail this one. No worker is left after two
+    // failed attempts: the last failure, from the gateway.
+    let r = send("error-status", false).await.unwrap();
     assert_eq!(r.status(), 502);
     r.bytes().await.unwrap();
     // A slow stream the client leaves after its first event.
-    let r = c
-        .post(&url)
-        .bearer_auth("k")
-        .header(BEHAVIOR_HEADER, "slow")
-        .json(&chat_body(true))
-        .send()
-        .await
-        .unwrap();
-    let mut body = r.bytes_stream();
+    let mut body = send("slow", true).await.unwrap().bytes_stream();
     body.next().await.unwrap().unwrap();
     drop(body);
     // Refused at the front door.
