@@ -45,7 +45,7 @@ pub struct Gateway {
     pub(crate) grace_over: CancellationToken,
     forward_auth: ForwardAuth,
     /// This replica's identity and load reports for its peers.
-    pub(crate) peers: Arc<crate::peers::hub::PeerHub>,
+    pub(crate) peers: Arc<crate::peer_link::hub::PeerHub>,
 }
 
 impl std::fmt::Debug for Gateway {
@@ -72,7 +72,7 @@ impl Gateway {
         // One worker-id counter for every model's service: ids are unique gateway-wide.
         let worker_ids = Arc::new(AtomicU32::new(0));
         let ledger_ttl = Duration::from_secs(config.ledger_ttl_secs.max(1));
-        let peers = Arc::new(crate::peers::hub::PeerHub::default());
+        let peers = Arc::new(crate::peer_link::hub::PeerHub::default());
         let client = build_client(&config.timeouts);
         for mc in &config.models {
             let model = match mc.pd_pools() {
@@ -101,7 +101,7 @@ impl Gateway {
                 // prefill pool's too: peers find its workers by URL in either pool).
                 for (pool, _) in model.pools() {
                     pool.selection
-                        .set_bootstrap(crate::peers::client::bootstrap(
+                        .set_bootstrap(crate::peer_link::client::bootstrap(
                             client.clone(),
                             peers.clone(),
                             config.peers.clone(),

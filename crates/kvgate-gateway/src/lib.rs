@@ -10,8 +10,9 @@
 //!   counts each request once), `auth`, `body` (the one bounded body read), `breaker`,
 //!   `progress`;
 //! - **fleet state**: `registry` (workers, model pools), `limits` (admission), `lease`
-//!   (one attempt's booking), `proxy` (the upstream HTTP client), `peers::{wire, hub,
-//!   client}`, then `gateway` (the process's shared state);
+//!   (one attempt's booking), `proxy` (the upstream HTTP client), `peer_link` (what
+//!   travels between replicas, this replica's side, asking a peer), then `gateway` (the
+//!   process's shared state);
 //! - **calling workers**: `health` (what a failure counts), `failover` (the one
 //!   attempt loop), `observe` (the proxied body);
 //! - **the request path**: `prepare` → `select` → `respond`, `disaggregation`, and
@@ -43,6 +44,7 @@ pub mod lease;
 pub mod limits;
 pub mod metrics;
 pub mod observe;
+pub mod peer_link;
 pub mod peers;
 pub mod pipeline;
 pub mod prepare;

@@ -27,8 +27,8 @@ use crate::config::Config;
 use crate::errors::ApiError;
 use crate::front_door::{self, Access, Door, FrontDoor};
 use crate::gateway::Gateway;
-use crate::peers::wire::{DECIDE_PATH, INDEX_PATH, LOADS_PATH};
-use crate::{admin, api, checks, discovery, engine_load, peers, pipeline, stall};
+use crate::peer_link::wire::{DECIDE_PATH, INDEX_PATH, LOADS_PATH};
+use crate::{admin, api, checks, discovery, engine_load, peer_link, peers, pipeline, stall};
 
 /// One route: its method and path, the token it needs, its front door, its handler.
 pub struct Route {
@@ -219,7 +219,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
         .peers
         .init_identity(gw.config.peers.replica_id.as_deref(), addr);
     if gw.config.peers.enabled() {
-        let unique = peers::client::check_unique_name(
+        let unique = peer_link::client::check_unique_name(
             &gw.client,
             &gw.peers,
             &gw.config.peers,

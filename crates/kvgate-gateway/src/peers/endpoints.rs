@@ -16,7 +16,7 @@ use crate::errors::ApiError;
 use crate::gateway::Gateway;
 
 use super::leader::decide_for_peer;
-use super::wire::{
+use crate::peer_link::wire::{
     keys_refused, same_keys, DecideRequest, SnapshotRequest, WireSnapshot, DUPLICATE_REPLICA_ID,
     INCARNATION_HEADER, MAX_DECIDE_BYTES, REPLICA_HEADER,
 };

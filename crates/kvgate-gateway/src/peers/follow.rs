@@ -15,8 +15,8 @@ use tokio_util::sync::CancellationToken;
 use crate::body::read_bounded;
 use crate::gateway::Gateway;
 
-use super::client::{error_code, peer_request, peer_urls};
-use super::wire::{WireReport, DUPLICATE_REPLICA_ID, LOADS_PATH};
+use crate::peer_link::client::{error_code, peer_request, peer_urls};
+use crate::peer_link::wire::{WireReport, DUPLICATE_REPLICA_ID, LOADS_PATH};
 
 /// A report line longer than this ends the stream (a peer gone wrong).
 const MAX_REPORT_BYTES: usize = 4 << 20;

@@ -17,8 +17,8 @@ use crate::lease::booking_spec;
 use crate::prepare::Prepared;
 use crate::registry::{ModelState, Worker};
 
-use super::client::{answered, error_code, exchange};
-use super::wire::{
+use crate::peer_link::client::{answered, error_code, exchange};
+use crate::peer_link::wire::{
     keys_refused, same_keys, DecideAnswer, DecideRequest, DECIDE_PATH, MAX_DECIDE_BYTES,
 };
 

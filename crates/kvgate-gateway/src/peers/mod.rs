@@ -1,11 +1,12 @@
 //! Replicas that agree: this gateway's load reports to its peer replicas, and theirs to
 //! it.
 //!
-//! Split by job, each file importing only downward: `wire` (what travels), `hub` (this
-//! replica's side: identity, latest report, followed peers, settled choices), `client`
-//! (asking a peer: requests, the index bootstrap), `publish` and `follow` (the report
-//! streams), `leader` (choices made at the leader, asked and served), `endpoints` (the
-//! `/peer/v1` handlers; their token is checked at the front door).
+//! Split by job, in two layers. Below the gateway, `peer_link` (its own folder): `wire`
+//! (what travels), `hub` (this replica's side: identity, latest report, followed peers,
+//! settled choices), `client` (asking a peer: requests, the index bootstrap). Here,
+//! above it: `publish` and `follow` (the report streams), `leader` (choices made at the
+//! leader, asked and served), `endpoints` (the `/peer/v1` handlers; their token is
+//! checked at the front door).
 //!
 //! Owns this replica's identity (name, incarnation), the report it publishes (the
 //! load it booked per worker, by worker URL, for every model), the report stream it
@@ -49,10 +50,7 @@
 //! The `zeromq` crate's SUB socket neither reports a lost peer nor reconnects (the
 //! KV-event subscriber needs its own link watch for that).
 
-pub mod client;
 pub mod endpoints;
 pub mod follow;
-pub mod hub;
 pub mod leader;
 pub mod publish;
-pub mod wire;

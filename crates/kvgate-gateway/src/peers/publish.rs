@@ -9,7 +9,7 @@ use bytes::Bytes;
 
 use crate::gateway::Gateway;
 
-use super::wire::{WireLoad, WireModel, WireReport};
+use crate::peer_link::wire::{WireLoad, WireModel, WireReport};
 
 /// This replica's load per model and worker, by URL.
 fn local_loads(gw: &Gateway) -> Vec<WireModel> {
