@@ -98,12 +98,8 @@ pub async fn check_unique_name(
         .ok()?;
         let answer = async {
             let resp = client.request(req).await.ok()?;
-            if resp.status() != StatusCode::CONFLICT {
-                return None; // the stream (or a refusal of another kind) is dropped
-            }
-            let mut body = resp.into_body();
-            let body = read_bounded(&mut body, 64 << 10, None).await.ok()?;
-            (error_code(&body).as_deref() == Some(DUPLICATE_REPLICA_ID)).then_some(url)
+            // Anything else (the stream, a refusal of another kind) is dropped.
+            has_this_name(resp).await.then_some(url)
         };
         tokio::time::timeout(UNIQUE_ID_CHECK_TIMEOUT, answer)
             .await
@@ -124,6 +120,18 @@ pub async fn check_unique_name(
         );
     }
     Ok(())
+}
+
+/// Whether a peer's answer to a request of this replica's says that the peer is another
+/// replica under this replica's name (409 `duplicate_replica_id`; a 409 `peer_is_self`
+/// is this replica itself). Reads a refusal's body (bounded), nothing else.
+pub(crate) async fn has_this_name(resp: http::Response<hyper::body::Incoming>) -> bool {
+    if resp.status() != StatusCode::CONFLICT {
+        return false;
+    }
+    let mut body = resp.into_body();
+    let body = read_bounded(&mut body, 64 << 10, None).await;
+    body.is_ok_and(|b| error_code(&b).as_deref() == Some(DUPLICATE_REPLICA_ID))
 }
 
 /// The index bootstrap a model's KV-event subscribers use: asks each peer (the

@@ -12,11 +12,10 @@ use http_body_util::BodyExt;
 use kvgate_core::{BlockKey, PeerApplied, PeerReport, WorkerLoad};
 use tokio_util::sync::CancellationToken;
 
-use crate::body::read_bounded;
 use crate::gateway::Gateway;
 
-use crate::peer_link::client::{error_code, peer_request, peer_urls};
-use crate::peer_link::wire::{WireReport, DUPLICATE_REPLICA_ID, LOADS_PATH};
+use crate::peer_link::client::{has_this_name, peer_request, peer_urls};
+use crate::peer_link::wire::{WireReport, LOADS_PATH};
 
 /// A report line longer than this ends the stream (a peer gone wrong).
 const MAX_REPORT_BYTES: usize = 4 << 20;
@@ -139,10 +138,8 @@ async fn follow_once(gw: &Gateway, url: &str, stop: &CancellationToken) -> Strea
     match resp.status() {
         StatusCode::OK => {}
         StatusCode::CONFLICT => {
-            let mut body = resp.into_body();
-            let body = read_bounded(&mut body, 64 << 10, Some(expiry)).await;
-            let code = body.ok().and_then(|b| error_code(&b));
-            if code.as_deref() != Some(DUPLICATE_REPLICA_ID) {
+            let duplicate = tokio::time::timeout(expiry, has_this_name(resp)).await;
+            if duplicate != Ok(true) {
                 return StreamEnd::IsSelf;
             }
             // Started together (each passed the other's start-up check): neither
