@@ -234,9 +234,9 @@ pub struct ServeArgs {
     pub peer_expiry_ms: Option<u64>,
     #[arg(long, value_name = "MS", help_heading = PEERS, help = with_default("How often this replica looks for a change in its bookings to report to its peers, ms", PeersConfig::default().publish_ms))]
     pub peer_publish_ms: Option<u64>,
-    /// Where replicas choose workers: `leader` (the connected replica with the
-    /// smallest name chooses for all, so requests reaching several replicas at once
-    /// are decided in order) or `local` (each on its peers' last reports) [default:
+    /// Where replicas choose workers: `leader` (the longest-running connected
+    /// replica chooses for all, so requests reaching several replicas at once are
+    /// decided in order) or `local` (each on its peers' last reports) [default:
     /// leader].
     #[arg(long, value_name = "WHERE", help_heading = PEERS)]
     pub peer_decisions: Option<crate::config::PeerDecisions>,

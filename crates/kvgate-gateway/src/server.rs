@@ -121,12 +121,16 @@ async fn ready(State(gw): State<Arc<Gateway>>) -> Response {
             entry
         })
         .collect();
+    // A new replica asking its peers for the workers' index snapshots would route blind.
+    let bootstrapping = gw.peers.bootstrapping();
+    all &= bootstrapping == 0;
     let status = if all {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    (status, Json(json!({"ready": all, "models": models}))).into_response()
+    let body = json!({"ready": all, "models": models, "index_bootstraps": bootstrapping});
+    (status, Json(body)).into_response()
 }
 
 async fn metrics(State(gw): State<Arc<Gateway>>) -> Response {

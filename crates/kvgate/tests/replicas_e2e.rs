@@ -638,6 +638,77 @@ async fn a_late_replica_loads_a_peers_index_snapshot_where_replay_buffers_fall_s
     );
 }
 
+/// A replica whose peers all hang (they accept connections and never answer) asks them
+/// for its index snapshots at once and gives up after the bootstrap's bound in all (10
+/// s), not once per peer; it is not ready until then (`/ready` 503, an LB sends it
+/// nothing yet) and serves the requests it is sent meanwhile, then replays the engines'
+/// buffers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bootstrap_from_hung_peers_is_bounded_in_all_and_not_ready_meanwhile() {
+    let logs = tempfile::tempdir().unwrap();
+    let fleet = engines(2, logs.path()).await;
+    let mut hung = Vec::new();
+    let mut peers = Vec::new();
+    for _ in 0..3 {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        peers.extend([
+            "--peer".to_owned(),
+            format!("http://{}", listener.local_addr().unwrap()),
+        ]);
+        hung.push(tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((conn, _)) = listener.accept().await {
+                held.push(conn);
+            }
+        }));
+    }
+    let port = free_ports(1).unwrap()[0];
+    let url = format!("http://127.0.0.1:{port}");
+    let started = Instant::now();
+    let _r = kv_replica("r", port, &fleet, &peers, logs.path()).await;
+    let ready = async || {
+        let resp = http().get(format!("{url}/ready")).send().await.unwrap();
+        let status = resp.status().as_u16();
+        (status, resp.json::<Value>().await.unwrap())
+    };
+    // Each engine's subscriber asks the three peers while the replica already serves.
+    poll(Duration::from_secs(5), Duration::from_millis(10), async || {
+        match ready().await {
+            (503, body) if body["index_bootstraps"] == 2 => Ok(()),
+            other => Err(format!("never waiting for both bootstraps: {other:?}")),
+        }
+    })
+    .await;
+    let resp = http()
+        .post(format!("{url}/v1/completions"))
+        .json(&json!({"model": MODEL, "prompt": tenant_prompt(0), "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200, "served while bootstrapping");
+    // Ready once the bootstraps give up: about 10 s after they began (the start-up
+    // name check waited up to 2 s before), not the 30 s of three peers asked in turn.
+    poll(Duration::from_secs(25), Duration::from_millis(100), async || {
+        match ready().await {
+            (200, body) if body["index_bootstraps"] == 0 => Ok(()),
+            other => Err(format!("not ready: {other:?}")),
+        }
+    })
+    .await;
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(20),
+        "ready after {took:?}: the peers were asked in turn?"
+    );
+    assert_eq!(
+        metric(&url, "kvgate_kv_events_snapshot_loads_total").await,
+        0.0
+    );
+    for h in hung {
+        h.abort();
+    }
+}
+
 /// A model whose workers come from a DNS name: the engine behind `localhost:PORT`
 /// joins (with its KV events, from the ports given) without being named anywhere, and
 /// serves requests routed by kv_aware on its events.
@@ -728,10 +799,10 @@ fn per_worker(held: &[(reqwest::Response, String)]) -> std::collections::BTreeMa
 }
 
 /// Requests that reach three replicas at the same instant are chosen in one place (the
-/// leader: the connected replica with the smallest name), so they spread as one
+/// leader: the longest-running connected replica), so they spread as one
 /// router would spread them, not onto the worker each replica thought idle. When the
 /// leader hangs, the others choose alone after the decide timeout; when it dies, the
-/// next smallest name leads. Two workers: least_loaded's two random candidates are then
+/// next longest running leads, and keeps leading when a new a joins. Two workers: least_loaded's two random candidates are then
 /// both of them, so a choice that sees every booking before it is exact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_choose_at_one_leader_and_carry_on_without_it() {
@@ -825,6 +896,18 @@ async fn replicas_choose_at_one_leader_and_carry_on_without_it() {
     assert_eq!(count(1, "served").await, 3.0);
     let counts = per_worker(&held);
     assert!(counts.values().all(|&n| n == 3), "{counts:?}");
+    drop(held);
+
+    // a is replaced (a rolling restart): the new a is the youngest, so b keeps leading.
+    let mut args = peer_args("a", 0, &ports);
+    args.extend(long_expiry.iter().cloned());
+    let _a = replica("a-new", "127.0.0.1", ports[0], &fleet, &args, logs.path()).await;
+    for i in 0..3 {
+        until_metric(&url(i), "kvgate_peers_connected", 2.0).await;
+    }
+    for (i, leader) in [(0, json!("b")), (1, json!(null)), (2, json!("b"))] {
+        assert_eq!(explain(&url(i)).await["leader"], leader, "replica {i}");
+    }
 }
 
 /// kv_aware replicas deciding at a leader send it the prompt's block keys: one that

@@ -105,8 +105,8 @@ pub struct PeersConfig {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum PeerDecisions {
-    /// The replica with the smallest name among those connected (the leader) chooses
-    /// for all of them: requests that reach several replicas at the same instant are
+    /// The longest-running replica among those connected (the leader; ties by name)
+    /// chooses for all of them: requests that reach several replicas at the same instant are
     /// decided in one place, in order, each seeing the ones before it. A replica that
     /// cannot reach the leader within `decide_timeout_ms` chooses itself.
     #[default]

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures::stream::{FuturesUnordered, StreamExt};
 use http::{header, HeaderValue, Request, StatusCode};
 use http_body_util::Full;
 use kvgate_events::{Bootstrap, RankSnapshot};
@@ -23,9 +24,10 @@ use super::wire::{
 
 /// Largest snapshot accepted from a peer.
 const MAX_SNAPSHOT_BYTES: usize = 1 << 30;
-/// How long one peer may take to answer a snapshot request. The subscriber waits for
-/// it before replaying and applying live events (which queue meanwhile), so a hung peer
-/// must not hold it long; a snapshot of a million blocks is a few seconds' transfer.
+/// How long a bootstrap waits for its peers' snapshots, all of them asked at once. The
+/// subscriber waits for it before replaying and applying live events (which queue
+/// meanwhile), so hung peers must not hold it long; a snapshot of a million blocks is a
+/// few seconds' transfer.
 const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What a request to a peer carries: this replica's name (so a peer that is this
@@ -134,10 +136,12 @@ pub(crate) async fn has_this_name(resp: http::Response<hyper::body::Incoming>) -
     body.is_ok_and(|b| error_code(&b).as_deref() == Some(DUPLICATE_REPLICA_ID))
 }
 
-/// The index bootstrap a model's KV-event subscribers use: asks each peer (the
-/// configured URLs, then the DNS name's addresses) in turn for its snapshot of the
-/// worker rank, and returns the first one given whose keys are keyed as this pool's
-/// (`key_fingerprint`, [`same_keys`]).
+/// The index bootstrap a model's KV-event subscribers use: asks every peer (the
+/// configured URLs and the DNS name's addresses) at once for its snapshot of the worker
+/// rank, and returns the first one given whose keys are keyed as this pool's
+/// (`key_fingerprint`, [`same_keys`]); gives up after [`SNAPSHOT_TIMEOUT`] in all,
+/// however many peers hang. While one runs, this replica is not ready
+/// ([`PeerHub::bootstrapping`]).
 pub fn bootstrap(
     client: HttpClient,
     hub: Arc<PeerHub>,
@@ -155,26 +159,45 @@ pub fn bootstrap(
             model.clone(),
         );
         Box::pin(async move {
-            // A failed lookup leaves the configured URLs.
-            let candidates = peer_urls(&cfg).await.unwrap_or_else(|_| cfg.urls.clone());
+            let _running = hub.bootstrap_started();
             let request = SnapshotRequest {
                 model,
                 worker,
                 rank,
                 key_fingerprint: Some(key_fingerprint),
             };
-            for peer in candidates {
-                match fetch_snapshot(&client, &hub, token.as_deref(), &peer, &request).await {
-                    Ok(s) => return Some(s),
-                    Err(SnapshotRefused::OtherKeys(why)) => {
-                        tracing::warn!(%peer, worker = %request.worker, rank, %why, "not loading this peer's index snapshot: its block keys are not ours (every replica must run the same kvgate version, block size and hash salt)")
-                    }
-                    Err(SnapshotRefused::Failed(why)) => {
-                        tracing::debug!(%peer, worker = %request.worker, rank, %why, "no index snapshot from this peer")
+            let asked = async {
+                // A failed lookup leaves the configured URLs.
+                let candidates = peer_urls(&cfg).await.unwrap_or_else(|_| cfg.urls.clone());
+                let mut asks: FuturesUnordered<_> = candidates
+                    .into_iter()
+                    .map(|peer| {
+                        let (client, hub, token, request) = (&client, &hub, &token, &request);
+                        async move {
+                            let got =
+                                fetch_snapshot(client, hub, token.as_deref(), &peer, request).await;
+                            (peer, got)
+                        }
+                    })
+                    .collect();
+                while let Some((peer, got)) = asks.next().await {
+                    match got {
+                        Ok(s) => return Some(s),
+                        Err(SnapshotRefused::OtherKeys(why)) => {
+                            tracing::warn!(%peer, worker = %request.worker, rank, %why, "not loading this peer's index snapshot: its block keys are not ours (every replica must run the same kvgate version, block size and hash salt)")
+                        }
+                        Err(SnapshotRefused::Failed(why)) => {
+                            tracing::debug!(%peer, worker = %request.worker, rank, %why, "no index snapshot from this peer")
+                        }
                     }
                 }
+                None
+            };
+            let got = tokio::time::timeout(SNAPSHOT_TIMEOUT, asked).await;
+            if got.is_err() {
+                tracing::warn!(worker = %request.worker, rank, timeout = ?SNAPSHOT_TIMEOUT, "no peer gave an index snapshot in time; replaying the engine's buffer instead");
             }
-            None
+            got.ok().flatten()
         })
     })
 }
@@ -198,10 +221,7 @@ async fn fetch_snapshot(
     let ours = request.key_fingerprint.unwrap_or_default();
     let url = format!("{peer}{INDEX_PATH}");
     let answer = exchange(client, hub, token, url, request, MAX_SNAPSHOT_BYTES);
-    let (status, body) = tokio::time::timeout(SNAPSHOT_TIMEOUT, answer)
-        .await
-        .map_err(|_| failed(&"timed out"))?
-        .map_err(SnapshotRefused::Failed)?;
+    let (status, body) = answer.await.map_err(SnapshotRefused::Failed)?;
     if status != StatusCode::OK {
         let why = answered(status, &body);
         return Err(
@@ -229,11 +249,23 @@ pub(crate) async fn exchange(
     max: usize,
 ) -> Result<(StatusCode, Bytes), String> {
     let body = serde_json::to_vec(request).map_err(|e| e.to_string())?;
-    let mut req = peer_request(http::Method::POST, url, Bytes::from(body), hub, token)?;
-    req.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
+    let body = (Bytes::from(body), "application/json");
+    exchange_bytes(client, hub, token, url, body, max).await
+}
+
+/// One `POST` of `body` (its bytes and content type) to a peer's `url`, its answer read
+/// whole (at most `max` bytes): the status and the body, or why there is none.
+pub(crate) async fn exchange_bytes(
+    client: &HttpClient,
+    hub: &PeerHub,
+    token: Option<&str>,
+    url: String,
+    (body, content_type): (Bytes, &'static str),
+    max: usize,
+) -> Result<(StatusCode, Bytes), String> {
+    let mut req = peer_request(http::Method::POST, url, body, hub, token)?;
+    req.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
     let resp = client.request(req).await.map_err(|e| e.to_string())?;
     let status = resp.status();
     let mut body = resp.into_body();

@@ -5,8 +5,8 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicU64;
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -28,8 +28,8 @@ pub struct Identity {
 pub struct PeerHub {
     identity: OnceLock<Identity>,
     pub(crate) latest: watch::Sender<Bytes>,
-    /// Peers whose report stream is open now: address → replica name.
-    pub(crate) followed: parking_lot::Mutex<BTreeMap<String, String>>,
+    /// Peers whose report stream is open now: address → who answers there.
+    pub(crate) followed: parking_lot::Mutex<BTreeMap<String, Identity>>,
     /// Choices the leader made for this replica and their settling time, kept in the
     /// reports for a while (a follower may skip a report; the next still names them).
     settled: parking_lot::Mutex<VecDeque<(Instant, u64)>>,
@@ -37,6 +37,24 @@ pub struct PeerHub {
     pub(crate) next_choice: AtomicU64,
     /// A leader that did not answer is passed over until then.
     leader_skipped_until: parking_lot::Mutex<Option<Instant>>,
+    /// Index bootstraps (asking peers for a worker's snapshot) running now.
+    bootstraps: Arc<AtomicUsize>,
+}
+
+/// An index bootstrap running: counted in [`PeerHub::bootstrapping`] until dropped.
+pub struct BootstrapRunning(Arc<AtomicUsize>);
+
+impl Drop for BootstrapRunning {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl Identity {
+    /// What orders replicas for leadership: the longest running first, then by name.
+    fn seniority(&self) -> (u64, &str) {
+        (self.incarnation, &self.replica)
+    }
 }
 
 impl Default for PeerHub {
@@ -48,6 +66,7 @@ impl Default for PeerHub {
             settled: Default::default(),
             next_choice: AtomicU64::new(1),
             leader_skipped_until: Default::default(),
+            bootstraps: Default::default(),
         }
     }
 }
@@ -69,9 +88,12 @@ impl PeerHub {
         self.identity.get()
     }
 
-    /// The address of the replica that chooses for this one: the smallest name among
-    /// this replica and the peers whose streams are open. `None` when that is this
-    /// replica (or a leader that did not answer is being passed over).
+    /// The address and name of the replica that chooses for this one: the longest
+    /// running (smallest incarnation; ties by name) among this replica and the peers
+    /// whose streams are open. A replica that restarts comes back as the youngest, so a
+    /// rolling restart moves leadership at most once per replica replaced, when the
+    /// leader itself goes. `None` when that is this replica (or a leader that did not
+    /// answer is being passed over).
     pub fn leader(&self) -> Option<(String, String)> {
         let own = self.identity()?;
         if self
@@ -82,8 +104,20 @@ impl PeerHub {
             return None;
         }
         let followed = self.followed.lock();
-        let (url, name) = followed.iter().min_by(|a, b| a.1.cmp(b.1))?;
-        (name.as_str() < own.replica.as_str()).then(|| (url.clone(), name.clone()))
+        let (url, peer) = followed.iter().min_by_key(|(_, p)| p.seniority())?;
+        (peer.seniority() < own.seniority()).then(|| (url.clone(), peer.replica.clone()))
+    }
+
+    /// Counts an index bootstrap as running until the guard is dropped.
+    pub fn bootstrap_started(&self) -> BootstrapRunning {
+        self.bootstraps.fetch_add(1, Ordering::Relaxed);
+        BootstrapRunning(self.bootstraps.clone())
+    }
+
+    /// Index bootstraps running now: this replica is not ready while one runs (it would
+    /// route blind to what its peers know of the workers' caches).
+    pub fn bootstrapping(&self) -> usize {
+        self.bootstraps.load(Ordering::Relaxed)
     }
 
     /// Passes the leader over for `how_long`; true when it was not being
@@ -149,4 +183,66 @@ fn host_name() -> String {
                 .filter(|h| !h.is_empty())
         })
         .unwrap_or_else(|| "kvgate".to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hub(name: &str, incarnation: u64) -> PeerHub {
+        let hub = PeerHub::default();
+        hub.identity
+            .set(Identity {
+                replica: name.to_owned(),
+                incarnation,
+            })
+            .unwrap();
+        hub
+    }
+
+    fn follow(hub: &PeerHub, url: &str, name: &str, incarnation: u64) {
+        let peer = Identity {
+            replica: name.to_owned(),
+            incarnation,
+        };
+        hub.followed.lock().insert(url.to_owned(), peer);
+    }
+
+    fn leader_name(hub: &PeerHub) -> Option<String> {
+        hub.leader().map(|(_, name)| name)
+    }
+
+    /// A rolling restart of a, b, c (each replaced by a younger run of the same name)
+    /// moves leadership only when the leader is the one replaced.
+    #[test]
+    fn the_longest_running_replica_leads_through_a_rolling_restart() {
+        // c started first, so it leads although its name is the largest.
+        let a = hub("a", 20);
+        follow(&a, "http://b", "b", 30);
+        follow(&a, "http://c", "c", 10);
+        assert_eq!(leader_name(&a), Some("c".to_owned()));
+        let c = hub("c", 10);
+        follow(&c, "http://a", "a", 20);
+        follow(&c, "http://b", "b", 30);
+        assert_eq!(leader_name(&c), None, "c leads itself");
+
+        // b is replaced: a younger b changes nothing.
+        follow(&a, "http://b", "b", 40);
+        assert_eq!(leader_name(&a), Some("c".to_owned()));
+        // c is replaced: a (now the longest running) leads, and keeps leading when
+        // the new c comes back.
+        a.followed.lock().remove("http://c");
+        assert_eq!(leader_name(&a), None);
+        follow(&a, "http://c", "c", 50);
+        assert_eq!(leader_name(&a), None);
+        let b = hub("b", 40);
+        follow(&b, "http://a", "a", 20);
+        follow(&b, "http://c", "c", 50);
+        assert_eq!(leader_name(&b), Some("a".to_owned()));
+
+        // Runs started at the same instant lead by name.
+        let x = hub("x", 7);
+        follow(&x, "http://w", "w", 7);
+        assert_eq!(leader_name(&x), Some("w".to_owned()));
+    }
 }

@@ -2,6 +2,7 @@
 //! answers, and the paths and header they use. Owns the wire formats and the one rule
 //! for exchanging keys ([`same_keys`]). Must not do I/O.
 
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http::{HeaderName, StatusCode};
 use kvgate_core::{BlockKey, HeldBlock, Tier};
 use kvgate_events::RankSnapshot;
@@ -170,7 +171,11 @@ pub(crate) fn keys_refused(why: String) -> ApiError {
     )
 }
 
-/// What a replica asks the leader to choose.
+/// The content type of a decide request ([`encode_decide`]).
+pub const DECIDE_CONTENT_TYPE: &str = "application/vnd.kvgate.decide";
+
+/// What a replica asks the leader to choose (the prompt's block keys travel beside it:
+/// [`encode_decide`]).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct DecideRequest {
     pub model: String,
@@ -183,9 +188,6 @@ pub struct DecideRequest {
     pub id: u64,
     /// The workers the asker may send to (healthy there, with a free slot), by URL.
     pub candidates: Vec<String>,
-    /// The prompt's block keys; absent when the request has no routing tokens.
-    #[serde(default)]
-    pub keys: Option<Vec<u64>>,
     pub prompt_tokens: u32,
     #[serde(default)]
     pub expected_output_tokens: Option<u32>,
@@ -199,6 +201,52 @@ pub struct DecideRequest {
     /// `keys` made by another hasher (409 `key_scheme_mismatch`).
     #[serde(default)]
     pub key_fingerprint: Option<u64>,
+}
+
+/// A decide request as it travels: its head as JSON, then the prompt's block keys as
+/// fixed-width integers (a 32k-token prompt's 2,048 keys are 16 KiB, not 40 KiB of
+/// decimal text to print and parse):
+/// `[head length: u32 LE][head: JSON][1 when keys follow, else 0][keys: u64 LE each]`.
+/// `keys` is `None` when the request has no routing tokens.
+pub fn encode_decide(head: &DecideRequest, keys: Option<&[BlockKey]>) -> Bytes {
+    let json = serde_json::to_vec(head).unwrap_or_default();
+    let n = keys.map_or(0, <[BlockKey]>::len);
+    let mut out = BytesMut::with_capacity(4 + json.len() + 1 + 8 * n);
+    out.put_u32_le(json.len() as u32);
+    out.put_slice(&json);
+    out.put_u8(u8::from(keys.is_some()));
+    for k in keys.unwrap_or_default() {
+        out.put_u64_le(k.0);
+    }
+    out.freeze()
+}
+
+/// Reads [`encode_decide`]'s bytes back, or says what is wrong with them.
+pub fn decode_decide(mut body: &[u8]) -> Result<(DecideRequest, Option<Vec<BlockKey>>), String> {
+    if body.remaining() < 4 {
+        return Err("a decide request starts with its head's length".into());
+    }
+    let head_len = body.get_u32_le() as usize;
+    if body.remaining() < head_len + 1 {
+        return Err(format!(
+            "a decide request's head of {head_len} bytes is cut short"
+        ));
+    }
+    let head: DecideRequest =
+        serde_json::from_slice(&body[..head_len]).map_err(|e| format!("its head: {e}"))?;
+    body.advance(head_len);
+    let has_keys = body.get_u8();
+    if !body.remaining().is_multiple_of(8) || (has_keys == 0 && body.has_remaining()) {
+        return Err(format!("{} bytes of block keys", body.remaining()));
+    }
+    let keys = (has_keys != 0).then(|| {
+        let mut keys = Vec::with_capacity(body.remaining() / 8);
+        while body.has_remaining() {
+            keys.push(BlockKey(body.get_u64_le()));
+        }
+        keys
+    });
+    Ok((head, keys))
 }
 
 /// The leader's choice: the worker and what the asker's booking of it should predict.
@@ -217,6 +265,49 @@ pub struct DecideAnswer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn decide_head() -> DecideRequest {
+        DecideRequest {
+            model: "m".into(),
+            pool: String::new(),
+            incarnation: 3,
+            id: 9,
+            candidates: vec!["http://w1".into(), "http://w2".into()],
+            prompt_tokens: 40,
+            expected_output_tokens: Some(8),
+            session_key: None,
+            kv_transferred: false,
+            key_fingerprint: Some(5),
+        }
+    }
+
+    /// A decide request travels whole, with its keys, without them, or with none; a
+    /// cut or padded one is refused, not misread.
+    #[test]
+    fn a_decide_request_travels_whole_and_a_damaged_one_is_refused() {
+        let head = decide_head();
+        let keys = [BlockKey(1), BlockKey(u64::MAX), BlockKey(0)];
+        for k in [Some(&keys[..]), Some(&[][..]), None] {
+            let body = encode_decide(&head, k);
+            let (back, back_keys) = decode_decide(&body).unwrap();
+            assert_eq!(back, head);
+            assert_eq!(back_keys.as_deref(), k);
+        }
+        let body = encode_decide(&head, Some(&keys));
+        assert_eq!(body.len(), 4 + (body.len() - 4 - 1 - 24) + 1 + 24);
+        for cut in [0, 3, 10, body.len() - 1] {
+            assert!(decode_decide(&body[..cut]).is_err(), "cut at {cut}");
+        }
+        let mut padded = body.to_vec();
+        padded.push(0);
+        assert!(decode_decide(&padded).is_err());
+        let no_keys = encode_decide(&head, None);
+        let mut extra = no_keys.to_vec();
+        extra.extend([0u8; 8]);
+        assert!(decode_decide(&extra).is_err());
+        // JSON, as a kvgate before the binary encoding sent it.
+        assert!(decode_decide(br#"{"model":"m"}"#).is_err());
+    }
 
     /// A worker rank's snapshot travels whole; an older replica's snapshot (no hole
     /// paths, and an `evicting` flag this version no longer reads) loads.

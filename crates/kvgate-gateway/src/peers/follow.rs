@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 use crate::gateway::Gateway;
 
 use crate::peer_link::client::{has_this_name, peer_request, peer_urls};
+use crate::peer_link::hub::Identity;
 use crate::peer_link::wire::{WireReport, LOADS_PATH};
 
 /// A report line longer than this ends the stream (a peer gone wrong).
@@ -207,10 +208,11 @@ async fn read_reports(
                 return StreamEnd::Retry("the peer changed its name or run mid-stream".into());
             }
             if heard.is_none() {
-                gw.peers
-                    .followed
-                    .lock()
-                    .insert(url.to_owned(), report.replica.clone());
+                let peer = Identity {
+                    replica: report.replica.clone(),
+                    incarnation: report.incarnation,
+                };
+                gw.peers.followed.lock().insert(url.to_owned(), peer);
             }
             *heard = Some(run);
             apply(gw, report);

@@ -7,6 +7,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use http::StatusCode;
 use kvgate_core::{BlockKey, Decision, SelectError};
 
@@ -17,9 +18,10 @@ use crate::lease::booking_spec;
 use crate::prepare::Prepared;
 use crate::registry::{ModelState, Worker};
 
-use crate::peer_link::client::{answered, error_code, exchange};
+use crate::peer_link::client::{answered, error_code, exchange_bytes};
 use crate::peer_link::wire::{
-    keys_refused, same_keys, DecideAnswer, DecideRequest, DECIDE_PATH, MAX_DECIDE_BYTES,
+    encode_decide, keys_refused, same_keys, DecideAnswer, DecideRequest, DECIDE_CONTENT_TYPE,
+    DECIDE_PATH, MAX_DECIDE_BYTES,
 };
 
 /// How long a leader that did not answer is passed over.
@@ -72,7 +74,6 @@ pub async fn choose_at_leader(
         incarnation: identity.incarnation,
         id,
         candidates: candidates.iter().map(|w| w.url.to_string()).collect(),
-        keys: p.keys.as_ref().map(|k| k.iter().map(|k| k.0).collect()),
         prompt_tokens: p.prompt_tokens,
         expected_output_tokens: p.max_tokens,
         kv_transferred: p.kv_transferred,
@@ -87,7 +88,8 @@ pub async fn choose_at_leader(
     };
     let timeout = Duration::from_millis(gw.config.peers.decide_timeout_ms);
     let asked = Instant::now();
-    let answer = tokio::time::timeout(timeout, ask_leader(gw, &url, &request)).await;
+    let body = encode_decide(&request, p.keys.as_deref());
+    let answer = tokio::time::timeout(timeout, ask_leader(gw, &url, body)).await;
     if matches!(answer, Ok(Ok(_))) {
         // A choice made at the leader takes its round trip.
         gw.metrics
@@ -95,9 +97,20 @@ pub async fn choose_at_leader(
             .with_label_values(&[&*model.name, model.kind().as_str()])
             .observe(asked.elapsed().as_secs_f64());
     }
-    let answer = match answer {
-        Ok(Ok(a)) => a,
-        Ok(Err(LeaderRefused::NotFollowing(why))) => {
+    let failed = match answer {
+        Ok(Ok(a)) => Ok(a),
+        Ok(Err(refused)) => Err(Some(refused)),
+        Err(_) => Err(None),
+    };
+    if failed.is_err() {
+        // A leader that answered too late (or whose answer broke off) may hold a choice
+        // for this replica: settled at once, so the hold ends with the next report
+        // instead of the peer expiry. A leader that refused holds nothing of this id.
+        gw.peers.settle(id, || ());
+    }
+    let answer = match failed {
+        Ok(a) => a,
+        Err(Some(LeaderRefused::NotFollowing(why))) => {
             // A leader that does not follow this replica yet (it just started, or the
             // links are one-sided): ask again in a while.
             if gw.peers.skip_leader(LEADER_BACKOFF) {
@@ -106,26 +119,26 @@ pub async fn choose_at_leader(
             outcome("fallback");
             return None;
         }
-        Ok(Err(LeaderRefused::ThisRequest(why))) => {
+        Err(Some(LeaderRefused::ThisRequest(why))) => {
             tracing::debug!(%leader, peer = %url, %why, "the leader could not choose for this request; choosing here");
             outcome("fallback");
             return None;
         }
-        Ok(Err(LeaderRefused::Unsupported(why))) => {
+        Err(Some(LeaderRefused::Unsupported(why))) => {
             if gw.peers.skip_leader(LEADER_UNSUPPORTED_BACKOFF) {
                 tracing::info!(%leader, peer = %url, %why, backoff = ?LEADER_UNSUPPORTED_BACKOFF, "the leader does not decide for peers (an older kvgate?); choosing here");
             }
             outcome("fallback");
             return None;
         }
-        Ok(Err(LeaderRefused::Failed(why))) => {
+        Err(Some(LeaderRefused::Failed(why))) => {
             if gw.peers.skip_leader(LEADER_BACKOFF) {
                 tracing::warn!(%leader, peer = %url, %why, "the leader did not choose; choosing here for a while");
             }
             outcome("fallback");
             return None;
         }
-        Err(_) => {
+        Err(None) => {
             if gw.peers.skip_leader(LEADER_BACKOFF) {
                 tracing::warn!(%leader, peer = %url, ?timeout, "the leader did not answer in time; choosing here for a while");
             }
@@ -133,7 +146,7 @@ pub async fn choose_at_leader(
             return None;
         }
     };
-    if request.keys.is_some() {
+    if p.keys.is_some() {
         if let Err(why) = same_keys(fingerprint, answer.key_fingerprint) {
             // Chosen blind to this prompt's cache: not used, and settled at once.
             gw.peers.settle(id, || ());
@@ -185,14 +198,14 @@ enum LeaderRefused {
 async fn ask_leader(
     gw: &Gateway,
     url: &str,
-    request: &DecideRequest,
+    request: Bytes,
 ) -> Result<DecideAnswer, LeaderRefused> {
-    let (status, body) = exchange(
+    let (status, body) = exchange_bytes(
         &gw.client,
         &gw.peers,
         gw.config.admin_token.as_deref(),
         format!("{url}{DECIDE_PATH}"),
-        request,
+        (request, DECIDE_CONTENT_TYPE),
         MAX_DECIDE_BYTES,
     )
     .await
@@ -218,15 +231,20 @@ fn refusal(status: StatusCode, body: &[u8]) -> LeaderRefused {
         StatusCode::NOT_FOUND if code.as_deref() != Some("model_not_found") => {
             LeaderRefused::Unsupported(why)
         }
-        StatusCode::METHOD_NOT_ALLOWED => LeaderRefused::Unsupported(why),
+        // A leader that reads decide requests otherwise (another kvgate version).
+        StatusCode::METHOD_NOT_ALLOWED
+        | StatusCode::UNSUPPORTED_MEDIA_TYPE
+        | StatusCode::BAD_REQUEST => LeaderRefused::Unsupported(why),
         _ => LeaderRefused::Failed(why),
     }
 }
 
+/// Chooses for `asker`'s request `req` with the prompt's block `keys`.
 pub(crate) fn decide_for_peer(
     gw: &Gateway,
     asker: &str,
     req: &DecideRequest,
+    keys: Option<&[BlockKey]>,
 ) -> Result<DecideAnswer, ApiError> {
     let Some((model, _)) = gw
         .pools_named()
@@ -266,18 +284,14 @@ pub(crate) fn decide_for_peer(
         ));
     }
     let fingerprint = model.selection.hasher().fingerprint();
-    if req.keys.is_some() {
+    if keys.is_some() {
         if let Err(why) = same_keys(fingerprint, req.key_fingerprint) {
             return Err(keys_refused(why));
         }
     }
-    let keys: Option<Vec<BlockKey>> = req
-        .keys
-        .as_ref()
-        .map(|k| k.iter().map(|k| BlockKey(*k)).collect());
     let now = Instant::now();
     let select = kvgate_selection::SelectRequest {
-        block_keys: keys.as_deref(),
+        block_keys: keys,
         prompt_tokens: req.prompt_tokens,
         session_key: req.session_key.as_deref(),
         now,
@@ -304,7 +318,7 @@ pub(crate) fn decide_for_peer(
         req.id,
         decision.worker,
         spec,
-        keys.as_deref().unwrap_or_default(),
+        keys.unwrap_or_default(),
         now,
     );
     if !held {
@@ -372,6 +386,18 @@ mod tests {
         is(
             StatusCode::METHOD_NOT_ALLOWED,
             "",
+            LeaderRefused::Unsupported,
+        );
+        // A leader that reads decide requests otherwise: an older one answers the
+        // binary encoding with a JSON parse error, a newer one JSON with 415.
+        is(
+            StatusCode::BAD_REQUEST,
+            &json("invalid_json"),
+            LeaderRefused::Unsupported,
+        );
+        is(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            &json("unsupported_media_type"),
             LeaderRefused::Unsupported,
         );
         is(

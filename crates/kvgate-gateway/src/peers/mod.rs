@@ -18,7 +18,7 @@
 //! reflect (`POST /peer/v1/index`), and the callback a new replica's KV-event
 //! subscribers use to ask its peers for one before replaying the engine's buffer. And
 //! the transport of decisions made at a leader (`peers.decisions: leader`): which
-//! connected replica leads (the smallest name), asking it to choose
+//! connected replica leads (the longest running), asking it to choose
 //! (`POST /peer/v1/decide`), serving such requests, and the `settled` ids by which a
 //! replica's reports tell the leader that a choice it made is now in the replica's own
 //! bookings. It must not choose workers itself (the model's selection service does,
