@@ -914,6 +914,7 @@ mod tests {
             loads: Vec::new(),
             prefilling: Vec::new(),
             settled,
+            settled_below: 0,
         };
         let now = Instant::now();
         let choice = spec(16 * 40, 160, Some(100));
@@ -973,6 +974,7 @@ mod tests {
             loads: Vec::new(),
             prefilling,
             settled: Vec::new(),
+            settled_below: 0,
         };
         ledger.apply_peer_report(report(1, theirs.prefilling_checkpoints()), Instant::now());
         assert_eq!(prefilling_blocks(&ledger, &prompt, &ws), [0, 32]);

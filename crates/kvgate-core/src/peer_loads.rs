@@ -51,6 +51,10 @@ pub struct PeerReport {
     /// Ids of decisions this router made for the replica ([`PeerLoads::delegate`])
     /// that the replica has since booked (its loads include them) or given up.
     pub settled: Vec<u64>,
+    /// Every decision id below this one is settled too (0 from a replica that does not
+    /// say): a report that arrives late, or after others were skipped, still ends the
+    /// holds of choices whose ids have aged out of `settled`.
+    pub settled_below: u64,
 }
 
 /// A choice this router made for a peer replica that its reports do not show yet.
@@ -127,7 +131,9 @@ impl PeerLoads {
                 } else {
                     // Choices the replica has not settled yet stay counted.
                     delegated = std::mem::take(&mut held.delegated);
-                    delegated.retain(|d| !report.settled.contains(&d.id));
+                    delegated.retain(|d| {
+                        d.id >= report.settled_below && !report.settled.contains(&d.id)
+                    });
                     PeerApplied::Updated
                 }
             }
@@ -347,6 +353,7 @@ mod tests {
                 .collect(),
             prefilling: Vec::new(),
             settled: Vec::new(),
+            settled_below: 0,
         }
     }
 
@@ -497,6 +504,30 @@ mod tests {
         assert!(p.expire(later, Duration::from_secs(2)).is_empty());
         assert_eq!(p.load(WorkerId(1)), WorkerLoad::default());
         assert_eq!(p.delegated(), 0);
+    }
+
+    /// A follower whose reports reach this router late, or skip some, still ends the
+    /// holds of the choices it settled once their ids have aged out of its reports'
+    /// lists: every id below its reports' `settled_below` is settled.
+    #[test]
+    fn a_late_report_settles_every_choice_below_its_watermark() {
+        let mut p = PeerLoads::default();
+        let t = Instant::now();
+        p.apply(report("a", 1, 1, &[]), t);
+        for id in [7, 8, 9] {
+            assert!(p.delegate("a", 1, id, WorkerId(0), load(1), Vec::new(), t));
+        }
+        // 7 and 8 were booked and their ids have left the list; 9 is still asked.
+        let mut r = report("a", 1, 5, &[(0, 2)]);
+        r.settled_below = 9;
+        p.apply(r, t);
+        assert_eq!(p.delegated(), 1);
+        assert_eq!(p.load(WorkerId(0)), load(3));
+        // A report from a replica that does not say (0) settles nothing by it.
+        let mut r = report("a", 1, 6, &[(0, 2)]);
+        r.settled_below = 0;
+        p.apply(r, t);
+        assert_eq!(p.delegated(), 1);
     }
 
     #[test]

@@ -152,12 +152,12 @@ pub fn session_key<'h>(model: &ModelState, headers: &'h HeaderMap) -> Option<&'h
 /// The leader replica's choice among this replica's candidates (healthy, with a free
 /// slot here), when replicas decide at a leader ([`crate::peers`]) and this one does
 /// not lead; `None` to choose here.
-async fn pick_at_leader(
-    gw: &Gateway,
+async fn pick_at_leader<'g>(
+    gw: &'g Gateway,
     p: &Prepared,
     session: Option<&str>,
     excluded: &[WorkerId],
-) -> Option<LeaderChoice> {
+) -> Option<LeaderChoice<'g>> {
     if !decides_at_leader(gw, &p.model) {
         return None;
     }
@@ -190,9 +190,10 @@ pub async fn pick(
     let session = session_key(&p.model, headers);
     let limit = gw.config.limits.max_in_flight_per_worker;
     if let Some(choice) = pick_at_leader(gw, p, session, excluded).await {
-        let lease = gw.peers.settle(choice.id, || {
-            take_lease(p, &choice.worker, &choice.decision, admission, limit)
-        });
+        let (worker, decision) = (&choice.worker, &choice.decision);
+        let lease = choice
+            .ask
+            .settle(|| take_lease(p, worker, decision, admission, limit));
         if let Some(lease) = lease {
             return Ok((choice.decision, lease));
         }

@@ -672,12 +672,14 @@ async fn a_bootstrap_from_hung_peers_is_bounded_in_all_and_not_ready_meanwhile()
         (status, resp.json::<Value>().await.unwrap())
     };
     // Each engine's subscriber asks the three peers while the replica already serves.
-    poll(Duration::from_secs(5), Duration::from_millis(10), async || {
-        match ready().await {
+    poll(
+        Duration::from_secs(5),
+        Duration::from_millis(10),
+        async || match ready().await {
             (503, body) if body["index_bootstraps"] == 2 => Ok(()),
             other => Err(format!("never waiting for both bootstraps: {other:?}")),
-        }
-    })
+        },
+    )
     .await;
     let resp = http()
         .post(format!("{url}/v1/completions"))
@@ -688,12 +690,14 @@ async fn a_bootstrap_from_hung_peers_is_bounded_in_all_and_not_ready_meanwhile()
     assert_eq!(resp.status(), 200, "served while bootstrapping");
     // Ready once the bootstraps give up: about 10 s after they began (the start-up
     // name check waited up to 2 s before), not the 30 s of three peers asked in turn.
-    poll(Duration::from_secs(25), Duration::from_millis(100), async || {
-        match ready().await {
+    poll(
+        Duration::from_secs(25),
+        Duration::from_millis(100),
+        async || match ready().await {
             (200, body) if body["index_bootstraps"] == 0 => Ok(()),
             other => Err(format!("not ready: {other:?}")),
-        }
-    })
+        },
+    )
     .await;
     let took = started.elapsed();
     assert!(

@@ -220,6 +220,7 @@ fn policies_score_the_load_peer_replicas_reported_as_well_as_their_own() {
         )],
         prefilling: Vec::new(),
         settled: Vec::new(),
+        settled_below: 0,
     };
     ledger.apply_peer_report(peer, now);
     let ws = workers(2);

@@ -3,9 +3,9 @@
 //! Shared (`Arc`) by the gateway, its background tasks and the index bootstrap. Owns
 //! that state and which peer leads; must not do I/O.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -30,15 +30,60 @@ pub struct PeerHub {
     pub(crate) latest: watch::Sender<Bytes>,
     /// Peers whose report stream is open now: address → who answers there.
     pub(crate) followed: parking_lot::Mutex<BTreeMap<String, Identity>>,
-    /// Choices the leader made for this replica and their settling time, kept in the
-    /// reports for a while (a follower may skip a report; the next still names them).
-    settled: parking_lot::Mutex<VecDeque<(Instant, u64)>>,
-    /// Ids of the choices asked of a leader.
-    pub(crate) next_choice: AtomicU64,
+    /// The choices asked of a leader: those settled lately and those still asked.
+    choices: parking_lot::Mutex<Choices>,
     /// A leader that did not answer is passed over until then.
     leader_skipped_until: parking_lot::Mutex<Option<Instant>>,
     /// Index bootstraps (asking peers for a worker's snapshot) running now.
     bootstraps: Arc<AtomicUsize>,
+}
+
+/// The choices this replica asked of a leader.
+#[derive(Default)]
+struct Choices {
+    /// The next choice's id.
+    next: u64,
+    /// Asked and not settled yet.
+    asking: BTreeSet<u64>,
+    /// Settled, with their settling time, kept in the reports for a while (a follower
+    /// may skip a report; the next still names them).
+    settled: VecDeque<(Instant, u64)>,
+}
+
+impl Choices {
+    /// Every id below this one is settled.
+    fn settled_below(&self) -> u64 {
+        self.asking.first().copied().unwrap_or(self.next)
+    }
+}
+
+/// A choice asked of the leader ([`PeerHub::ask`]), until it is settled: booked here
+/// ([`Ask::settle`]) or, when dropped unbooked (the leader refused, answered too late,
+/// or the client went away meanwhile), given up. Either way the next reports tell the
+/// leader, which ends its hold of the choice.
+pub struct Ask<'a> {
+    hub: &'a PeerHub,
+    pub id: u64,
+    settled: bool,
+}
+
+impl Ask<'_> {
+    /// Books the choice with `book`. The booking and the settling are one step for
+    /// the publisher, which reads both under the same lock
+    /// ([`PeerHub::settled_with_loads`]): a report never shows the booking without the
+    /// id, which would count it twice at the leader, or the id without the booking.
+    pub fn settle<T>(mut self, book: impl FnOnce() -> T) -> T {
+        self.settled = true;
+        self.hub.settle(self.id, book)
+    }
+}
+
+impl Drop for Ask<'_> {
+    fn drop(&mut self) {
+        if !self.settled {
+            self.hub.settle(self.id, || ());
+        }
+    }
 }
 
 /// An index bootstrap running: counted in [`PeerHub::bootstrapping`] until dropped.
@@ -63,8 +108,10 @@ impl Default for PeerHub {
             identity: OnceLock::new(),
             latest: watch::Sender::new(Bytes::new()),
             followed: Default::default(),
-            settled: Default::default(),
-            next_choice: AtomicU64::new(1),
+            choices: parking_lot::Mutex::new(Choices {
+                next: 1,
+                ..Default::default()
+            }),
             leader_skipped_until: Default::default(),
             bootstraps: Default::default(),
         }
@@ -130,44 +177,56 @@ impl PeerHub {
         fresh
     }
 
-    /// A choice asked of the leader is done with: `book` books it here (or gives it
-    /// up), and the next reports name it as settled. The booking and the settling are
-    /// one step for the publisher, which reads both under the same lock
-    /// ([`Self::settled_with_loads`]): a report never shows the booking without the id,
-    /// which would count it twice at the leader, or the id without the booking.
-    pub fn settle<T>(&self, id: u64, book: impl FnOnce() -> T) -> T {
-        let mut settled = self.settled.lock();
+    /// A new choice to ask of the leader, settled when the returned [`Ask`] is.
+    pub fn ask(&self) -> Ask<'_> {
+        let mut choices = self.choices.lock();
+        let id = choices.next;
+        choices.next += 1;
+        choices.asking.insert(id);
+        Ask {
+            hub: self,
+            id,
+            settled: false,
+        }
+    }
+
+    fn settle<T>(&self, id: u64, book: impl FnOnce() -> T) -> T {
+        let mut choices = self.choices.lock();
         let booked = book();
         let now = Instant::now();
         // Bounded even while nobody follows this replica (the publisher then prunes
         // nothing).
-        while settled
+        while choices
+            .settled
             .front()
             .is_some_and(|(at, _)| now.saturating_duration_since(*at) > SETTLED_MAX_AGE)
         {
-            settled.pop_front();
+            choices.settled.pop_front();
         }
-        settled.push_back((now, id));
+        choices.asking.remove(&id);
+        choices.settled.push_back((now, id));
         booked
     }
 
-    /// The ids settled within `window` (older ones are dropped), and `loads` read
-    /// under the same lock as [`Self::settle`] books.
+    /// The ids settled within `window` (older ones are dropped), the id below which
+    /// every choice is settled, and `loads` read under the same lock as
+    /// [`Ask::settle`] books.
     pub(crate) fn settled_with_loads<T>(
         &self,
         window: Duration,
         loads: impl FnOnce() -> T,
-    ) -> (Vec<u64>, T) {
-        let mut settled = self.settled.lock();
+    ) -> (Vec<u64>, u64, T) {
+        let mut choices = self.choices.lock();
         let now = Instant::now();
-        while settled
+        while choices
+            .settled
             .front()
             .is_some_and(|(at, _)| now.saturating_duration_since(*at) > window)
         {
-            settled.pop_front();
+            choices.settled.pop_front();
         }
-        let ids = settled.iter().map(|(_, id)| *id).collect();
-        (ids, loads())
+        let ids = choices.settled.iter().map(|(_, id)| *id).collect();
+        (ids, choices.settled_below(), loads())
     }
 }
 
@@ -210,6 +269,24 @@ mod tests {
 
     fn leader_name(hub: &PeerHub) -> Option<String> {
         hub.leader().map(|(_, name)| name)
+    }
+
+    /// Every id below the watermark is settled: it stops at the oldest choice still
+    /// asked, and a choice dropped unbooked is given up (settled) too.
+    #[test]
+    fn choices_are_settled_below_the_oldest_one_still_asked() {
+        let hub = hub("a", 1);
+        let below = || hub.settled_with_loads(Duration::from_secs(1), || ());
+        assert_eq!(below().1, 1);
+        let (one, two, three) = (hub.ask(), hub.ask(), hub.ask());
+        assert_eq!((one.id, two.id, three.id), (1, 2, 3));
+        assert_eq!(below().1, 1);
+        two.settle(|| ());
+        assert_eq!(below(), (vec![2], 1, ()));
+        drop(one); // the client went away while the leader chose
+        assert_eq!(below(), (vec![2, 1], 3, ()));
+        three.settle(|| ());
+        assert_eq!(below(), (vec![2, 1, 3], 4, ()));
     }
 
     /// A rolling restart of a, b, c (each replaced by a younger run of the same name)

@@ -40,6 +40,10 @@ pub struct WireReport {
     /// recently: the leader stops counting them as its own hold on them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub settled: Vec<u64>,
+    /// Every choice id below this one is settled (absent from older replicas): the
+    /// leader ends those holds even when their ids have aged out of `settled`.
+    #[serde(default)]
+    pub settled_below: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

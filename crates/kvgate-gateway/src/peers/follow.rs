@@ -279,6 +279,7 @@ fn apply(gw: &Gateway, report: WireReport) {
                 loads,
                 prefilling,
                 settled: report.settled.clone(),
+                settled_below: report.settled_below,
             },
             now,
         );

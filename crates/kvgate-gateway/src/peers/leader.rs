@@ -3,7 +3,6 @@
 //! peer's (held as that peer's booking until its reports settle it). Must not book
 //! this replica's own requests (select.rs takes the lease).
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -19,6 +18,7 @@ use crate::prepare::Prepared;
 use crate::registry::{ModelState, Worker};
 
 use crate::peer_link::client::{answered, error_code, exchange_bytes};
+use crate::peer_link::hub::Ask;
 use crate::peer_link::wire::{
     encode_decide, keys_refused, same_keys, DecideAnswer, DecideRequest, DECIDE_CONTENT_TYPE,
     DECIDE_PATH, MAX_DECIDE_BYTES,
@@ -30,10 +30,10 @@ const LEADER_BACKOFF: Duration = Duration::from_secs(1);
 /// `/peer/v1/decide`, during a rolling update) is passed over.
 const LEADER_UNSUPPORTED_BACKOFF: Duration = Duration::from_secs(60);
 
-/// A choice made at the leader, for this replica to book.
-pub struct LeaderChoice {
-    /// Book it through [`PeerHub::settle`].
-    pub id: u64,
+/// A choice made at the leader, for this replica to book through its `ask`
+/// ([`Ask::settle`]; given up if dropped).
+pub struct LeaderChoice<'g> {
+    pub ask: Ask<'g>,
     pub decision: Decision,
     pub worker: Arc<Worker>,
 }
@@ -53,20 +53,23 @@ pub fn decides_at_leader(gw: &Gateway, model: &ModelState) -> bool {
 /// Asks `leader` ([`PeerHub::leader`]: its address and name) to choose among
 /// `candidates` for request `p`. `None` (after counting why) when the leader did not
 /// answer in time or refused: the caller then chooses itself.
-pub async fn choose_at_leader(
-    gw: &Gateway,
+pub async fn choose_at_leader<'g>(
+    gw: &'g Gateway,
     (url, leader): (String, String),
     p: &Prepared,
     candidates: &[Arc<Worker>],
     session_key: Option<&str>,
-) -> Option<LeaderChoice> {
+) -> Option<LeaderChoice<'g>> {
     let model = &*p.model;
     let identity = gw.peers.identity()?;
     let pool = gw
         .pools_named()
         .find(|(m, _)| std::ptr::eq(m.as_ref(), model))
         .map_or("", |(_, pool)| pool);
-    let id = gw.peers.next_choice.fetch_add(1, Ordering::Relaxed);
+    // Settled however this ends: booked by the caller, or given up when dropped (a
+    // leader that answered too late may hold it; the next reports end that hold).
+    let ask = gw.peers.ask();
+    let id = ask.id;
     let fingerprint = model.selection.hasher().fingerprint();
     let request = DecideRequest {
         model: model.name.to_string(),
@@ -97,20 +100,9 @@ pub async fn choose_at_leader(
             .with_label_values(&[&*model.name, model.kind().as_str()])
             .observe(asked.elapsed().as_secs_f64());
     }
-    let failed = match answer {
-        Ok(Ok(a)) => Ok(a),
-        Ok(Err(refused)) => Err(Some(refused)),
-        Err(_) => Err(None),
-    };
-    if failed.is_err() {
-        // A leader that answered too late (or whose answer broke off) may hold a choice
-        // for this replica: settled at once, so the hold ends with the next report
-        // instead of the peer expiry. A leader that refused holds nothing of this id.
-        gw.peers.settle(id, || ());
-    }
-    let answer = match failed {
-        Ok(a) => a,
-        Err(Some(LeaderRefused::NotFollowing(why))) => {
+    let answer = match answer {
+        Ok(Ok(a)) => a,
+        Ok(Err(LeaderRefused::NotFollowing(why))) => {
             // A leader that does not follow this replica yet (it just started, or the
             // links are one-sided): ask again in a while.
             if gw.peers.skip_leader(LEADER_BACKOFF) {
@@ -119,26 +111,26 @@ pub async fn choose_at_leader(
             outcome("fallback");
             return None;
         }
-        Err(Some(LeaderRefused::ThisRequest(why))) => {
+        Ok(Err(LeaderRefused::ThisRequest(why))) => {
             tracing::debug!(%leader, peer = %url, %why, "the leader could not choose for this request; choosing here");
             outcome("fallback");
             return None;
         }
-        Err(Some(LeaderRefused::Unsupported(why))) => {
+        Ok(Err(LeaderRefused::Unsupported(why))) => {
             if gw.peers.skip_leader(LEADER_UNSUPPORTED_BACKOFF) {
                 tracing::info!(%leader, peer = %url, %why, backoff = ?LEADER_UNSUPPORTED_BACKOFF, "the leader does not decide for peers (an older kvgate?); choosing here");
             }
             outcome("fallback");
             return None;
         }
-        Err(Some(LeaderRefused::Failed(why))) => {
+        Ok(Err(LeaderRefused::Failed(why))) => {
             if gw.peers.skip_leader(LEADER_BACKOFF) {
                 tracing::warn!(%leader, peer = %url, %why, "the leader did not choose; choosing here for a while");
             }
             outcome("fallback");
             return None;
         }
-        Err(None) => {
+        Err(_) => {
             if gw.peers.skip_leader(LEADER_BACKOFF) {
                 tracing::warn!(%leader, peer = %url, ?timeout, "the leader did not answer in time; choosing here for a while");
             }
@@ -148,8 +140,7 @@ pub async fn choose_at_leader(
     };
     if p.keys.is_some() {
         if let Err(why) = same_keys(fingerprint, answer.key_fingerprint) {
-            // Chosen blind to this prompt's cache: not used, and settled at once.
-            gw.peers.settle(id, || ());
+            // Chosen blind to this prompt's cache: not used (given up as `ask` drops).
             if gw.peers.skip_leader(LEADER_UNSUPPORTED_BACKOFF) {
                 tracing::warn!(%leader, peer = %url, %why, backoff = ?LEADER_UNSUPPORTED_BACKOFF, "the leader keys prompts otherwise (every replica must run the same kvgate version, block size and hash salt); choosing here");
             }
@@ -159,15 +150,13 @@ pub async fn choose_at_leader(
     }
     let url_answered = crate::config::normalize_url(&answer.worker);
     let Some(worker) = candidates.iter().find(|w| *w.url == *url_answered).cloned() else {
-        // Settled at once: nothing here will book it.
-        gw.peers.settle(id, || ());
         tracing::warn!(%leader, worker = %answer.worker, "the leader chose a worker that was not a candidate; choosing here");
         outcome("fallback");
         return None;
     };
     outcome("asked");
     Some(LeaderChoice {
-        id,
+        ask,
         decision: Decision {
             worker: worker.id,
             policy: model.kind(),

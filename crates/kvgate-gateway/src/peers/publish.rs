@@ -77,7 +77,7 @@ pub async fn run_publisher(gw: Arc<Gateway>) {
             last = None;
             continue;
         }
-        let (settled, models) = gw
+        let (settled, settled_below, models) = gw
             .peers
             .settled_with_loads(settled_window, || local_loads(&gw));
         let due = match &last {
@@ -96,6 +96,7 @@ pub async fn run_publisher(gw: Arc<Gateway>) {
             seq,
             models: models.clone(),
             settled: settled.clone(),
+            settled_below,
         };
         match serde_json::to_vec(&report) {
             Ok(mut line) => {
