@@ -90,6 +90,13 @@ def quantile(before, after, q):
     return lo
 
 
+def share_over(before, after, bound):
+    """The share of the histogram's growth between two reads above `bound` (a bucket's bound)."""
+    total = after[float("inf")] - before.get(float("inf"), 0)
+    under = after[bound] - before.get(bound, 0)
+    return (total - under) / total if total else float("nan")
+
+
 def explain_leader(port):
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     c.request("POST", "/v1/route/explain", body=json.dumps({"model": "m", "prompt": [1, 2, 3]}),
@@ -152,8 +159,8 @@ def main():
         leader, follower = Client(ports[0]), Client(ports[1])
         rng = random.Random(1)
         print("| prompt tokens | block keys | request at the leader p50 / p99 ms | at a follower p50 / p99 ms "
-              "| choice here p50 / p99 ms | choice at the leader p50 / p99 ms |")
-        print("|---:|---:|---:|---:|---:|---:|")
+              "| choice here p50 / p99 ms | choice at the leader p50 / p99 ms | asked choices over 1 ms |")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
         for tokens in [int(t) for t in args.tokens.split(",")]:
             bodies = [body(tokens, rng) for _ in range(8)]
             at_leader, at_follower = [], []
@@ -168,10 +175,12 @@ def main():
                     at_follower.append(f)
             # The choice as each replica timed it: the leader's own (selection), and the
             # follower's (the decide request's round trip, the leader's selection in it).
-            choice = [quantile(h, decision_buckets(p), q) * 1000 for h, p in zip(hist, ports[:2]) for q in (.5, .99)]
+            now = [decision_buckets(p) for p in ports[:2]]
+            choice = [quantile(h, n, q) * 1000 for h, n in zip(hist, now) for q in (.5, .99)]
+            over = share_over(hist[1], now[1], 1e-3)
             row = [pct(xs, q) * 1000 for xs in (at_leader, at_follower) for q in (.5, .99)]
             print(f"| {tokens:,} | {tokens // 16:,} | {row[0]:.2f} / {row[1]:.2f} | {row[2]:.2f} / {row[3]:.2f} | "
-                  f"{choice[0]:.3f} / {choice[1]:.3f} | {choice[2]:.3f} / {choice[3]:.3f} |", flush=True)
+                  f"{choice[0]:.3f} / {choice[1]:.3f} | {choice[2]:.3f} / {choice[3]:.3f} | {over:.1%} |", flush=True)
 
         # Saturation: both followers at once (wrk), every choice made at r0.
         body_file = os.path.join(ROOT, "target", "decide-hop-body.json")

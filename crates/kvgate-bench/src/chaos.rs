@@ -293,7 +293,9 @@ pub async fn run_chaos(cfg: &ChaosConfig) -> anyhow::Result<ChaosSummary> {
         spec.label()
     );
     let (gateway, url) = match routers::start(&spec, &ctx, &addrs).await? {
-        Started::Running { child, url, more } => {
+        Started::Running {
+            child, url, more, ..
+        } => {
             anyhow::ensure!(more.is_empty(), "the fault suite runs one kvgate replica");
             (child, url)
         }

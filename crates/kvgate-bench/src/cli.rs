@@ -409,7 +409,8 @@ pub struct CompareArgs {
     /// A row may carry its own options: `kv_aware@overlap-weight=2@locality-weight=8`
     /// appends `--overlap-weight 2 --locality-weight 8` to that row's command line only;
     /// `kv_aware@replicas=3` starts three kvgate replicas that follow each other's load
-    /// and spreads the requests over them (`@sync=off`: unaware of each other);
+    /// and spreads the requests over them (`@sync=off`: unaware of each other;
+    /// `@rollout`: restarted one at a time during the replay, as a rolling update);
     /// `kv_aware@pd=vllm` and `vllm-router:cache_aware@pd=vllm` split the row's engines
     /// into prefill and decode engines (`@pd=sglang`: SGLang's protocol; `@prefill=P`
     /// of them prefill, default half) and run the router in its disaggregated mode.

@@ -6,6 +6,8 @@
 //! (`x-kvgate-worker` header) and the error class. It must not schedule requests or
 //! aggregate results.
 
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -89,6 +91,28 @@ pub fn tokens_as_text(ids: &[u32]) -> String {
     s
 }
 
+/// Which of a client's targets take requests now: all of them, unless a rolling
+/// update has taken one out (as a load balancer does with a pod that is not ready).
+#[derive(Debug, Clone)]
+pub struct Rotation(Arc<[AtomicBool]>);
+
+impl Rotation {
+    fn all(n: usize) -> Self {
+        Self((0..n).map(|_| AtomicBool::new(true)).collect())
+    }
+
+    /// Puts target `i` in the rotation or takes it out.
+    pub fn set(&self, i: usize, serving: bool) {
+        if let Some(t) = self.0.get(i) {
+            t.store(serving, Ordering::Relaxed);
+        }
+    }
+
+    fn serving(&self, i: usize) -> bool {
+        self.0.get(i).is_some_and(|t| t.load(Ordering::Relaxed))
+    }
+}
+
 /// A client for one target endpoint.
 #[derive(Debug, Clone)]
 pub struct BenchClient {
@@ -96,8 +120,10 @@ pub struct BenchClient {
     url: String,
     /// Completions URLs requests are spread over round-robin (just `url` unless
     /// [`BenchClient::spread_over`] gave several), and the next one's turn.
-    targets: std::sync::Arc<[String]>,
-    turn: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    targets: Arc<[String]>,
+    turn: Arc<AtomicUsize>,
+    /// Which targets take requests now.
+    rotation: Rotation,
     model: String,
     timeout: Duration,
     format: PromptFormat,
@@ -121,6 +147,7 @@ impl BenchClient {
             http,
             targets: vec![url.clone()].into(),
             turn: Default::default(),
+            rotation: Rotation::all(1),
             url,
             model: model.to_string(),
             timeout,
@@ -142,8 +169,14 @@ impl BenchClient {
                 .iter()
                 .map(|b| format!("{}/v1/completions", b.trim_end_matches('/')))
                 .collect();
+            self.rotation = Rotation::all(bases.len());
         }
         self
+    }
+
+    /// Which of the spread targets take requests (shared: changes apply at once).
+    pub fn rotation(&self) -> Rotation {
+        self.rotation.clone()
     }
 
     /// The completions URL this client posts to (the first, when spread).
@@ -188,8 +221,16 @@ impl BenchClient {
     }
 
     async fn exchange(&self, req: &Request, start: Instant, out: &mut Outcome) {
-        let turn = self.turn.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let url = &self.targets[turn % self.targets.len()];
+        // The next target in the rotation (the next one at all when none is).
+        let n = self.targets.len();
+        let mut turn = self.turn.fetch_add(1, Ordering::Relaxed);
+        for _ in 1..n {
+            if self.rotation.serving(turn % n) {
+                break;
+            }
+            turn = self.turn.fetch_add(1, Ordering::Relaxed);
+        }
+        let url = &self.targets[turn % n];
         let mut builder = self.http.post(url).json(&self.body(req));
         if let Some(session) = &req.session_id {
             builder = builder.header(SESSION_HEADER, session);

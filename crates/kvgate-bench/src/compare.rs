@@ -182,7 +182,8 @@ async fn run_one(
         kvgate_extra_args: cfg.kvgate_extra_args.clone(),
     };
     let engines = fleet.addrs().to_vec();
-    let (mut fleet, router, url, more) = start_router(spec, &ctx, fleet, &engines).await?;
+    let (mut fleet, router, url, more, launches) =
+        start_router(spec, &ctx, fleet, &engines).await?;
     let mut urls = vec![url.clone()];
     urls.extend(more.iter().map(|(_, u)| u.clone()));
     // Clients spread round-robin over the row's replicas (one URL without @replicas),
@@ -194,7 +195,37 @@ async fn run_one(
         label: spec.label(),
         ..cfg.run.clone()
     };
+    let mut replicas: Vec<_> = std::iter::once(*router)
+        .chain(more.into_iter().map(|(child, _)| child))
+        .collect();
+    // `@rollout`: the replicas are restarted one at a time while the replay runs.
+    let rollout = spec.policy_spec().rolls_out().then(|| {
+        let span = crate::request::summarize(requests)
+            .span
+            .div_f64(cfg.run.speedup);
+        tokio::spawn(crate::rollout::roll(
+            std::mem::take(&mut replicas),
+            launches,
+            client.rotation(),
+            span,
+            cfg.router_startup_timeout,
+            log_dir.clone(),
+        ))
+    });
     let result = runner::run(&client, requests.to_vec(), &run_cfg).await;
+    let mut rolled = Ok(());
+    if let Some(task) = rollout {
+        let (back, log) = task.await.context("the rollout task failed")?;
+        replicas = back;
+        rolled = log.map(|log| {
+            for (name, out_at, took) in log.steps {
+                eprintln!(
+                    "{}: {name} restarted at {out_at:.1} s, back after {took:.1} s",
+                    spec.label()
+                );
+            }
+        });
+    }
     let mut report = Report::from_run(&spec.label(), &result);
     if report.per_worker.is_empty() {
         if let Some(counts) = engine_request_counts(&fleet).await {
@@ -211,12 +242,12 @@ async fn run_one(
         report.predicted_cached_tokens = Some(predicted.round() as u64).filter(|&p| p > 0);
     }
     let alive = fleet.check_alive();
-    router.shutdown().await;
-    for (child, _) in more {
+    for child in replicas {
         child.shutdown().await;
     }
     fleet.shutdown().await;
     alive.context("an engine died during the run")?;
+    rolled.context("the rolling restart failed")?;
     Ok(report)
 }
 
@@ -253,12 +284,14 @@ pub(crate) async fn engine_finished_requests(
     parse_counter_sum(&text, "vllm:request_success_total")
 }
 
-/// A row's fleet, its router (first replica) and URL, and its other replicas.
+/// A row's fleet, its router (first replica) and URL, its other replicas, and how
+/// each replica was started.
 pub(crate) type RunningRouter = (
     Fleet,
     Box<crate::process::ManagedChild>,
     String,
     Vec<(crate::process::ManagedChild, String)>,
+    Vec<routers::Launch>,
 );
 
 /// Starts `spec` in front of `engines` (this row's fleet). When the router is skipped or
@@ -270,7 +303,12 @@ pub(crate) async fn start_router(
     engines: &[crate::fleet::EngineAddr],
 ) -> Result<RunningRouter, RunError> {
     match routers::start(spec, ctx, engines).await {
-        Ok(Started::Running { child, url, more }) => Ok((fleet, child, url, more)),
+        Ok(Started::Running {
+            child,
+            url,
+            more,
+            launches,
+        }) => Ok((fleet, child, url, more, launches)),
         Ok(Started::Skipped(why)) => {
             fleet.shutdown().await;
             Err(RunError::Skipped(why))

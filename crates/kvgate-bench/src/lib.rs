@@ -15,6 +15,7 @@ pub mod process;
 pub mod report;
 pub mod request;
 pub mod rng;
+pub mod rollout;
 pub mod routers;
 pub mod runner;
 pub mod scenario;

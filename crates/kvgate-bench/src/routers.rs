@@ -30,8 +30,9 @@ pub const KVGATE_POLICIES: &[&str] = &[
 /// first K replicas only (the others run idle: a control for what the extra processes
 /// cost the machine); `pd=vllm|sglang` splits the row's fleet into prefill and decode
 /// engines of that protocol (`prefill=P` of them prefill, default half) and runs the
-/// router in its disaggregated mode.
-pub const BENCH_OPTIONS: &[&str] = &["replicas", "sync", "clients", "pd", "prefill"];
+/// router in its disaggregated mode; `rollout` (with `replicas=N`) restarts the
+/// replicas one at a time during the replay, as a rolling update does (compare.rs).
+pub const BENCH_OPTIONS: &[&str] = &["replicas", "sync", "clients", "pd", "prefill", "rollout"];
 
 /// Most kvgate replicas a row may start.
 pub const MAX_REPLICAS: usize = 16;
@@ -141,6 +142,12 @@ impl PolicySpec {
             mode: mode.to_string(),
             prefill,
         })
+    }
+
+    /// Whether the row's replicas are restarted one at a time during the replay
+    /// (`@rollout`).
+    pub fn rolls_out(&self) -> bool {
+        self.options.iter().any(|(f, _)| f == "rollout")
     }
 
     /// Whether several replicas follow each other's load (`@sync=off` says no).
@@ -302,6 +309,16 @@ pub struct RouterContext {
     pub kvgate_extra_args: Vec<String>,
 }
 
+/// How a router process was started: enough to start it again where it ran.
+#[derive(Clone, Debug)]
+pub struct Launch {
+    pub name: String,
+    pub bin: PathBuf,
+    pub args: Vec<String>,
+    /// Its base URL.
+    pub url: String,
+}
+
 /// A started router, or why it was skipped.
 #[derive(Debug)]
 pub enum Started {
@@ -313,6 +330,8 @@ pub enum Started {
         url: String,
         /// The row's other replicas and their URLs (`@replicas=N`), empty otherwise.
         more: Vec<(ManagedChild, String)>,
+        /// How each replica was started (the first one first), to start it again.
+        launches: Vec<Launch>,
     },
     /// Not run (e.g. not installed).
     Skipped(String),
@@ -477,6 +496,12 @@ pub async fn start(
     if replicas > 1 && !matches!(spec, RouterSpec::Kvgate(_)) {
         bail!("{}: only kvgate rows start several replicas", spec.label());
     }
+    if spec.policy_spec().rolls_out() && replicas < 2 {
+        bail!(
+            "{}: @rollout restarts replicas one at a time: give it @replicas=N (2 or more)",
+            spec.label()
+        );
+    }
     let disaggregated = engines.iter().any(|a| a.role != EngineRole::Both);
     if spec.policy_spec().bench_option("pd").is_some() != disaggregated {
         bail!(
@@ -502,6 +527,7 @@ pub async fn start(
         .map(|p| format!("http://127.0.0.1:{p}"))
         .collect();
     let mut started: Vec<(ManagedChild, String)> = Vec::with_capacity(replicas);
+    let mut launches = Vec::with_capacity(replicas);
     for (r, url) in urls.iter().enumerate() {
         let Some((bin, mut args)) = command_line(spec, ctx, engines, ports[r], metrics_port) else {
             return Ok(Started::Skipped(format!(
@@ -538,6 +564,12 @@ pub async fn start(
             )
             .await?;
         started.push((child, url.clone()));
+        launches.push(Launch {
+            name,
+            bin,
+            args,
+            url: url.clone(),
+        });
     }
     let mut started = started.into_iter();
     let Some((child, url)) = started.next() else {
@@ -547,6 +579,7 @@ pub async fn start(
         child: Box::new(child),
         url,
         more: started.collect(),
+        launches,
     })
 }
 
@@ -561,6 +594,9 @@ mod tests {
         assert_eq!(p.extra_args(), vec!["--overlap-weight", "2"]);
         let p = PolicySpec::parse("kv_aware@replicas=3").unwrap();
         assert_eq!((p.replicas(), p.synced()), (3, true));
+        assert!(!p.rolls_out());
+        let p = PolicySpec::parse("kv_aware@replicas=3@rollout").unwrap();
+        assert!(p.rolls_out() && p.extra_args().is_empty());
         assert_eq!(p.client_replicas(), 3);
         let p = PolicySpec::parse("kv_aware@replicas=3@clients=1").unwrap();
         assert_eq!((p.client_replicas(), p.extra_args().len()), (1, 0));

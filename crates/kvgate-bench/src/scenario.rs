@@ -472,7 +472,7 @@ async fn run_row(
         startup_timeout: cfg.router_startup_timeout,
         kvgate_extra_args: kvgate_args,
     };
-    let (mut fleet, router, url, more) =
+    let (mut fleet, router, url, more, _) =
         start_router(spec, &ctx, fleet, &addrs[..shape.routed_at_start]).await?;
     if !more.is_empty() {
         return Err(RunError::Failed(anyhow::anyhow!(

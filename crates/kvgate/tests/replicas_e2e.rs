@@ -947,3 +947,281 @@ async fn a_leader_chooses_only_for_replicas_that_key_prompts_as_it_does() {
     assert_eq!(count(2, "fallback").await, 1.0);
     assert_eq!(count(0, "served").await, 1.0, "a chose for b only");
 }
+
+/// A TCP link between a replica and a peer that the test controls: it forwards both
+/// ways; [`Link::cut`] closes its connections and refuses new ones (a partition) until
+/// [`Link::heal`]; [`Link::delay_answers`] holds what the far side sends back.
+struct Link {
+    addr: std::net::SocketAddr,
+    cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    answer_delay_ms: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    conns: std::sync::Arc<std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl Link {
+    /// A link to the replica listening on `port`.
+    async fn to(port: u16) -> Link {
+        use std::sync::atomic::Ordering::Relaxed;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let cut = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let answer_delay_ms = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let conns = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (c, d, k) = (cut.clone(), answer_delay_ms.clone(), conns.clone());
+        let accept = tokio::spawn(async move {
+            while let Ok((near, _)) = listener.accept().await {
+                if c.load(Relaxed) {
+                    continue; // dropped: refused
+                }
+                let d = d.clone();
+                let forward = tokio::spawn(async move {
+                    let Ok(far) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
+                        return;
+                    };
+                    let (mut near_r, mut near_w) = near.into_split();
+                    let (mut far_r, mut far_w) = far.into_split();
+                    let up = tokio::io::copy(&mut near_r, &mut far_w);
+                    let down = async move {
+                        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                        let mut buf = vec![0u8; 64 << 10];
+                        loop {
+                            let n = far_r.read(&mut buf).await.unwrap_or(0);
+                            if n == 0 {
+                                break;
+                            }
+                            let delay = d.load(Relaxed);
+                            if delay > 0 {
+                                tokio::time::sleep(Duration::from_millis(delay)).await;
+                            }
+                            if near_w.write_all(&buf[..n]).await.is_err() {
+                                break;
+                            }
+                        }
+                    };
+                    tokio::select! {
+                        _ = up => {}
+                        () = down => {}
+                    }
+                });
+                k.lock().unwrap().push(forward);
+            }
+        });
+        Link {
+            addr,
+            cut,
+            answer_delay_ms,
+            conns,
+            accept,
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    fn cut(&self) {
+        self.cut.store(true, std::sync::atomic::Ordering::Relaxed);
+        for c in self.conns.lock().unwrap().drain(..) {
+            c.abort();
+        }
+    }
+
+    fn heal(&self) {
+        self.cut.store(false, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn delay_answers(&self, d: Duration) {
+        let ms = d.as_millis() as u64;
+        self.answer_delay_ms
+            .store(ms, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        self.accept.abort();
+        self.cut();
+    }
+}
+
+/// A short completion through `url` (16 tokens): its status.
+async fn short_request(url: &str) -> u16 {
+    let resp = http()
+        .post(format!("{url}/v1/completions"))
+        .json(&json!({"model": MODEL, "prompt": "a short question", "max_tokens": 16}))
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    resp.bytes().await.unwrap();
+    status
+}
+
+/// Until no replica at `urls` counts a request in flight (its own or a peer's) or holds
+/// a choice for a peer: the load drained, nothing leaked.
+async fn until_no_bookings(urls: &[String], within: Duration) {
+    poll(within, Duration::from_millis(20), async || {
+        for url in urls {
+            let e = explain(url).await;
+            let in_flight: u64 = e["scores"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|s| {
+                    s["peer"]["in_flight"].as_u64().unwrap()
+                        + s["local"]["in_flight"].as_u64().unwrap()
+                })
+                .sum();
+            if in_flight != 0 || e["held_for_peers"] != 0 {
+                return Err(format!("{url} still books {in_flight} requests: {e}"));
+            }
+        }
+        Ok(())
+    })
+    .await;
+}
+
+/// A partition between the leader (a, the longest running) and b, both ways: each
+/// drops the other at once; b, older than c, leads itself while c still asks a. Every
+/// request sent meanwhile is served, and once they end no replica counts a booking or
+/// holds a choice. When the link heals they follow each other again and a leads all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_between_the_leader_and_a_replica_serves_every_request_and_leaks_nothing() {
+    let logs = tempfile::tempdir().unwrap();
+    let fleet = engines(2, logs.path()).await;
+    let ports = free_ports(3).unwrap();
+    let url = |i: usize| format!("http://127.0.0.1:{}", ports[i]);
+    let (a_to_b, b_to_a) = (Link::to(ports[1]).await, Link::to(ports[0]).await);
+    let peers = |id: &str, links: [String; 2]| {
+        let mut args = vec!["--replica-id".to_owned(), id.to_owned()];
+        for l in links {
+            args.extend(["--peer".to_owned(), l]);
+        }
+        args
+    };
+    let _a = replica(
+        "a",
+        "127.0.0.1",
+        ports[0],
+        &fleet,
+        &peers("a", [a_to_b.url(), url(2)]),
+        logs.path(),
+    )
+    .await;
+    let _b = replica(
+        "b",
+        "127.0.0.1",
+        ports[1],
+        &fleet,
+        &peers("b", [b_to_a.url(), url(2)]),
+        logs.path(),
+    )
+    .await;
+    let _c = replica(
+        "c",
+        "127.0.0.1",
+        ports[2],
+        &fleet,
+        &peers("c", [url(0), url(1)]),
+        logs.path(),
+    )
+    .await;
+    let urls: Vec<String> = (0..3).map(url).collect();
+    for u in &urls {
+        until_metric(u, "kvgate_peers_connected", 2.0).await;
+    }
+    assert_eq!(explain(&url(1)).await["leader"], json!("a"));
+
+    a_to_b.cut();
+    b_to_a.cut();
+    until_metric(&url(0), "kvgate_peers_connected", 1.0).await;
+    until_metric(&url(1), "kvgate_peers_connected", 1.0).await;
+    assert_eq!(
+        explain(&url(1)).await["leader"],
+        json!(null),
+        "b leads itself"
+    );
+    assert_eq!(explain(&url(2)).await["leader"], json!("a"));
+    let statuses = futures::future::join_all((0..30).map(|k| short_request(&urls[k % 3]))).await;
+    assert!(statuses.iter().all(|&s| s == 200), "{statuses:?}");
+    until_no_bookings(&urls, Duration::from_secs(5)).await;
+
+    a_to_b.heal();
+    b_to_a.heal();
+    for u in &urls {
+        until_metric(u, "kvgate_peers_connected", 2.0).await;
+    }
+    poll(
+        Duration::from_secs(5),
+        Duration::from_millis(50),
+        async || match explain(&url(1)).await["leader"].clone() {
+            l if l == json!("a") => Ok(()),
+            l => Err(format!("b's leader after healing: {l}")),
+        },
+    )
+    .await;
+    let statuses = futures::future::join_all((0..30).map(|k| short_request(&urls[k % 3]))).await;
+    assert!(statuses.iter().all(|&s| s == 200), "{statuses:?}");
+    until_no_bookings(&urls, Duration::from_secs(5)).await;
+}
+
+/// A leader that answers slowly (what it sends b is held 300 ms, past the 50 ms decide
+/// timeout): b chooses itself, every request is served, and the choices the leader made
+/// for b that b gave up are released by b's next reports, not by the peer expiry (30 s
+/// here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_leader_is_passed_over_and_its_late_choices_are_released_at_once() {
+    let logs = tempfile::tempdir().unwrap();
+    let fleet = engines(2, logs.path()).await;
+    let ports = free_ports(2).unwrap();
+    let url = |i: usize| format!("http://127.0.0.1:{}", ports[i]);
+    let slow = Link::to(ports[0]).await;
+    let args = |id: &str, peer: String| {
+        [
+            "--replica-id",
+            id,
+            "--peer",
+            &peer,
+            "--peer-expiry-ms",
+            "30000",
+        ]
+        .map(str::to_owned)
+        .to_vec()
+    };
+    let _a = replica(
+        "a",
+        "127.0.0.1",
+        ports[0],
+        &fleet,
+        &args("a", url(1)),
+        logs.path(),
+    )
+    .await;
+    let _b = replica(
+        "b",
+        "127.0.0.1",
+        ports[1],
+        &fleet,
+        &args("b", slow.url()),
+        logs.path(),
+    )
+    .await;
+    for i in 0..2 {
+        until_metric(&url(i), "kvgate_peers_connected", 1.0).await;
+    }
+    assert_eq!(explain(&url(1)).await["leader"], json!("a"));
+
+    slow.delay_answers(Duration::from_millis(300));
+    let b = url(1);
+    let statuses = futures::future::join_all((0..4).map(|_| short_request(&b))).await;
+    assert!(statuses.iter().all(|&s| s == 200), "{statuses:?}");
+    let decisions = "kvgate_peer_decisions_total";
+    assert!(labelled(&url(1), decisions, "outcome=\"fallback\"").await >= 1.0);
+    assert!(
+        labelled(&url(0), decisions, "outcome=\"served\"").await >= 1.0,
+        "the leader chose for b (too late)"
+    );
+    // Released well within the 30 s expiry.
+    until_no_bookings(&[url(0), url(1)], Duration::from_secs(3)).await;
+}
