@@ -1,5 +1,5 @@
-//! From request body to a request ready to route: parse the fields routing needs
-//! (once, a borrowed scan), find the model, tokenize when the policy scores on tokens
+//! From request body to a request ready to route: parse the body once (the fields
+//! routing needs, and the document when the prompt is tokenized), find the model, tokenize when the policy scores on tokens
 //! (locally, or through a worker's `/tokenize`), and hash block keys.
 //!
 //! Owns request preparation. Must not choose workers (select.rs) or send the request
@@ -23,6 +23,8 @@ use crate::gateway::Gateway;
 use crate::registry::{Endpoint, ModelState};
 
 /// The request fields routing reads; everything else is skipped while parsing.
+/// `messages` and `prompt` are measured ([`PromptSize`]) by a scan of the text; read
+/// from a parsed document they are only looked for ([`Head::of_document`]).
 #[derive(Deserialize)]
 struct Head<'a> {
     #[serde(borrow, default)]
@@ -39,6 +41,35 @@ struct Head<'a> {
     /// A completion's prompt; only its size is read.
     #[serde(default)]
     prompt: Option<PromptSize>,
+}
+
+impl<'a> Head<'a> {
+    /// The routing fields of a parsed body: its prompt is not measured (it is about to
+    /// be tokenized), only whether it has `messages`.
+    fn of_document(doc: &'a serde_json::Value) -> Result<Self, serde_json::Error> {
+        #[derive(Deserialize)]
+        struct Fields<'a> {
+            #[serde(borrow, default)]
+            model: Option<Cow<'a, str>>,
+            #[serde(default)]
+            stream: Option<bool>,
+            #[serde(default)]
+            max_tokens: Option<f64>,
+            #[serde(default)]
+            max_completion_tokens: Option<f64>,
+            #[serde(default)]
+            messages: Option<serde::de::IgnoredAny>,
+        }
+        let f = Fields::deserialize(doc)?;
+        Ok(Head {
+            model: f.model,
+            stream: f.stream,
+            max_tokens: f.max_tokens,
+            max_completion_tokens: f.max_completion_tokens,
+            messages: f.messages.map(|_| PromptSize::default()),
+            prompt: None,
+        })
+    }
 }
 
 /// An estimate of a prompt's length in tokens without tokenizing it, for policies that
@@ -136,11 +167,13 @@ pub enum TokenUse {
     ReturnIds,
 }
 
-/// Reads the routing fields (a borrowed scan that skips everything else), resolves
-/// the model, and tokenizes when `tokens` asks for it: only then is the body parsed
-/// into a document, once. `kind` is the endpoint's request kind; `None` detects it
-/// (`messages` present means chat). With [`TokenUse::ReturnIds`] and no local
-/// tokenizer nothing is tokenized: the caller forwards `/tokenize` to a worker.
+/// Reads the routing fields, resolves the model, and tokenizes when `tokens` asks for
+/// it. The body is parsed once: into a document at once when every model will
+/// tokenize it (the common fleet: one policy), otherwise by a borrowed scan of the
+/// routing fields first and into a document only when this request's model tokenizes.
+/// `kind` is the endpoint's request kind; `None` detects it (`messages` present means
+/// chat). With [`TokenUse::ReturnIds`] and no local tokenizer nothing is tokenized: the
+/// caller forwards `/tokenize` to a worker.
 pub async fn prepare(
     gw: &Gateway,
     kind: Option<RequestKind>,
@@ -149,7 +182,20 @@ pub async fn prepare(
 ) -> Result<Prepared, ApiError> {
     // Parsing and tokenizing a large body costs several times its size in memory.
     let _large_body = gw.limiter.acquire_large_body(body.len()).await?;
-    let head: Head<'_> = serde_json::from_slice(body).map_err(ApiError::malformed_json)?;
+    let needs_tokens = |m: &ModelState| match tokens {
+        TokenUse::ForPolicy => m.uses_tokens(),
+        TokenUse::ReturnIds => m.tokenizer.is_some(),
+    };
+    let document: Option<serde_json::Value> = if gw.models().all(|m| needs_tokens(m)) {
+        Some(serde_json::from_slice(body).map_err(ApiError::malformed_json)?)
+    } else {
+        None
+    };
+    let head: Head<'_> = match &document {
+        Some(doc) => Head::of_document(doc),
+        None => serde_json::from_slice(body),
+    }
+    .map_err(ApiError::malformed_json)?;
     let kind = kind.unwrap_or(if head.messages.is_some() {
         RequestKind::Chat
     } else {
@@ -168,19 +214,17 @@ pub async fn prepare(
         model,
         lora,
     };
-    let needed = match tokens {
-        TokenUse::ForPolicy => p.model.uses_tokens(),
-        TokenUse::ReturnIds => p.model.tokenizer.is_some(),
-    };
-    if !needed {
+    if !needs_tokens(&p.model) {
         // Load-only routing still books the prompt's prefill: estimate its length.
         let size = head.messages.or(head.prompt).unwrap_or_default();
         p.prompt_tokens = u32::try_from(size.0).unwrap_or(u32::MAX);
         p.prompt_tokens_estimated = true;
         return Ok(p);
     }
-    let value: serde_json::Value =
-        serde_json::from_slice(body).map_err(ApiError::malformed_json)?;
+    let value = match document {
+        Some(doc) => doc,
+        None => serde_json::from_slice(body).map_err(ApiError::malformed_json)?,
+    };
     let value = &value;
     match tokenize(gw, &p.model, kind, value).await? {
         RoutingTokens::Tokens { ids, .. } => {
