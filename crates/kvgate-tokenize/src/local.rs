@@ -322,30 +322,50 @@ impl LocalTokenizer {
     ) -> Result<String, TokenizeError> {
         let set = self.template_set()?;
         let entry = set.select(options.tools.is_some())?;
-        // HF: template kwargs = {**special_tokens_map, **kwargs}, then the named args.
-        let mut ctx = self.special_tokens.clone();
-        for (k, v) in &options.kwargs {
-            ctx.insert(k.clone(), v.clone());
-        }
-        ctx.insert(
-            "messages".into(),
-            Value::Array(conversation.messages.clone()),
-        );
-        ctx.insert("tools".into(), options.tools.clone().unwrap_or(Value::Null));
-        ctx.insert(
-            "documents".into(),
-            options.documents.clone().unwrap_or(Value::Null),
-        );
-        ctx.insert(
-            "add_generation_prompt".into(),
-            Value::Bool(options.add_generation_prompt),
-        );
+        let ctx = TemplateContext {
+            special_tokens: &self.special_tokens,
+            options,
+            messages: &conversation.messages,
+        };
         let rendered = set.render(entry, minijinja::Value::from_serialize(&ctx))?;
         if options.continue_final_message {
             continue_final_message(rendered, &conversation.messages)
         } else {
             Ok(rendered)
         }
+    }
+}
+
+/// What a chat template sees, as HF builds it: `{**special_tokens_map, **kwargs}`, then
+/// the named arguments (later ones win). Serialized straight from the request's values
+/// (the conversation is not copied first: at 256k tokens that copy was a megabyte).
+struct TemplateContext<'a> {
+    special_tokens: &'a Map<String, Value>,
+    options: &'a ChatOptions,
+    messages: &'a [Value],
+}
+
+impl serde::Serialize for TemplateContext<'_> {
+    fn serialize<S: serde::Serializer>(&self, ser: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        const NAMED: [&str; 4] = ["messages", "tools", "documents", "add_generation_prompt"];
+        let o = self.options;
+        let mut map = ser.serialize_map(None)?;
+        for (k, v) in self.special_tokens {
+            if !o.kwargs.contains_key(k) && !NAMED.contains(&k.as_str()) {
+                map.serialize_entry(k, v)?;
+            }
+        }
+        for (k, v) in &o.kwargs {
+            if !NAMED.contains(&k.as_str()) {
+                map.serialize_entry(k, v)?;
+            }
+        }
+        map.serialize_entry("messages", self.messages)?;
+        map.serialize_entry("tools", o.tools.as_ref().unwrap_or(&Value::Null))?;
+        map.serialize_entry("documents", o.documents.as_ref().unwrap_or(&Value::Null))?;
+        map.serialize_entry("add_generation_prompt", &o.add_generation_prompt)?;
+        map.end()
     }
 }
 

@@ -387,10 +387,10 @@ pub(crate) fn conversation(
         }
         non_text_parts += skipped_here;
         let content = match format {
-            ContentFormat::String => Value::String(texts.join("\n")),
+            ContentFormat::String => Value::String(joined(texts)),
             // vLLM flattens an all-text tool message to a string in either format.
             ContentFormat::OpenAi if role == "tool" && skipped_here == 0 => {
-                Value::String(texts.join("\n"))
+                Value::String(joined(texts))
             }
             ContentFormat::OpenAi => Value::Array(wrapped),
         };
@@ -434,6 +434,14 @@ pub(crate) fn conversation(
         non_text_parts,
         text_bytes,
     })
+}
+
+/// Texts joined by newlines; a single one is kept as it is, not copied.
+fn joined(mut texts: Vec<String>) -> String {
+    if texts.len() == 1 {
+        return texts.pop().unwrap_or_default();
+    }
+    texts.join("\n")
 }
 
 /// Count non-text content parts without building the conversation (remote mode).
