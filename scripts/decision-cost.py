@@ -14,8 +14,11 @@ sglang-router with `cache_aware` when they are on PATH. Bodies are chat conversa
 - end to end: `POST /v1/chat/completions` (`max_tokens: 1`) through each router to the
   instant engine, `seen` bodies, against the engine reached directly.
 
+With `--core N` every router runs on core N only, and the engines and this client on the
+others: the decision's cost on one core, the way issue 43 asks for it.
+
     cargo build --release -p kvgate -p kvgate-gateway --examples
-    PATH=target/peers-venv/bin:$PATH python3 scripts/decision-cost.py [--repeats 7]
+    PATH=target/peers-venv/bin:$PATH python3 scripts/decision-cost.py [--repeats 7] [--core 0]
 """
 import argparse
 import http.client
@@ -100,7 +103,15 @@ def main():
     ap.add_argument("--engine", default=os.path.join(ROOT, "target/release/examples/bench_engine"))
     ap.add_argument("--tokens", default="8000,32000,128000,256000")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--core", type=int, default=None, help="run the routers on this core only")
     args = ap.parse_args()
+    pin = []
+    if args.core is not None:
+        pin = ["taskset", "-c", str(args.core)]
+        others = os.sched_getaffinity(0) - {args.core}
+        if others:
+            # This client, and the engines it starts, stay off the routers' core.
+            os.sched_setaffinity(0, others)
     procs = []
     try:
         engines = [free_port(), free_port()]
@@ -109,7 +120,7 @@ def main():
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         urls = [f"http://127.0.0.1:{p}" for p in engines]
         kv = free_port()
-        serve = [args.kvgate, "serve", "--host", "127.0.0.1", "--port", str(kv), "--model", "m",
+        serve = pin + [args.kvgate, "serve", "--host", "127.0.0.1", "--port", str(kv), "--model", "m",
                  "--policy", "kv_aware", "--kv-fallback", "least_loaded",
                  "--tokenizer", os.path.join(ROOT, "fixtures/qwen3-tokenizer"),
                  "--engine-metrics-interval-ms", "0", "--max-body-bytes", str(64 << 20)]
@@ -120,14 +131,14 @@ def main():
         routers = [("direct", engines[0]), ("kvgate", kv)]
         if shutil.which("vllm-router"):
             p = free_port()
-            procs.append(subprocess.Popen(["vllm-router", "--host", "127.0.0.1", "--port", str(p), "--worker-urls", *urls,
+            procs.append(subprocess.Popen(pin + ["vllm-router", "--host", "127.0.0.1", "--port", str(p), "--worker-urls", *urls,
                                            "--policy", "cache_aware", "--log-level", "warning",
                                            "--prometheus-port", str(free_port())],
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             routers.append(("vllm-router cache_aware", p))
         if shutil.which("sglang-router"):
             p = free_port()
-            procs.append(subprocess.Popen(["sglang-router", "launch", "--host", "127.0.0.1", "--port", str(p),
+            procs.append(subprocess.Popen(pin + ["sglang-router", "launch", "--host", "127.0.0.1", "--port", str(p),
                                            "--worker-urls", *urls, "--policy", "cache_aware", "--log-level", "warn",
                                            "--prometheus-port", str(free_port())],
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
@@ -135,7 +146,7 @@ def main():
         for _, p in routers:
             wait_up(p)
         print("| tokens | body KiB | decision cold p50 / p99 ms | decision seen p50 / p99 ms | "
-              + " | ".join(f"{n} e2e p50 ms" for n, _ in routers) + " |")
+              + " | ".join(f"{n} e2e p50 / p99 ms" for n, _ in routers) + " |")
         print("|---:|---:|---:|---:|" + "---:|" * len(routers))
         seed = 0
         for target in [int(t) for t in args.tokens.split(",")]:
@@ -165,7 +176,8 @@ def main():
             size = len(json.dumps({"model": "m", "messages": more})) // 1024
             print(f"| {tokens:,} | {size:,} | {ms(pct(cold, .5))} / {ms(pct(cold, .99))} | "
                   f"{ms(pct(seen, .5))} / {ms(pct(seen, .99))} | "
-                  + " | ".join(ms(pct(e2e[n], .5)) for n, _ in routers) + " |", flush=True)
+                  + " | ".join(f"{ms(pct(e2e[n], .5))} / {ms(pct(e2e[n], .99))}" for n, _ in routers) + " |",
+                  flush=True)
     finally:
         for p in procs:
             p.terminate()
