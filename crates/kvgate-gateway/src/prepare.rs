@@ -14,6 +14,7 @@ use kvgate_core::BlockKey;
 use kvgate_tokenize::{
     remote_answer, remote_request, RemoteRequest, RequestKind, RoutingTokens, TokenizeError,
 };
+use serde::de::IgnoredAny;
 use serde::Deserialize;
 
 use crate::body::read_bounded;
@@ -23,10 +24,11 @@ use crate::gateway::Gateway;
 use crate::registry::{Endpoint, ModelState};
 
 /// The request fields routing reads; everything else is skipped while parsing.
-/// `messages` and `prompt` are measured ([`PromptSize`]) by a scan of the text; read
-/// from a parsed document they are only looked for ([`Head::of_document`]).
+/// `messages` and `prompt` are read as `S`: measured ([`PromptSize`]) by a scan of the
+/// text, only looked for (`IgnoredAny`) in a parsed document, whose prompt is about to
+/// be tokenized.
 #[derive(Deserialize)]
-struct Head<'a> {
+struct Head<'a, S> {
     #[serde(borrow, default)]
     model: Option<Cow<'a, str>>,
     #[serde(default)]
@@ -37,38 +39,23 @@ struct Head<'a> {
     max_completion_tokens: Option<f64>,
     /// Present in chat requests; only its size is read.
     #[serde(default)]
-    messages: Option<PromptSize>,
+    messages: Option<S>,
     /// A completion's prompt; only its size is read.
     #[serde(default)]
-    prompt: Option<PromptSize>,
+    prompt: Option<S>,
 }
 
-impl<'a> Head<'a> {
-    /// The routing fields of a parsed body: its prompt is not measured (it is about to
-    /// be tokenized), only whether it has `messages`.
-    fn of_document(doc: &'a serde_json::Value) -> Result<Self, serde_json::Error> {
-        #[derive(Deserialize)]
-        struct Fields<'a> {
-            #[serde(borrow, default)]
-            model: Option<Cow<'a, str>>,
-            #[serde(default)]
-            stream: Option<bool>,
-            #[serde(default)]
-            max_tokens: Option<f64>,
-            #[serde(default)]
-            max_completion_tokens: Option<f64>,
-            #[serde(default)]
-            messages: Option<serde::de::IgnoredAny>,
+impl<'a> Head<'a, IgnoredAny> {
+    /// The fields of a parsed document, its prompt's size unmeasured (0).
+    fn unmeasured(self) -> Head<'a, PromptSize> {
+        Head {
+            model: self.model,
+            stream: self.stream,
+            max_tokens: self.max_tokens,
+            max_completion_tokens: self.max_completion_tokens,
+            messages: self.messages.map(|_| PromptSize::default()),
+            prompt: self.prompt.map(|_| PromptSize::default()),
         }
-        let f = Fields::deserialize(doc)?;
-        Ok(Head {
-            model: f.model,
-            stream: f.stream,
-            max_tokens: f.max_tokens,
-            max_completion_tokens: f.max_completion_tokens,
-            messages: f.messages.map(|_| PromptSize::default()),
-            prompt: None,
-        })
     }
 }
 
@@ -191,8 +178,8 @@ pub async fn prepare(
     } else {
         None
     };
-    let head: Head<'_> = match &document {
-        Some(doc) => Head::of_document(doc),
+    let head: Head<'_, PromptSize> = match &document {
+        Some(doc) => Head::<IgnoredAny>::deserialize(doc).map(Head::unmeasured),
         None => serde_json::from_slice(body),
     }
     .map_err(ApiError::malformed_json)?;

@@ -13,7 +13,23 @@ use kvgate_bench::routers::RouterSpec;
 use kvgate_bench::runner::RunConfig;
 use kvgate_bench::workload::{WorkloadConfig, WorkloadKind};
 
-/// The comparison of `routers` on 2 engines (96 blocks each) over `requests`.
+/// `requests` at `rate` a second from 4 groups sharing 512-token prefixes, 8 output
+/// tokens each.
+fn shared_prefix(requests: usize, rate: f64) -> Vec<kvgate_bench::request::Request> {
+    WorkloadConfig {
+        kind: WorkloadKind::SharedPrefix,
+        requests,
+        rate,
+        prefix_tokens: 512,
+        suffix_tokens: 32,
+        output_tokens: 8,
+        groups: 4,
+        ..WorkloadConfig::default()
+    }
+    .generate()
+}
+
+/// The comparison of `routers` on 2 engines (96 blocks each).
 fn config(routers: Vec<RouterSpec>, out: &std::path::Path) -> CompareConfig {
     CompareConfig {
         engine: EngineConfig {
@@ -47,17 +63,7 @@ fn config(routers: Vec<RouterSpec>, out: &std::path::Path) -> CompareConfig {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compare_round_robin_and_kv_aware_on_shared_prefix() {
     let out = tempfile::tempdir().unwrap();
-    let requests = WorkloadConfig {
-        kind: WorkloadKind::SharedPrefix,
-        requests: 40,
-        rate: 20.0,
-        prefix_tokens: 512,
-        suffix_tokens: 32,
-        output_tokens: 8,
-        groups: 4,
-        ..WorkloadConfig::default()
-    }
-    .generate();
+    let requests = shared_prefix(40, 20.0);
     let routers = vec![
         RouterSpec::Kvgate("round_robin".into()),
         RouterSpec::Kvgate("kv_aware".into()),
@@ -110,17 +116,7 @@ async fn compare_round_robin_and_kv_aware_on_shared_prefix() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rolling_restart_of_three_replicas_loses_no_request() {
     let out = tempfile::tempdir().unwrap();
-    let requests = WorkloadConfig {
-        kind: WorkloadKind::SharedPrefix,
-        requests: 160,
-        rate: 16.0,
-        prefix_tokens: 512,
-        suffix_tokens: 32,
-        output_tokens: 8,
-        groups: 4,
-        ..WorkloadConfig::default()
-    }
-    .generate();
+    let requests = shared_prefix(160, 16.0);
     let row = "kv_aware@replicas=3@rollout";
     let mut cfg = config(vec![RouterSpec::parse(row).unwrap()], out.path());
     cfg.baseline = row.into();

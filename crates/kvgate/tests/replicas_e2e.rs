@@ -124,6 +124,19 @@ async fn explain(url: &str) -> Value {
         .unwrap()
 }
 
+/// The requests in flight an explain answer counts over all workers, its own and its
+/// peers'.
+fn in_flight(explained: &Value) -> u64 {
+    explained["scores"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            s["peer"]["in_flight"].as_u64().unwrap() + s["local"]["in_flight"].as_u64().unwrap()
+        })
+        .sum()
+}
+
 /// The peers' and this replica's in-flight count on `worker`, as `url` sees them.
 async fn loads_on(url: &str, worker: &str) -> (u64, u64) {
     let e = explain(url).await;
@@ -855,15 +868,7 @@ async fn replicas_choose_at_one_leader_and_carry_on_without_it() {
         Duration::from_millis(10),
         async || {
             let e = explain(&url(0)).await;
-            let total: u64 = e["scores"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|s| {
-                    s["peer"]["in_flight"].as_u64().unwrap()
-                        + s["local"]["in_flight"].as_u64().unwrap()
-                })
-                .sum();
+            let total = in_flight(&e);
             if total == 8 && e["held_for_peers"] == 0 {
                 return Ok(());
             }
@@ -1064,17 +1069,9 @@ async fn until_no_bookings(urls: &[String], within: Duration) {
     poll(within, Duration::from_millis(20), async || {
         for url in urls {
             let e = explain(url).await;
-            let in_flight: u64 = e["scores"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|s| {
-                    s["peer"]["in_flight"].as_u64().unwrap()
-                        + s["local"]["in_flight"].as_u64().unwrap()
-                })
-                .sum();
-            if in_flight != 0 || e["held_for_peers"] != 0 {
-                return Err(format!("{url} still books {in_flight} requests: {e}"));
+            let booked = in_flight(&e);
+            if booked != 0 || e["held_for_peers"] != 0 {
+                return Err(format!("{url} still books {booked} requests: {e}"));
             }
         }
         Ok(())

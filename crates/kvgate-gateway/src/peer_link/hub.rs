@@ -55,6 +55,17 @@ impl Choices {
     fn settled_below(&self) -> u64 {
         self.asking.first().copied().unwrap_or(self.next)
     }
+
+    /// Forgets the ids settled longer than `age` before `now`.
+    fn forget_settled(&mut self, now: Instant, age: Duration) {
+        while self
+            .settled
+            .front()
+            .is_some_and(|(at, _)| now.saturating_duration_since(*at) > age)
+        {
+            self.settled.pop_front();
+        }
+    }
 }
 
 /// A choice asked of the leader ([`PeerHub::ask`]), until it is settled: booked here
@@ -196,13 +207,7 @@ impl PeerHub {
         let now = Instant::now();
         // Bounded even while nobody follows this replica (the publisher then prunes
         // nothing).
-        while choices
-            .settled
-            .front()
-            .is_some_and(|(at, _)| now.saturating_duration_since(*at) > SETTLED_MAX_AGE)
-        {
-            choices.settled.pop_front();
-        }
+        choices.forget_settled(now, SETTLED_MAX_AGE);
         choices.asking.remove(&id);
         choices.settled.push_back((now, id));
         booked
@@ -217,14 +222,7 @@ impl PeerHub {
         loads: impl FnOnce() -> T,
     ) -> (Vec<u64>, u64, T) {
         let mut choices = self.choices.lock();
-        let now = Instant::now();
-        while choices
-            .settled
-            .front()
-            .is_some_and(|(at, _)| now.saturating_duration_since(*at) > window)
-        {
-            choices.settled.pop_front();
-        }
+        choices.forget_settled(Instant::now(), window);
         let ids = choices.settled.iter().map(|(_, id)| *id).collect();
         (ids, choices.settled_below(), loads())
     }
