@@ -1,12 +1,18 @@
 //! Helpers of the binary's end-to-end tests: the binary's path and running it, reading
-//! a comparison's JSON, and the workload and fleet both the simulated and the
-//! real-time `kvgate simulate` runs use.
+//! a comparison's JSON, the workload and fleet both the simulated and the real-time
+//! `kvgate simulate` runs use, and a small `kvgate bench compare` setup.
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
-use kvgate_bench::compare::CompareSummary;
+use kvgate_bench::compare::{CompareConfig, CompareSummary};
+use kvgate_bench::fleet::EngineConfig;
+use kvgate_bench::request::Request;
+use kvgate_bench::routers::RouterSpec;
+use kvgate_bench::runner::RunConfig;
+use kvgate_bench::workload::{WorkloadConfig, WorkloadKind};
 
 pub fn bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_kvgate"))
@@ -54,3 +60,50 @@ pub const FLEET: &[&str] = &[
     "--num-blocks",
     "1024",
 ];
+
+/// `requests` at `rate` a second from 4 groups sharing 512-token prefixes, 8 output
+/// tokens each.
+pub fn shared_prefix(requests: usize, rate: f64) -> Vec<Request> {
+    WorkloadConfig {
+        kind: WorkloadKind::SharedPrefix,
+        requests,
+        rate,
+        prefix_tokens: 512,
+        suffix_tokens: 32,
+        output_tokens: 8,
+        groups: 4,
+        ..WorkloadConfig::default()
+    }
+    .generate()
+}
+
+/// The comparison of `routers` on 2 engines (96 blocks each).
+pub fn compare_config(routers: Vec<RouterSpec>, out: &Path) -> CompareConfig {
+    CompareConfig {
+        engine: EngineConfig {
+            kvgate_bin: bin(),
+            engines: 2,
+            block_size: 16,
+            // 96 blocks hold two of the four 512-token prefixes plus working space:
+            // spreading every group over both engines thrashes, placement does not.
+            num_blocks: 96,
+            speedup: 10.0,
+            seed: 0,
+            extra_args: vec![],
+            startup_timeout: Duration::from_secs(30),
+            pd: None,
+        },
+        routers,
+        model: "mock-model".into(),
+        out_dir: out.to_path_buf(),
+        run: RunConfig {
+            progress: false,
+            ..RunConfig::default()
+        },
+        request_timeout: Duration::from_secs(30),
+        router_startup_timeout: Duration::from_secs(30),
+        kvgate_extra_args: vec![],
+        workload_description: "e2e".into(),
+        baseline: "round_robin".into(),
+    }
+}
