@@ -1,9 +1,17 @@
-//! kvgate-core vs dynamo-kv-router (1.6.1, its single-threaded `RadixTree`) on the same
-//! Mooncake-derived workload, in one run:
+//! kvgate-core vs dynamo-kv-router 1.6.1 on the same Mooncake-derived workload, in one
+//! run: its single-threaded `RadixTree`, and its production default since Dynamo 1.0,
+//! the Flash Indexer (`ThreadPoolIndexer<ConcurrentRadixTreeCompressed>`) with one and
+//! with two event threads:
 //! - lookup: hash an 8,192-token prompt into block hashes + find per-worker overlap,
 //!   with ~1,000,000 (block, worker) entries over 16 workers;
 //! - events: apply a batch of BlockStored (hashing their token ids, as each router's
 //!   event ingestion must) and then the matching BlockRemoved.
+//!
+//! At equal threads: the Flash Indexer's N event threads against kvgate's index behind
+//! the gateway's lock (kvgate-events' `SharedIndex`, a `parking_lot::RwLock`) written by
+//! N threads, each applying its workers' events as the gateway's subscriber tasks do;
+//! lookups split over N threads on both (kvgate's under the read lock, the keys hashed
+//! before it as the gateway does).
 //!
 //! Each is measured twice: interleaved first (one run of each index per round, in
 //! alternating order, printed as the median ratio: a machine whose speed drifts slows
@@ -16,7 +24,11 @@ mod common;
 mod support;
 
 use std::hint::black_box;
+use std::thread;
 use std::time::{Duration, Instant};
+
+use common::Flash;
+use parking_lot::RwLock;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use dynamo_kv_router::indexer::RadixTree;
@@ -70,6 +82,69 @@ fn dynamo_events(dy: &mut RadixTree, churn: &[StoredEvent], id: &mut u64) {
         *id += 1;
         let _ = dy.apply_event(dyn_removed(ev, *id));
     }
+}
+
+/// The event workload on the Flash Indexer: enqueued on this thread (hashing each
+/// event's tokens), applied by its threads; done when they have applied it all.
+fn flash_events(flash: &Flash, churn: &[StoredEvent], id: &mut u64) {
+    for ev in churn {
+        *id += 1;
+        flash.enqueue(dyn_stored(ev, *id));
+    }
+    for ev in churn.iter().rev() {
+        *id += 1;
+        flash.enqueue(dyn_removed(ev, *id));
+    }
+    flash.flush();
+}
+
+/// The event workload on kvgate's index behind the gateway's lock, written by
+/// `threads` threads, each applying the events of its share of the workers (one
+/// `write()` per event, as a subscriber applies a batch).
+fn shared_events(
+    index: &RwLock<PrefixIndex>,
+    churn: &[StoredEvent],
+    removals: &[Vec<u64>],
+    threads: u32,
+) {
+    thread::scope(|s| {
+        for t in 0..threads {
+            s.spawn(move || {
+                let mine = |ev: &&StoredEvent| ev.worker % threads == t;
+                for ev in churn.iter().filter(mine) {
+                    ev.apply_to(&mut index.write());
+                }
+                for (ev, hashes) in churn.iter().zip(removals).rev() {
+                    if ev.worker % threads == t {
+                        index.write().apply_removed(
+                            WorkerRef::new(WorkerId(ev.worker), 0),
+                            hashes,
+                            Some(Tier::Device),
+                        );
+                    }
+                }
+            });
+        }
+    });
+}
+
+/// `lookup` of every query `LOOKUP_PASSES` times, the queries split over `threads`
+/// threads (the passes make a thread's start small beside its lookups).
+fn split_lookups(queries: &[Vec<u32>], threads: usize, lookup: impl Fn(&[u32]) + Sync) {
+    const LOOKUP_PASSES: usize = 16;
+    let per = queries.len().div_ceil(threads);
+    thread::scope(|s| {
+        for part in queries.chunks(per) {
+            let lookup = &lookup;
+            s.spawn(move || {
+                for _ in 0..LOOKUP_PASSES {
+                    for tokens in part {
+                        lookup(tokens);
+                    }
+                }
+            });
+        }
+    });
 }
 
 fn benches(c: &mut Criterion) {
@@ -138,6 +213,38 @@ fn benches(c: &mut Criterion) {
         },
     );
     eprintln!("lookup interleaved: kvgate's rate / dynamo's {lookups}");
+
+    // Against the Flash Indexer at equal threads, kvgate's index behind the gateway's lock.
+    let shared = RwLock::new(kv);
+    for threads in [1usize, 2] {
+        let flash = Flash::new(threads, BLOCK_SIZE as u32);
+        for (i, ev) in s.population.iter().enumerate() {
+            flash.enqueue(dyn_stored(ev, i as u64));
+        }
+        flash.flush();
+        let events = interleaved(
+            101,
+            || shared_events(&shared, &s.churn, &removals, threads as u32),
+            || flash_events(&flash, &s.churn, &mut id),
+        );
+        eprintln!("events, {threads} thread(s), interleaved: kvgate's rate / the Flash Indexer's {events}");
+        let lookups = interleaved(
+            101,
+            || {
+                split_lookups(&s.queries, threads, |tokens| {
+                    let keys = hasher.block_keys(tokens);
+                    black_box(shared.read().overlaps(&keys));
+                })
+            },
+            || {
+                split_lookups(&s.queries, threads, |tokens| {
+                    black_box(flash.lookup(tokens));
+                })
+            },
+        );
+        eprintln!("lookup, {threads} thread(s), interleaved: kvgate's rate / the Flash Indexer's {lookups}");
+    }
+    let mut kv = shared.into_inner();
 
     let mut g = c.benchmark_group("lookup_8k_tokens_1M_blocks_16_workers");
     g.sample_size(30)

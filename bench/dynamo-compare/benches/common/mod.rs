@@ -1,9 +1,14 @@
 //! dynamo-kv-router events built as its KV-event ingestion builds them (the stored
-//! blocks' token ids hashed into its local block hashes), shared by the benchmarks.
+//! blocks' token ids hashed into its local block hashes), and its Flash Indexer, shared
+//! by the benchmarks.
 
+use dynamo_kv_router::indexer::{
+    concurrent_radix_tree_compressed::ConcurrentRadixTreeCompressed, SyncIndexer, ThreadPoolIndexer,
+};
 use dynamo_kv_router::protocols::{
     compute_block_hash_for_seq, BlockHashOptions, ExternalSequenceBlockHash, KvCacheEvent,
-    KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, KvCacheStoredBlockData, RouterEvent,
+    KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, KvCacheStoredBlockData, OverlapScores,
+    RouterEvent,
 };
 
 /// A `BlockStored` of `engine_hashes` (whose tokens are `tokens`) under `parent`.
@@ -55,4 +60,55 @@ fn event(worker: u32, id: u64, data: KvCacheEventData) -> RouterEvent {
             data,
         },
     )
+}
+
+/// Dynamo's production indexer since 1.0, the Flash Indexer: a
+/// `ConcurrentRadixTreeCompressed` behind a `ThreadPoolIndexer` whose `threads` OS
+/// threads apply events (each worker's events on one thread, in order), while lookups
+/// run on the caller's thread against the shared tree.
+#[allow(dead_code)] // memory_churn measures the old tree only
+pub struct Flash {
+    pub index: ThreadPoolIndexer<ConcurrentRadixTreeCompressed>,
+    block_size: u32,
+    /// Waits for the pool's flush (an async barrier).
+    runtime: tokio::runtime::Runtime,
+}
+
+#[allow(dead_code)]
+impl Flash {
+    pub fn new(threads: usize, block_size: u32) -> Self {
+        Self {
+            index: ThreadPoolIndexer::new(
+                ConcurrentRadixTreeCompressed::new(),
+                threads,
+                block_size,
+            ),
+            block_size,
+            runtime: tokio::runtime::Builder::new_current_thread()
+                .build()
+                .expect("a runtime to wait on"),
+        }
+    }
+
+    /// Hands an event to its worker's thread (applied later).
+    pub fn enqueue(&self, event: RouterEvent) {
+        self.index
+            .enqueue_event(event)
+            .expect("the indexer's threads run");
+    }
+
+    /// Returns once every event enqueued before is applied.
+    pub fn flush(&self) {
+        self.runtime
+            .block_on(self.index.flush_and_wait())
+            .expect("the indexer's threads run");
+    }
+
+    /// Hashes `tokens` into local block hashes and finds each worker's overlap, as its
+    /// router does per request.
+    pub fn lookup(&self, tokens: &[u32]) -> OverlapScores {
+        let local =
+            compute_block_hash_for_seq(tokens, self.block_size, BlockHashOptions::default());
+        self.index.backend().find_matches(&local, false)
+    }
 }

@@ -1,0 +1,341 @@
+//! kvgate's index against Dynamo's Flash Indexer under a mixed load: the KV event
+//! streams of 64 and 256 workers applied at a steady rate while another thread routes
+//! (hashes an 8,192-token prompt and finds each worker's overlap) once a millisecond.
+//! Per index: lookup latency p50 / p99 / max, and the event rate it sustained, each the
+//! median over `MIXED_REPEATS` runs (default 3; the two indexes' runs alternate).
+//!
+//! The workload: the Mooncake conversation trace as tokens, block size 16, ~1M (block,
+//! worker) entries to start with; then each worker serves more of the trace (its new
+//! blocks stored) and, past eight requests' worth, evicts its oldest request's blocks
+//! leaf first, at `MIXED_BLOCKS_PER_WORKER` stored blocks per second per worker (default
+//! 500: a worker prefilling ~8k new tokens a second) for `MIXED_SECONDS` (default 5).
+//!
+//! Each used as its router uses it:
+//! - kvgate: the gateway's `SharedIndex` (a `parking_lot::RwLock<PrefixIndex>`); each
+//!   event applied under the write lock by the thread that received it (as a subscriber
+//!   task applies a batch: one writer thread, or two with the workers split between
+//!   them); a lookup hashes the prompt, then takes the read lock for the overlap (as
+//!   selection does).
+//! - Dynamo: `ThreadPoolIndexer<ConcurrentRadixTreeCompressed>` with one or two event
+//!   threads; the thread that receives an event builds it (hashing its tokens) and
+//!   enqueues it; a lookup hashes and matches on the caller's thread, without a lock.
+//!
+//! Run: `CARGO_TARGET_DIR=target/dynamo-compare cargo bench --manifest-path
+//! bench/dynamo-compare/Cargo.toml --bench mixed_load` (results: docs/BENCHMARKS.md).
+
+mod common;
+#[path = "../../../crates/kvgate-core/benches/support/mod.rs"]
+mod support;
+
+use std::collections::VecDeque;
+use std::hint::black_box;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use common::Flash;
+use kvgate_core::{BlockHasher, IndexConfig, PrefixIndex, Tier, WorkerId, WorkerRef};
+use parking_lot::RwLock;
+use support::mooncake::{load_conversation_trace, tokens_for, Fleet, StoredEvent};
+
+const BLOCK_SIZE: usize = 16;
+const ENTRIES: usize = 1_000_000;
+const QUERY_TOKENS: usize = 8192;
+/// Requests a worker keeps cached before it evicts its oldest.
+const KEPT_PER_WORKER: usize = 8;
+const LOOKUP_EVERY: Duration = Duration::from_millis(1);
+
+fn env_or(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// One event of the timed stream.
+enum Op {
+    Stored(StoredEvent),
+    /// A worker's blocks evicted, leaf first.
+    Removed {
+        worker: u32,
+        hashes: Vec<u64>,
+    },
+}
+
+impl Op {
+    fn worker(&self) -> u32 {
+        match self {
+            Op::Stored(ev) => ev.worker,
+            Op::Removed { worker, .. } => *worker,
+        }
+    }
+
+    fn blocks(&self) -> usize {
+        match self {
+            Op::Stored(ev) => ev.engine_hashes.len(),
+            Op::Removed { hashes, .. } => hashes.len(),
+        }
+    }
+}
+
+struct Workload {
+    population: Vec<StoredEvent>,
+    /// The timed stream, each op with its due time from the start.
+    ops: Vec<(Duration, Op)>,
+    stored_blocks: usize,
+    queries: Vec<Vec<u32>>,
+}
+
+fn workload(workers: u32, blocks_per_worker_s: u64, seconds: u64) -> Workload {
+    let trace = load_conversation_trace();
+    let mut fleet = Fleet::new(workers, BLOCK_SIZE, true);
+    let mut population = Vec::new();
+    let mut next = 0;
+    while fleet.entries < ENTRIES && next < trace.len() {
+        if let Some(ev) = fleet.serve(next as u32 % workers, &tokens_for(&trace[next])) {
+            population.push(ev);
+        }
+        next += 1;
+    }
+    let queries = trace[..next]
+        .iter()
+        .filter(|r| r.input_length >= QUERY_TOKENS)
+        .take(64)
+        .map(|r| tokens_for(r)[..QUERY_TOKENS].to_vec())
+        .collect();
+    // More of the trace, each request on another worker than it had (so most of its
+    // blocks are new there), until the rate times the duration is stored.
+    let target = (blocks_per_worker_s * u64::from(workers) * seconds) as usize;
+    let rate = (blocks_per_worker_s * u64::from(workers)) as f64;
+    let mut kept: Vec<VecDeque<Vec<u64>>> = (0..workers).map(|_| VecDeque::new()).collect();
+    let mut ops = Vec::new();
+    let mut stored_blocks = 0;
+    let mut k = 0usize;
+    while stored_blocks < target {
+        let req = &trace[(next + k) % trace.len()];
+        let worker = ((next + k) as u32).wrapping_mul(31).wrapping_add(7) % workers;
+        k += 1;
+        let Some(ev) = fleet.serve(worker, &tokens_for(req)) else {
+            continue;
+        };
+        let due = Duration::from_secs_f64(stored_blocks as f64 / rate);
+        stored_blocks += ev.engine_hashes.len();
+        let queue = &mut kept[worker as usize];
+        queue.push_back(ev.leaf_first());
+        ops.push((due, Op::Stored(ev)));
+        if queue.len() > KEPT_PER_WORKER {
+            let hashes = queue.pop_front().expect("longer than kept");
+            fleet.forget(worker, &hashes);
+            ops.push((due, Op::Removed { worker, hashes }));
+        }
+    }
+    Workload {
+        population,
+        ops,
+        stored_blocks,
+        queries,
+    }
+}
+
+/// One index under the mixed load.
+trait Mixed: Sync {
+    /// Applies (or hands over) one op, on the thread that received it.
+    fn receive(&self, op: &Op, id: u64);
+    /// Returns once every op received is applied.
+    fn settle(&self);
+    fn lookup(&self, tokens: &[u32]);
+}
+
+struct Kvgate {
+    index: RwLock<PrefixIndex>,
+    hasher: BlockHasher,
+}
+
+impl Mixed for Kvgate {
+    fn receive(&self, op: &Op, _id: u64) {
+        match op {
+            Op::Stored(ev) => ev.apply_to(&mut self.index.write()),
+            Op::Removed { worker, hashes } => {
+                self.index.write().apply_removed(
+                    WorkerRef::new(WorkerId(*worker), 0),
+                    hashes,
+                    Some(Tier::Device),
+                );
+            }
+        }
+    }
+
+    fn settle(&self) {}
+
+    fn lookup(&self, tokens: &[u32]) {
+        let keys = self.hasher.block_keys(tokens);
+        black_box(self.index.read().overlaps(&keys));
+    }
+}
+
+impl Mixed for Flash {
+    fn receive(&self, op: &Op, id: u64) {
+        self.enqueue(match op {
+            Op::Stored(ev) => common::stored(
+                ev.worker,
+                id,
+                ev.parent,
+                &ev.engine_hashes,
+                &ev.tokens,
+                BLOCK_SIZE as u32,
+            ),
+            Op::Removed { worker, hashes } => common::removed(*worker, id, hashes.iter().copied()),
+        });
+    }
+
+    fn settle(&self) {
+        self.flush();
+    }
+
+    fn lookup(&self, tokens: &[u32]) {
+        black_box(Flash::lookup(self, tokens));
+    }
+}
+
+struct Outcome {
+    lookups_us: Vec<f64>,
+    blocks_per_s: f64,
+    behind_ms: f64,
+}
+
+/// Runs the timed stream through `index` from `receivers` threads (each for its share
+/// of the workers), a lookup every millisecond on another thread meanwhile.
+fn run(index: &dyn Mixed, w: &Workload, receivers: u32) -> Outcome {
+    let start = Instant::now();
+    let mut lookups_us = Vec::new();
+    let mut behind = Duration::ZERO;
+    thread::scope(|s| {
+        let senders: Vec<_> = (0..receivers)
+            .map(|r| {
+                s.spawn(move || {
+                    let mut behind = Duration::ZERO;
+                    for (i, (due, op)) in w.ops.iter().enumerate() {
+                        if op.worker() % receivers != r {
+                            continue;
+                        }
+                        let now = start.elapsed();
+                        if *due > now {
+                            thread::sleep(*due - now);
+                        } else {
+                            behind = behind.max(now - *due);
+                        }
+                        index.receive(op, (1 << 40) + i as u64);
+                    }
+                    behind
+                })
+            })
+            .collect();
+        let mut q = 0;
+        let mut tick = Instant::now();
+        while senders.iter().any(|h| !h.is_finished()) {
+            tick += LOOKUP_EVERY;
+            if let Some(wait) = tick.checked_duration_since(Instant::now()) {
+                thread::sleep(wait);
+            }
+            q = (q + 1) % w.queries.len();
+            let t = Instant::now();
+            index.lookup(&w.queries[q]);
+            lookups_us.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+        for h in senders {
+            behind = behind.max(h.join().expect("sender"));
+        }
+    });
+    index.settle();
+    let took = start.elapsed().as_secs_f64();
+    let blocks: usize = w.ops.iter().map(|(_, op)| op.blocks()).sum();
+    lookups_us.sort_by(f64::total_cmp);
+    Outcome {
+        lookups_us,
+        blocks_per_s: blocks as f64 / took,
+        behind_ms: behind.as_secs_f64() * 1e3,
+    }
+}
+
+fn main() {
+    // `cargo bench` passes flags (`--bench`); this benchmark takes none.
+    let per_worker = env_or("MIXED_BLOCKS_PER_WORKER", 500);
+    let seconds = env_or("MIXED_SECONDS", 5);
+    let repeats = env_or("MIXED_REPEATS", 3) as usize;
+    println!(
+        "| workers | index | event threads | offered / sustained block events/s | latest event behind, ms | lookups | lookup p50 / p99 / max µs |"
+    );
+    println!("|---:|---|---:|---:|---:|---:|---:|");
+    eprintln!("each cell: the median over {repeats} runs (each index's runs alternating with the other's)");
+    for workers in [64u32, 256] {
+        let w = workload(workers, per_worker, seconds);
+        let offered: usize = w.ops.iter().map(|(_, op)| op.blocks()).sum();
+        let offered = offered as f64 / seconds as f64;
+        for threads in [1u32, 2] {
+            // A fresh index of each per run, populated alike.
+            let kv = || {
+                let hasher = BlockHasher::new(BLOCK_SIZE as u32).expect("block size");
+                let mut index = PrefixIndex::new(hasher, IndexConfig::default());
+                for ev in &w.population {
+                    ev.apply_to(&mut index);
+                }
+                Kvgate {
+                    index: RwLock::new(index),
+                    hasher,
+                }
+            };
+            let flash = || {
+                let flash = Flash::new(threads as usize, BLOCK_SIZE as u32);
+                for (i, ev) in w.population.iter().enumerate() {
+                    flash.enqueue(common::stored(
+                        ev.worker,
+                        i as u64,
+                        ev.parent,
+                        &ev.engine_hashes,
+                        &ev.tokens,
+                        BLOCK_SIZE as u32,
+                    ));
+                }
+                flash.flush();
+                flash
+            };
+            // Per index, its runs' outcomes; the two alternate which runs first.
+            let mut runs: [Vec<Outcome>; 2] = [Vec::new(), Vec::new()];
+            for r in 0..repeats {
+                for kvgate in [r % 2 == 0, r % 2 == 1] {
+                    if kvgate {
+                        runs[0].push(run(&kv(), &w, threads));
+                    } else {
+                        runs[1].push(run(&flash(), &w, 1));
+                    }
+                }
+            }
+            for (name, outcomes) in ["kvgate (RwLock)", "Dynamo Flash Indexer"]
+                .iter()
+                .zip(&runs)
+            {
+                let median = |f: &dyn Fn(&Outcome) -> f64| {
+                    let mut v: Vec<f64> = outcomes.iter().map(f).collect();
+                    v.sort_by(f64::total_cmp);
+                    v[v.len() / 2]
+                };
+                let pct = |o: &Outcome, q: f64| {
+                    o.lookups_us[((o.lookups_us.len() - 1) as f64 * q) as usize]
+                };
+                println!(
+                    "| {workers} | {name} | {threads} | {offered:.0} / {:.0} | {:.1} | {:.0} | {:.1} / {:.1} / {:.1} |",
+                    median(&|o| o.blocks_per_s),
+                    median(&|o| o.behind_ms),
+                    median(&|o| o.lookups_us.len() as f64),
+                    median(&|o| pct(o, 0.5)),
+                    median(&|o| pct(o, 0.99)),
+                    median(&|o| o.lookups_us.last().copied().unwrap_or(0.0)),
+                );
+            }
+        }
+        let largest = w.ops.iter().map(|(_, op)| op.blocks()).max().unwrap_or(0);
+        eprintln!(
+            "{workers} workers: {} stored blocks in the stream, the largest event {largest} blocks",
+            w.stored_blocks
+        );
+    }
+}
