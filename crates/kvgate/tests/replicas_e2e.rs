@@ -960,6 +960,8 @@ struct Link {
     addr: std::net::SocketAddr,
     cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
     answer_delay_ms: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// Answer bytes let through per 100 ms (0: as fast as they come).
+    answer_rate: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     conns: std::sync::Arc<std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>>,
     accept: tokio::task::JoinHandle<()>,
 }
@@ -972,16 +974,28 @@ impl Link {
         let addr = listener.local_addr().unwrap();
         let cut = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let answer_delay_ms = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let answer_rate = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let conns = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-        let (c, d, k) = (cut.clone(), answer_delay_ms.clone(), conns.clone());
+        let (c, d, r, k) = (
+            cut.clone(),
+            answer_delay_ms.clone(),
+            answer_rate.clone(),
+            conns.clone(),
+        );
         let accept = tokio::spawn(async move {
             while let Ok((near, _)) = listener.accept().await {
                 if c.load(Relaxed) {
                     continue; // dropped: refused
                 }
-                let d = d.clone();
+                let (d, r) = (d.clone(), r.clone());
                 let forward = tokio::spawn(async move {
-                    let Ok(far) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
+                    // A small receive window, so a throttled link backs up into the
+                    // replica's writes instead of into kernel buffers.
+                    let Ok(socket) = tokio::net::TcpSocket::new_v4() else {
+                        return;
+                    };
+                    let _ = socket.set_recv_buffer_size(4096);
+                    let Ok(far) = socket.connect(([127, 0, 0, 1], port).into()).await else {
                         return;
                     };
                     let (mut near_r, mut near_w) = near.into_split();
@@ -991,13 +1005,22 @@ impl Link {
                         use tokio::io::{AsyncReadExt, AsyncWriteExt};
                         let mut buf = vec![0u8; 64 << 10];
                         loop {
-                            let n = far_r.read(&mut buf).await.unwrap_or(0);
+                            let rate = r.load(Relaxed);
+                            let take = if rate > 0 {
+                                rate.min(buf.len())
+                            } else {
+                                buf.len()
+                            };
+                            let n = far_r.read(&mut buf[..take]).await.unwrap_or(0);
                             if n == 0 {
                                 break;
                             }
                             let delay = d.load(Relaxed);
                             if delay > 0 {
                                 tokio::time::sleep(Duration::from_millis(delay)).await;
+                            }
+                            if rate > 0 {
+                                tokio::time::sleep(Duration::from_millis(100)).await;
                             }
                             if near_w.write_all(&buf[..n]).await.is_err() {
                                 break;
@@ -1016,6 +1039,7 @@ impl Link {
             addr,
             cut,
             answer_delay_ms,
+            answer_rate,
             conns,
             accept,
         }
@@ -1040,6 +1064,12 @@ impl Link {
         let ms = d.as_millis() as u64;
         self.answer_delay_ms
             .store(ms, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Lets at most `bytes` of answers through per 100 ms (0: no limit).
+    fn throttle_answers(&self, bytes: usize) {
+        self.answer_rate
+            .store(bytes, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -1221,4 +1251,73 @@ async fn a_slow_leader_is_passed_over_and_its_late_choices_are_released_at_once(
     );
     // Released well within the 30 s expiry.
     until_no_bookings(&[url(0), url(1)], Duration::from_secs(3)).await;
+}
+
+/// A follower that lags its reports: the leader (a) reads b's report stream through a
+/// link that lets 100 bytes through per 100 ms, far slower than b reports while it
+/// serves, so b's reports reach a seconds late (in order: the sender's buffers hold
+/// them; reports skipped outright are the unit tests' case,
+/// `peer_loads::tests::a_late_report_settles_every_choice_below_its_watermark`).
+/// Meanwhile a holds the choices it made for b; every request is served; once the link
+/// is freed and the load drained, no booking or hold is left anywhere, long before the
+/// 30 s peer expiry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lagging_follower_is_served_and_leaves_no_hold_behind() {
+    let logs = tempfile::tempdir().unwrap();
+    let fleet = engines(2, logs.path()).await;
+    let ports = free_ports(2).unwrap();
+    let url = |i: usize| format!("http://127.0.0.1:{}", ports[i]);
+    let to_b = Link::to(ports[1]).await;
+    let args = |id: &str, peer: String| {
+        [
+            "--replica-id",
+            id,
+            "--peer",
+            &peer,
+            "--peer-expiry-ms",
+            "30000",
+        ]
+        .map(str::to_owned)
+        .to_vec()
+    };
+    let _a = replica(
+        "a",
+        "127.0.0.1",
+        ports[0],
+        &fleet,
+        &args("a", to_b.url()),
+        logs.path(),
+    )
+    .await;
+    let _b = replica(
+        "b",
+        "127.0.0.1",
+        ports[1],
+        &fleet,
+        &args("b", url(0)),
+        logs.path(),
+    )
+    .await;
+    for i in 0..2 {
+        until_metric(&url(i), "kvgate_peers_connected", 1.0).await;
+    }
+    assert_eq!(explain(&url(1)).await["leader"], json!("a"));
+
+    to_b.throttle_answers(100);
+    let b = url(1);
+    let mut statuses = Vec::new();
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(3) {
+        statuses.extend(futures::future::join_all((0..16).map(|_| short_request(&b))).await);
+    }
+    assert!(statuses.iter().all(|&s| s == 200), "{statuses:?}");
+    let served = labelled(&url(0), "kvgate_peer_decisions_total", "outcome=\"served\"").await;
+    assert!(served >= 10.0, "the leader chose for b ({served} choices)");
+    let held = explain(&url(0)).await["held_for_peers"].as_u64().unwrap();
+    assert!(
+        held > 0,
+        "b's reports lag: a still holds choices it made for b"
+    );
+    to_b.throttle_answers(0);
+    until_no_bookings(&[url(0), url(1)], Duration::from_secs(10)).await;
 }
