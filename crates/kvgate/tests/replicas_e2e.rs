@@ -1193,17 +1193,17 @@ async fn a_partition_between_the_leader_and_a_replica_serves_every_request_and_l
     until_no_bookings(&urls, Duration::from_secs(5)).await;
 }
 
-/// A leader that answers slowly (what it sends b is held 300 ms, past the 50 ms decide
-/// timeout): b chooses itself, every request is served, and the choices the leader made
-/// for b that b gave up are released by b's next reports, not by the peer expiry (30 s
-/// here).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_slow_leader_is_passed_over_and_its_late_choices_are_released_at_once() {
-    let logs = tempfile::tempdir().unwrap();
-    let fleet = engines(2, logs.path()).await;
-    let ports = free_ports(2).unwrap();
-    let url = |i: usize| format!("http://127.0.0.1:{}", ports[i]);
-    let slow = Link::to(ports[0]).await;
+/// Replicas a (on `ports[0]`, started first: it leads) and b (on `ports[1]`), peer
+/// expiry 30 s, a following b at `a_follows` and b following a at `b_follows` (the other's
+/// address, or a `Link` to it); returned once each follows the other and b names a its
+/// leader.
+async fn leader_and_follower(
+    fleet: &Fleet,
+    ports: &[u16],
+    a_follows: String,
+    b_follows: String,
+    logs: &std::path::Path,
+) -> [ManagedChild; 2] {
     let args = |id: &str, peer: String| {
         [
             "--replica-id",
@@ -1216,28 +1216,44 @@ async fn a_slow_leader_is_passed_over_and_its_late_choices_are_released_at_once(
         .map(str::to_owned)
         .to_vec()
     };
-    let _a = replica(
+    let a = replica(
         "a",
         "127.0.0.1",
         ports[0],
-        &fleet,
-        &args("a", url(1)),
-        logs.path(),
+        fleet,
+        &args("a", a_follows),
+        logs,
     )
     .await;
-    let _b = replica(
+    let b = replica(
         "b",
         "127.0.0.1",
         ports[1],
-        &fleet,
-        &args("b", slow.url()),
-        logs.path(),
+        fleet,
+        &args("b", b_follows),
+        logs,
     )
     .await;
+    let url = |i: usize| format!("http://127.0.0.1:{}", ports[i]);
     for i in 0..2 {
         until_metric(&url(i), "kvgate_peers_connected", 1.0).await;
     }
     assert_eq!(explain(&url(1)).await["leader"], json!("a"));
+    [a, b]
+}
+
+/// A leader that answers slowly (what it sends b is held 300 ms, past the 50 ms decide
+/// timeout): b chooses itself, every request is served, and the choices the leader made
+/// for b that b gave up are released by b's next reports, not by the peer expiry (30 s
+/// here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_leader_is_passed_over_and_its_late_choices_are_released_at_once() {
+    let logs = tempfile::tempdir().unwrap();
+    let fleet = engines(2, logs.path()).await;
+    let ports = free_ports(2).unwrap();
+    let url = |i: usize| format!("http://127.0.0.1:{}", ports[i]);
+    let slow = Link::to(ports[0]).await;
+    let _ab = leader_and_follower(&fleet, &ports, url(1), slow.url(), logs.path()).await;
 
     slow.delay_answers(Duration::from_millis(300));
     let b = url(1);
@@ -1268,40 +1284,7 @@ async fn a_lagging_follower_is_served_and_leaves_no_hold_behind() {
     let ports = free_ports(2).unwrap();
     let url = |i: usize| format!("http://127.0.0.1:{}", ports[i]);
     let to_b = Link::to(ports[1]).await;
-    let args = |id: &str, peer: String| {
-        [
-            "--replica-id",
-            id,
-            "--peer",
-            &peer,
-            "--peer-expiry-ms",
-            "30000",
-        ]
-        .map(str::to_owned)
-        .to_vec()
-    };
-    let _a = replica(
-        "a",
-        "127.0.0.1",
-        ports[0],
-        &fleet,
-        &args("a", to_b.url()),
-        logs.path(),
-    )
-    .await;
-    let _b = replica(
-        "b",
-        "127.0.0.1",
-        ports[1],
-        &fleet,
-        &args("b", url(0)),
-        logs.path(),
-    )
-    .await;
-    for i in 0..2 {
-        until_metric(&url(i), "kvgate_peers_connected", 1.0).await;
-    }
-    assert_eq!(explain(&url(1)).await["leader"], json!("a"));
+    let _ab = leader_and_follower(&fleet, &ports, to_b.url(), url(0), logs.path()).await;
 
     to_b.throttle_answers(100);
     let b = url(1);
