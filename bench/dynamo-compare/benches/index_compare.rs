@@ -43,14 +43,7 @@ const ENTRIES: usize = 1_000_000;
 const QUERY_TOKENS: usize = 8192;
 
 fn dyn_stored(ev: &StoredEvent, id: u64) -> RouterEvent {
-    common::stored(
-        ev.worker,
-        id,
-        ev.parent,
-        &ev.engine_hashes,
-        &ev.tokens,
-        BLOCK_SIZE as u32,
-    )
+    common::stored_event(ev, id, BLOCK_SIZE as u32)
 }
 
 fn dyn_removed(ev: &StoredEvent, id: u64) -> RouterEvent {

@@ -35,7 +35,9 @@ use std::time::{Duration, Instant};
 use common::Flash;
 use kvgate_core::{BlockHasher, IndexConfig, PrefixIndex, Tier, WorkerId, WorkerRef};
 use parking_lot::RwLock;
-use support::mooncake::{load_conversation_trace, tokens_for, Fleet, StoredEvent};
+use support::mooncake::{
+    load_conversation_trace, long_prompts, populate, tokens_for, Fleet, StoredEvent,
+};
 
 const BLOCK_SIZE: usize = 16;
 const ENTRIES: usize = 1_000_000;
@@ -88,20 +90,8 @@ struct Workload {
 fn workload(workers: u32, blocks_per_worker_s: u64, seconds: u64) -> Workload {
     let trace = load_conversation_trace();
     let mut fleet = Fleet::new(workers, BLOCK_SIZE, true);
-    let mut population = Vec::new();
-    let mut next = 0;
-    while fleet.entries < ENTRIES && next < trace.len() {
-        if let Some(ev) = fleet.serve(next as u32 % workers, &tokens_for(&trace[next])) {
-            population.push(ev);
-        }
-        next += 1;
-    }
-    let queries = trace[..next]
-        .iter()
-        .filter(|r| r.input_length >= QUERY_TOKENS)
-        .take(64)
-        .map(|r| tokens_for(r)[..QUERY_TOKENS].to_vec())
-        .collect();
+    let (population, next) = populate(&trace, &mut fleet, ENTRIES);
+    let queries = long_prompts(&trace[..next], QUERY_TOKENS);
     // More of the trace, each request on another worker than it had (so most of its
     // blocks are new there), until the rate times the duration is stored.
     let target = (blocks_per_worker_s * u64::from(workers) * seconds) as usize;
@@ -175,14 +165,7 @@ impl Mixed for Kvgate {
 impl Mixed for Flash {
     fn receive(&self, op: &Op, id: u64) {
         self.enqueue(match op {
-            Op::Stored(ev) => common::stored(
-                ev.worker,
-                id,
-                ev.parent,
-                &ev.engine_hashes,
-                &ev.tokens,
-                BLOCK_SIZE as u32,
-            ),
+            Op::Stored(ev) => common::stored_event(ev, id, BLOCK_SIZE as u32),
             Op::Removed { worker, hashes } => common::removed(*worker, id, hashes.iter().copied()),
         });
     }
@@ -286,14 +269,7 @@ fn main() {
             let flash = || {
                 let flash = Flash::new(threads as usize, BLOCK_SIZE as u32);
                 for (i, ev) in w.population.iter().enumerate() {
-                    flash.enqueue(common::stored(
-                        ev.worker,
-                        i as u64,
-                        ev.parent,
-                        &ev.engine_hashes,
-                        &ev.tokens,
-                        BLOCK_SIZE as u32,
-                    ));
+                    flash.enqueue(common::stored_event(ev, i as u64, BLOCK_SIZE as u32));
                 }
                 flash.flush();
                 flash

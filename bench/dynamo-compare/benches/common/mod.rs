@@ -40,6 +40,23 @@ pub fn stored(
     )
 }
 
+/// The Mooncake workload's `BlockStored` (benches/support) as event number `id`.
+#[allow(dead_code)] // memory_churn builds its own
+pub fn stored_event(
+    ev: &crate::support::mooncake::StoredEvent,
+    id: u64,
+    block_size: u32,
+) -> RouterEvent {
+    stored(
+        ev.worker,
+        id,
+        ev.parent,
+        &ev.engine_hashes,
+        &ev.tokens,
+        block_size,
+    )
+}
+
 /// A `BlockRemoved` of `engine_hashes`, in the order given.
 pub fn removed(worker: u32, id: u64, engine_hashes: impl Iterator<Item = u64>) -> RouterEvent {
     event(

@@ -167,6 +167,36 @@ pub struct Scenario {
     pub queries: Vec<Vec<u32>>,
 }
 
+/// Serves the trace from its start, request `i` on worker `i mod workers`, until the
+/// fleet holds about `target_entries` (block, worker) entries: the `BlockStored` events
+/// it emitted, and how many requests that took.
+pub fn populate(
+    trace: &[TraceRequest],
+    fleet: &mut Fleet,
+    target_entries: usize,
+) -> (Vec<StoredEvent>, usize) {
+    let mut population = Vec::new();
+    let mut next = 0;
+    while fleet.entries < target_entries && next < trace.len() {
+        let worker = (next as u32) % fleet.workers;
+        if let Some(ev) = fleet.serve(worker, &tokens_for(&trace[next])) {
+            population.push(ev);
+        }
+        next += 1;
+    }
+    (population, next)
+}
+
+/// Up to 64 prompts of `requests` at least `tokens` long, cut to `tokens`.
+pub fn long_prompts(requests: &[TraceRequest], tokens: usize) -> Vec<Vec<u32>> {
+    requests
+        .iter()
+        .filter(|r| r.input_length >= tokens)
+        .take(64)
+        .map(|r| tokens_for(r)[..tokens].to_vec())
+        .collect()
+}
+
 pub fn scenario(
     block_size: usize,
     workers: u32,
@@ -176,15 +206,7 @@ pub fn scenario(
 ) -> Scenario {
     let trace = load_conversation_trace();
     let mut fleet = Fleet::new(workers, block_size, consistent_engine_hashes);
-    let mut population = Vec::new();
-    let mut next = 0;
-    while fleet.entries < target_entries && next < trace.len() {
-        let worker = (next as u32) % workers;
-        if let Some(ev) = fleet.serve(worker, &tokens_for(&trace[next])) {
-            population.push(ev);
-        }
-        next += 1;
-    }
+    let (population, next) = populate(&trace, &mut fleet, target_entries);
     let mut churn = Vec::new();
     let mut churn_blocks = 0;
     for (i, req) in trace[next..].iter().take(64).enumerate() {
@@ -194,12 +216,7 @@ pub fn scenario(
             churn.push(ev);
         }
     }
-    let queries = trace[..next]
-        .iter()
-        .filter(|r| r.input_length >= query_tokens)
-        .take(64)
-        .map(|r| tokens_for(r)[..query_tokens].to_vec())
-        .collect();
+    let queries = long_prompts(&trace[..next], query_tokens);
     Scenario {
         block_size,
         workers,
