@@ -4,17 +4,22 @@
 //!
 //! With the pure-Rust feature set, `tokenizers` runs the whole split pattern in
 //! fancy-regex's backtracking VM because of a single `\s+(?!\S)` lookahead, which
-//! makes encoding ~3 µs/token. Here the pattern runs on the `regex` crate with
+//! makes encoding ~3 µs/token. Here the pattern runs on `regex-automata`'s DFA with
 //! `\s+(?!\S)|\s+` replaced by `\s+` plus an exact fix-up (a whitespace run followed by
 //! a non-space gives its last character to the next piece), then the crate's own BPE
-//! model encodes each piece. Owns only that pipeline; it must accept a tokenizer only
-//! when every stage is one it reproduces exactly (see [`FastEncoder::new`]), and the
-//! caller falls back to `tokenizers` otherwise.
+//! model encodes each piece. A piece is searched for anchored where the last one ended
+//! (one forward pass; the usual case, since these patterns match at every position)
+//! and unanchored only when nothing matches there, which finds the same leftmost-first
+//! match. Owns only that pipeline; it must accept a tokenizer only when every stage is
+//! one it reproduces exactly (see [`FastEncoder::new`]), and the caller falls back to
+//! `tokenizers` otherwise.
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use aho_corasick::{AhoCorasick, MatchKind};
+use regex_automata::dfa::{dense, Automaton as _, StartKind};
+use regex_automata::{meta, Anchored, Input};
 
 use crate::segments::{SegmentCache, SEGMENT_MIN_BYTES};
 use rustc_hash::FxHashMap;
@@ -22,16 +27,19 @@ use serde_json::Value;
 
 /// Entries kept per thread in the piece → ids cache before it is cleared.
 const PIECE_CACHE_MAX: usize = 65_536;
-/// Pieces longer than this (bytes) bypass the cache.
+/// Largest dense DFA built for the split pattern (Qwen3's: 1.4 MB); past it, the lazy
+/// DFA searches alone.
+const ANCHORED_DFA_MAX_BYTES: usize = 8 << 20;
+/// Pieces longer than this (bytes of text) bypass the cache.
 const PIECE_CACHE_MAX_LEN: usize = 64;
 
-/// Byte-level piece → BPE ids.
-type PieceCache = FxHashMap<Box<str>, Box<[u32]>>;
+/// A piece's text (before the byte-level mapping) → BPE ids.
+type PieceCache = FxHashMap<Box<[u8]>, Box<[u32]>>;
 
 static NEXT_ENCODER_ID: AtomicU64 = AtomicU64::new(1);
 
 thread_local! {
-    /// Per-thread cache of byte-level piece → BPE ids, owned by one encoder at a time
+    /// Per-thread cache of piece → BPE ids, owned by one encoder at a time
     /// (the id of the encoder that filled it). Avoids the BPE model's per-call `Token`
     /// allocations for repeated words; no locking on the request path.
     static PIECE_CACHE: RefCell<(u64, PieceCache)> =
@@ -47,7 +55,11 @@ pub(crate) struct FastEncoder {
     /// Added tokens (all matched on raw text), leftmost-longest like `tokenizers`.
     added: Option<AhoCorasick>,
     added_ids: Vec<u32>,
-    split: regex::Regex,
+    split: meta::Regex,
+    /// The same pattern compiled whole, for the anchored search (the usual one): a
+    /// dense DFA's search skips the lazy DFA's and the meta layer's per-call work.
+    /// `None` when it would be larger than [`ANCHORED_DFA_MAX_BYTES`].
+    split_anchored: Option<dense::DFA<Vec<u32>>>,
     /// The pattern without the whitespace tail, anchored: tells whether an
     /// all-whitespace match came from the head (e.g. `\s*[\r\n]+`) or from `\s+`.
     head: regex::Regex,
@@ -73,7 +85,16 @@ impl FastEncoder {
         if unsupported.iter().any(|u| head.contains(u)) {
             return None;
         }
-        let split = regex::Regex::new(&format!(r"{head}|\s+")).ok()?;
+        let split_pattern = format!(r"{head}|\s+");
+        let split = meta::Regex::new(&split_pattern).ok()?;
+        let split_anchored = dense::Builder::new()
+            .configure(
+                dense::Config::new()
+                    .start_kind(StartKind::Anchored)
+                    .dfa_size_limit(Some(ANCHORED_DFA_MAX_BYTES)),
+            )
+            .build(&split_pattern)
+            .ok();
         let head = regex::Regex::new(&format!(r"\A(?:{head})")).ok()?;
         let model = json.get("model")?;
         let unset = |k: &str| model.get(k).is_none_or(|v| v.is_null() || v == "");
@@ -117,6 +138,7 @@ impl FastEncoder {
             added,
             added_ids,
             split,
+            split_anchored,
             head,
             nfc,
             byte_chars: bytes_to_unicode(),
@@ -142,12 +164,15 @@ impl FastEncoder {
         segments: Option<&SegmentCache>,
     ) -> tokenizers::Result<Vec<u32>> {
         let mut ids = Vec::with_capacity((text.len() / 3).min(max_ids.saturating_add(1)));
-        let mut piece = String::new();
+        let mut scratch = Scratch {
+            piece: String::new(),
+            search: None,
+        };
         let mut start = 0;
         if let Some(added) = &self.added {
             for m in added.find_iter(text) {
                 let segment = &text[start..m.start()];
-                self.encode_cached(model, segment, &mut piece, &mut ids, max_ids, segments)?;
+                self.encode_cached(model, segment, &mut scratch, &mut ids, max_ids, segments)?;
                 ids.push(self.added_ids[m.pattern().as_usize()]);
                 if ids.len() > max_ids {
                     return Ok(ids);
@@ -156,7 +181,7 @@ impl FastEncoder {
             }
         }
         let segment = &text[start..];
-        self.encode_cached(model, segment, &mut piece, &mut ids, max_ids, segments)?;
+        self.encode_cached(model, segment, &mut scratch, &mut ids, max_ids, segments)?;
         Ok(ids)
     }
 
@@ -166,20 +191,20 @@ impl FastEncoder {
         &self,
         model: &impl tokenizers::Model,
         segment: &str,
-        piece: &mut String,
+        scratch: &mut Scratch,
         ids: &mut Vec<u32>,
         max_ids: usize,
         segments: Option<&SegmentCache>,
     ) -> tokenizers::Result<()> {
         let Some(cache) = segments.filter(|_| segment.len() >= SEGMENT_MIN_BYTES) else {
-            return self.encode_segment(model, segment, piece, ids, max_ids);
+            return self.encode_segment(model, segment, scratch, ids, max_ids);
         };
         if let Some(hit) = cache.get(segment) {
             ids.extend_from_slice(&hit);
             return Ok(());
         }
         let start = ids.len();
-        self.encode_segment(model, segment, piece, ids, max_ids)?;
+        self.encode_segment(model, segment, scratch, ids, max_ids)?;
         // Within the limit, the segment was encoded whole.
         if ids.len() <= max_ids {
             cache.insert(segment, &ids[start..]);
@@ -191,7 +216,7 @@ impl FastEncoder {
         &self,
         model: &impl tokenizers::Model,
         segment: &str,
-        piece: &mut String,
+        scratch: &mut Scratch,
         ids: &mut Vec<u32>,
         max_ids: usize,
     ) -> tokenizers::Result<()> {
@@ -199,7 +224,11 @@ impl FastEncoder {
             return Ok(());
         }
         let normalized;
-        let segment = if self.nfc && !unicode_normalization_alignments::is_nfc(segment) {
+        // ASCII is NFC already (and checked far faster than `is_nfc` checks it).
+        let segment = if self.nfc
+            && !segment.is_ascii()
+            && !unicode_normalization_alignments::is_nfc(segment)
+        {
             use unicode_normalization_alignments::UnicodeNormalization as _;
             normalized = segment.chars().nfc().map(|(c, _)| c).collect::<String>();
             normalized.as_str()
@@ -208,32 +237,57 @@ impl FastEncoder {
         };
         let mut pos = 0;
         while pos < segment.len() && ids.len() <= max_ids {
-            let Some(m) = self.split.find_at(segment, pos) else {
+            let Some(m) = self.next_match(segment, pos, &mut scratch.search) else {
                 // Unmatched tail (Isolated behaviour keeps it as its own piece).
-                self.encode_piece(model, &segment[pos..], piece, ids)?;
+                self.encode_piece(model, &segment[pos..], &mut scratch.piece, ids)?;
                 break;
             };
-            if m.start() > pos {
-                self.encode_piece(model, &segment[pos..m.start()], piece, ids)?;
+            if m.start > pos {
+                self.encode_piece(model, &segment[pos..m.start], &mut scratch.piece, ids)?;
             }
-            let mut end = m.end();
-            let matched = m.as_str();
+            let mut end = m.end;
+            let matched = &segment[m.clone()];
             // `\s+(?!\S)`: a whitespace run matched by the tail and followed by a
             // non-space leaves its last char to the next piece (a one-char run is taken
             // whole by the plain `\s+`).
             if end < segment.len()
                 && matched.chars().nth(1).is_some()
                 && matched.chars().all(char::is_whitespace)
-                && !self.head.is_match(&segment[m.start()..])
+                && !self.head.is_match(&segment[m.start..])
             {
                 if let Some((last_start, _)) = matched.char_indices().next_back() {
-                    end = m.start() + last_start;
+                    end = m.start + last_start;
                 }
             }
-            self.encode_piece(model, &segment[m.start()..end], piece, ids)?;
+            self.encode_piece(model, &segment[m.start..end], &mut scratch.piece, ids)?;
             pos = end;
         }
         Ok(())
+    }
+
+    /// The split pattern's leftmost-first match from `pos` on: the one starting at
+    /// `pos` when there is one, found by an anchored search.
+    fn next_match(
+        &self,
+        segment: &str,
+        pos: usize,
+        search: &mut Option<meta::Cache>,
+    ) -> Option<std::ops::Range<usize>> {
+        let from = Input::new(segment).range(pos..);
+        let anchored = from.clone().anchored(Anchored::Yes);
+        let mut meta_search = |input: &Input| {
+            let cache = search.get_or_insert_with(|| self.split.create_cache());
+            self.split.search_with(cache, input).map(|m| m.range())
+        };
+        let at_pos = match &self.split_anchored {
+            Some(dfa) => dfa
+                .try_search_fwd(&anchored)
+                .ok()
+                .flatten()
+                .map(|m| pos..m.offset()),
+            None => meta_search(&anchored),
+        };
+        at_pos.or_else(|| meta_search(&from))
     }
 
     fn encode_piece(
@@ -243,9 +297,12 @@ impl FastEncoder {
         piece: &mut String,
         ids: &mut Vec<u32>,
     ) -> tokenizers::Result<()> {
-        piece.clear();
-        piece.extend(text.bytes().map(|b| self.byte_chars[b as usize]));
-        if piece.len() > PIECE_CACHE_MAX_LEN {
+        let byte_level = |piece: &mut String| {
+            piece.clear();
+            piece.extend(text.bytes().map(|b| self.byte_chars[b as usize]));
+        };
+        if text.len() > PIECE_CACHE_MAX_LEN {
+            byte_level(piece);
             ids.extend(model.tokenize(piece)?.into_iter().map(|t| t.id));
             return Ok(());
         }
@@ -255,16 +312,26 @@ impl FastEncoder {
                 cache.0 = self.id;
                 cache.1.clear();
             }
-            if let Some(hit) = cache.1.get(piece.as_str()) {
+            if let Some(hit) = cache.1.get(text.as_bytes()) {
                 ids.extend_from_slice(hit);
                 return Ok(());
             }
+            byte_level(piece);
             let encoded: Box<[u32]> = model.tokenize(piece)?.into_iter().map(|t| t.id).collect();
             ids.extend_from_slice(&encoded);
-            cache.1.insert(piece.as_str().into(), encoded);
+            cache.1.insert(text.as_bytes().into(), encoded);
             Ok(())
         })
     }
+}
+
+/// What one [`FastEncoder::encode`] call reuses from piece to piece.
+struct Scratch {
+    /// The piece being encoded, byte-level mapped.
+    piece: String,
+    /// The lazy DFA's search state, made when first needed and kept for the whole
+    /// text (the regex's own pool of them is a mutex away on all threads but one).
+    search: Option<meta::Cache>,
 }
 
 /// The single `Split` regex of a `Sequence[Split(Isolated), ByteLevel(no regex)]`

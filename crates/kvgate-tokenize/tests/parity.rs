@@ -215,6 +215,66 @@ fn fast_path_equals_tokenizers_crate() {
     }
 }
 
+/// Text of the pieces the split pattern tells apart: letters of several scripts and
+/// cases, digits, contractions, punctuation runs before newlines, whitespace runs of
+/// every kind (tabs, CR, no-break and ideographic spaces) before letters, symbols and
+/// ends, emoji, combining marks, special tokens.
+fn pre_tokenizer_text() -> impl proptest::strategy::Strategy<Value = String> {
+    use proptest::prelude::*;
+    let fragment = prop_oneof![
+        "[a-zA-Z]{1,10}",
+        "[0-9]{1,5}",
+        "[ \t\r\n]{1,4}",
+        r#"[.,;:!?()\-/*#@\[\]{}<>=+_~`|\\"]{1,3}"#,
+        prop::sample::select(vec![
+            "'s",
+            "'T",
+            "'re",
+            "'VE",
+            "'m",
+            "'ll",
+            "'D",
+            "'x",
+            "\u{a0}",
+            "\u{3000}",
+            "\u{2028}",
+            " \u{a0} ",
+            "e\u{301}",
+            "\u{e9}",
+            "日本語",
+            "テキスト",
+            "Привет",
+            "مرحبا",
+            "हिन्दी",
+            "😀",
+            "👍🏽",
+            "①",
+            "½",
+            "<|im_end|>",
+            "<think>",
+            "\u{feff}",
+        ])
+        .prop_map(str::to_owned),
+    ];
+    proptest::collection::vec(fragment, 0..60).prop_map(|f| f.concat())
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+    /// The fast path's own pre-tokenizer and piece cache give the `tokenizers` crate's
+    /// ids on any text.
+    #[test]
+    fn fast_path_equals_tokenizers_crate_on_random_text(text in pre_tokenizer_text()) {
+        let tok = common::qwen3();
+        proptest::prop_assert_eq!(
+            tok.encode(&text, false).unwrap(),
+            tok.encode_with_tokenizers_crate(&text, false).unwrap(),
+            "{:?}", text
+        );
+    }
+}
+
 /// With a context limit, a prompt within it gets the same ids as without one; a prompt
 /// beyond it is refused as TooLong (chat and completion), and a text far beyond it is
 /// refused without encoding it.
