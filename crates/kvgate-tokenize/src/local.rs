@@ -322,12 +322,8 @@ impl LocalTokenizer {
     ) -> Result<String, TokenizeError> {
         let set = self.template_set()?;
         let entry = set.select(options.tools.is_some())?;
-        let ctx = TemplateContext {
-            special_tokens: &self.special_tokens,
-            options,
-            messages: &conversation.messages,
-        };
-        let rendered = set.render(entry, minijinja::Value::from_serialize(&ctx))?;
+        let ctx = template_context(&self.special_tokens, options, &conversation.messages);
+        let rendered = set.render(entry, ctx)?;
         if options.continue_final_message {
             continue_final_message(rendered, &conversation.messages)
         } else {
@@ -337,57 +333,66 @@ impl LocalTokenizer {
 }
 
 /// What a chat template sees, as HF builds it: `{**special_tokens_map, **kwargs}`, then
-/// the named arguments (later ones win). Serialized straight from the request's values
-/// (the conversation is not copied first: at 256k tokens that copy was a megabyte).
-struct TemplateContext<'a> {
-    special_tokens: &'a Map<String, Value>,
-    options: &'a ChatOptions,
-    messages: &'a [Value],
-}
-
-impl serde::Serialize for TemplateContext<'_> {
-    fn serialize<S: serde::Serializer>(&self, ser: S) -> Result<S::Ok, S::Error> {
-        use serde::ser::SerializeMap;
-        const NAMED: [&str; 4] = ["messages", "tools", "documents", "add_generation_prompt"];
-        let o = self.options;
-        let mut map = ser.serialize_map(None)?;
-        for (k, v) in self.special_tokens {
-            if !o.kwargs.contains_key(k) && !NAMED.contains(&k.as_str()) {
-                map.serialize_entry(k, v)?;
-            }
+/// the named arguments (later ones win). The messages are the conversation's own values
+/// (shared, not copied: at 256k tokens a copy was a megabyte).
+fn template_context(
+    special_tokens: &Map<String, Value>,
+    options: &ChatOptions,
+    messages: &[minijinja::Value],
+) -> minijinja::Value {
+    use minijinja::Value as Jinja;
+    const NAMED: [&str; 4] = ["messages", "tools", "documents", "add_generation_prompt"];
+    let o = options;
+    let mut ctx: Vec<(&str, Jinja)> = Vec::new();
+    for (k, v) in special_tokens {
+        if !o.kwargs.contains_key(k) && !NAMED.contains(&k.as_str()) {
+            ctx.push((k, Jinja::from_serialize(v)));
         }
-        for (k, v) in &o.kwargs {
-            if !NAMED.contains(&k.as_str()) {
-                map.serialize_entry(k, v)?;
-            }
-        }
-        map.serialize_entry("messages", self.messages)?;
-        map.serialize_entry("tools", o.tools.as_ref().unwrap_or(&Value::Null))?;
-        map.serialize_entry("documents", o.documents.as_ref().unwrap_or(&Value::Null))?;
-        map.serialize_entry("add_generation_prompt", &o.add_generation_prompt)?;
-        map.end()
     }
+    for (k, v) in &o.kwargs {
+        if !NAMED.contains(&k.as_str()) {
+            ctx.push((k, Jinja::from_serialize(v)));
+        }
+    }
+    let optional = |v: &Option<Value>| Jinja::from_serialize(v.as_ref().unwrap_or(&Value::Null));
+    ctx.push(("messages", Jinja::from(messages.to_vec())));
+    ctx.push(("tools", optional(&o.tools)));
+    ctx.push(("documents", optional(&o.documents)));
+    ctx.push((
+        "add_generation_prompt",
+        Jinja::from(o.add_generation_prompt),
+    ));
+    Jinja::from_iter(ctx)
 }
 
 /// transformers' `continue_final_message`: cut the rendered chat right after the final
 /// message's text, dropping the end-of-turn the template appended.
-fn continue_final_message(rendered: String, messages: &[Value]) -> Result<String, TokenizeError> {
+fn continue_final_message(
+    rendered: String,
+    messages: &[minijinja::Value],
+) -> Result<String, TokenizeError> {
     let last = messages.last().ok_or_else(|| {
         request::invalid("continue_final_message is set but there are no messages")
     })?;
-    let final_message: &str = match last.get("content") {
-        Some(Value::String(s)) => s,
-        Some(Value::Array(parts)) => parts
-            .iter()
+    use minijinja::value::ValueKind;
+    let content = last.get_attr("content").unwrap_or_default();
+    let final_message: String = match content.kind() {
+        ValueKind::String => content.as_str().unwrap_or_default().to_owned(),
+        ValueKind::Seq => content
+            .try_iter()
+            .into_iter()
+            .flatten()
+            .collect::<Vec<_>>()
+            .into_iter()
             .rev()
-            .find_map(|p| p.get("text").and_then(Value::as_str))
+            .find_map(|p| p.get_attr("text").ok()?.as_str().map(str::to_owned))
             .ok_or_else(|| {
                 request::invalid(
                     "continue_final_message is set but we could not find any text to continue \
                      in the final message!",
                 )
             })?,
-        _ => "",
+        _ => String::new(),
     };
     let stripped = final_message.trim();
     let Some(loc) = rendered.rfind(stripped) else {
@@ -399,7 +404,7 @@ fn continue_final_message(rendered: String, messages: &[Value]) -> Result<String
         ));
     };
     let lstripped_len = final_message.trim_start().len();
-    let end = if rendered.get(loc..loc + lstripped_len) == Some(final_message) {
+    let end = if rendered.get(loc..loc + lstripped_len) == Some(final_message.as_str()) {
         loc + lstripped_len
     } else {
         loc + stripped.len()

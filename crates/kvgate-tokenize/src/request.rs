@@ -234,20 +234,59 @@ fn dump_tool(tool: &Value) -> Result<Value, TokenizeError> {
     Ok(Value::Object(out))
 }
 
-/// The conversation as the template sees it.
+/// The conversation as the template sees it: built straight into the template engine's
+/// values (each text copied once, from the request into the template's strings).
 #[derive(Clone, Debug)]
 pub(crate) struct Conversation {
-    pub messages: Vec<Value>,
+    pub messages: Vec<minijinja::Value>,
     /// Non-text content parts skipped.
     pub non_text_parts: usize,
     /// Bytes of text in the conversation (to decide inline vs blocking-pool work).
     pub text_bytes: usize,
 }
 
-enum Part {
-    Text(String),
+/// One message as the chat template sees it: a map of its fields, `role` and `content`
+/// first, the others in the order vLLM adds them. One allocation, and a field lookup
+/// is a comparison of names (a template reads several per message).
+#[derive(Debug)]
+struct Message {
+    role: minijinja::Value,
+    content: minijinja::Value,
+    /// The fields some messages have (tool calls, reasoning, tool call id, name, ...).
+    more: Vec<(&'static str, minijinja::Value)>,
+}
+
+impl minijinja::value::Object for Message {
+    fn repr(self: &std::sync::Arc<Self>) -> minijinja::value::ObjectRepr {
+        minijinja::value::ObjectRepr::Map
+    }
+
+    fn get_value(self: &std::sync::Arc<Self>, key: &minijinja::Value) -> Option<minijinja::Value> {
+        match key.as_str()? {
+            "role" => Some(self.role.clone()),
+            "content" => Some(self.content.clone()),
+            key => self
+                .more
+                .iter()
+                .find(|(name, _)| *name == key)
+                .map(|(_, v)| v.clone()),
+        }
+    }
+
+    fn enumerate(self: &std::sync::Arc<Self>) -> minijinja::value::Enumerator {
+        let keys = ["role", "content"]
+            .into_iter()
+            .chain(self.more.iter().map(|(name, _)| *name))
+            .map(minijinja::Value::from)
+            .collect::<Vec<_>>();
+        minijinja::value::Enumerator::Values(keys)
+    }
+}
+
+enum Part<'a> {
+    Text(&'a str),
     /// `tool_reference`: text in the string format, a typed dict in the openai format.
-    ToolReference(String),
+    ToolReference(&'a str),
     NonText,
     Skip,
 }
@@ -266,14 +305,14 @@ const MEDIA_TYPES: &[&str] = &[
 
 const TEXT_TYPES: &[&str] = &["text", "input_text", "output_text"];
 
-fn parse_part(part: &Value) -> Result<Part, TokenizeError> {
+fn parse_part(part: &Value) -> Result<Part<'_>, TokenizeError> {
     let obj = match part {
-        Value::String(s) => return Ok(Part::Text(s.clone())),
+        Value::String(s) => return Ok(Part::Text(s)),
         Value::Object(o) => o,
         _ => return Err(invalid("content parts must be strings or objects")),
     };
     let field = |key: &str| match obj.get(key) {
-        Some(Value::String(s)) => Ok(Part::Text(s.clone())),
+        Some(Value::String(s)) => Ok(Part::Text(s)),
         None | Some(Value::Null) => Ok(Part::Skip),
         Some(_) => Err(invalid(format!(
             "content part field '{key}' must be a string"
@@ -318,7 +357,7 @@ fn parse_part(part: &Value) -> Result<Part, TokenizeError> {
                 Ok(Part::NonText)
             } else if obj.contains_key("tool_reference") {
                 match obj.get("name") {
-                    Some(Value::String(s)) => Ok(Part::ToolReference(s.clone())),
+                    Some(Value::String(s)) => Ok(Part::ToolReference(s)),
                     _ => Ok(Part::Skip),
                 }
             } else {
@@ -334,6 +373,7 @@ pub(crate) fn conversation(
     obj: &Map<String, Value>,
     format: ContentFormat,
 ) -> Result<Conversation, TokenizeError> {
+    use minijinja::Value as Jinja;
     let messages = obj
         .get("messages")
         .and_then(Value::as_array)
@@ -351,7 +391,7 @@ pub(crate) fn conversation(
             .ok_or_else(|| invalid("each message needs a string 'role'"))?;
         let parts: Vec<Part> = match m.get("content") {
             None | Some(Value::Null) => Vec::new(),
-            Some(Value::String(s)) => vec![Part::Text(s.clone())],
+            Some(Value::String(s)) => vec![Part::Text(s)],
             Some(Value::Array(parts)) => parts.iter().map(parse_part).collect::<Result<_, _>>()?,
             Some(_) => {
                 return Err(invalid(
@@ -359,25 +399,25 @@ pub(crate) fn conversation(
                 ))
             }
         };
-        let mut texts: Vec<String> = Vec::with_capacity(parts.len());
-        let mut wrapped: Vec<Value> = Vec::new();
+        let mut texts: Vec<&str> = Vec::with_capacity(parts.len());
+        let mut wrapped: Vec<Jinja> = Vec::new();
         let mut skipped_here = 0;
         for part in parts {
             match part {
                 Part::Text(t) => {
                     text_bytes += t.len();
                     if format == ContentFormat::OpenAi {
-                        wrapped.push(text_part(&t));
+                        wrapped.push(Jinja::from_iter([("type", "text"), ("text", t)]));
                     }
                     texts.push(t);
                 }
                 Part::ToolReference(name) => {
                     text_bytes += name.len();
                     if format == ContentFormat::OpenAi {
-                        let mut p = Map::new();
-                        p.insert("type".into(), "tool_reference".into());
-                        p.insert("name".into(), Value::String(name.clone()));
-                        wrapped.push(Value::Object(p));
+                        wrapped.push(Jinja::from_iter([
+                            ("type", "tool_reference"),
+                            ("name", name),
+                        ]));
                     }
                     texts.push(name);
                 }
@@ -386,62 +426,58 @@ pub(crate) fn conversation(
             }
         }
         non_text_parts += skipped_here;
-        let content = match format {
-            ContentFormat::String => Value::String(joined(texts)),
-            // vLLM flattens an all-text tool message to a string in either format.
-            ContentFormat::OpenAi if role == "tool" && skipped_here == 0 => {
-                Value::String(joined(texts))
-            }
-            ContentFormat::OpenAi => Value::Array(wrapped),
+        let joined = || match texts.as_slice() {
+            [one] => Jinja::from(*one),
+            many => Jinja::from(many.join("\n")),
         };
-        let mut msg = Map::new();
-        msg.insert("role".into(), Value::String(role.to_owned()));
-        msg.insert("content".into(), content);
+        let content = match format {
+            ContentFormat::String => joined(),
+            // vLLM flattens an all-text tool message to a string in either format.
+            ContentFormat::OpenAi if role == "tool" && skipped_here == 0 => joined(),
+            ContentFormat::OpenAi => Jinja::from(wrapped),
+        };
+        let mut msg = Message {
+            role: Jinja::from(role),
+            content,
+            more: Vec::new(),
+        };
         if role == "assistant" {
             match m.get("tool_calls") {
                 None | Some(Value::Null) => {}
                 Some(Value::Array(calls)) if calls.is_empty() => {}
                 Some(Value::Array(calls)) => {
-                    let calls = calls.iter().map(tool_call).collect::<Result<_, _>>()?;
-                    msg.insert("tool_calls".into(), Value::Array(calls));
+                    let calls: Vec<Value> =
+                        calls.iter().map(tool_call).collect::<Result<_, _>>()?;
+                    msg.more.push(("tool_calls", Jinja::from_serialize(&calls)));
                 }
                 Some(_) => return Err(invalid("'tool_calls' must be an array")),
             }
             if let Some(r) = m.get("reasoning").filter(|v| !v.is_null()) {
-                msg.insert("reasoning".into(), r.clone());
-                msg.insert("reasoning_content".into(), r.clone());
+                let r = Jinja::from_serialize(r);
+                msg.more.push(("reasoning", r.clone()));
+                msg.more.push(("reasoning_content", r));
             }
         } else if role == "tool" {
             if let Some(id) = m.get("tool_call_id") {
-                msg.insert("tool_call_id".into(), id.clone());
+                msg.more.push(("tool_call_id", Jinja::from_serialize(id)));
             }
         }
         for key in ["name", "task"] {
-            if let Some(v @ Value::String(_)) = m.get(key) {
-                msg.insert(key.into(), v.clone());
+            if let Some(Value::String(v)) = m.get(key) {
+                msg.more.push((key, Jinja::from(v.as_str())));
             }
         }
         if role == "developer" {
-            msg.insert(
-                "tools".into(),
-                m.get("tools").cloned().unwrap_or(Value::Null),
-            );
+            let tools = m.get("tools").unwrap_or(&Value::Null);
+            msg.more.push(("tools", Jinja::from_serialize(tools)));
         }
-        out.push(Value::Object(msg));
+        out.push(Jinja::from_object(msg));
     }
     Ok(Conversation {
         messages: out,
         non_text_parts,
         text_bytes,
     })
-}
-
-/// Texts joined by newlines; a single one is kept as it is, not copied.
-fn joined(mut texts: Vec<String>) -> String {
-    if texts.len() == 1 {
-        return texts.pop().unwrap_or_default();
-    }
-    texts.join("\n")
 }
 
 /// Count non-text content parts without building the conversation (remote mode).
@@ -462,13 +498,6 @@ pub(crate) fn count_non_text(obj: &Map<String, Value>) -> Result<usize, Tokenize
         }
     }
     Ok(n)
-}
-
-fn text_part(text: &str) -> Value {
-    let mut p = Map::new();
-    p.insert("type".into(), "text".into());
-    p.insert("text".into(), Value::String(text.to_owned()));
-    Value::Object(p)
 }
 
 /// vLLM's `_postprocess_messages`: tool-call arguments become JSON values.
@@ -601,16 +630,18 @@ mod tests {
         ]});
         let c = conversation(b.as_object().unwrap(), ContentFormat::String).unwrap();
         assert_eq!(c.non_text_parts, 1);
-        assert_eq!(c.messages[0]["content"], json!("a\nb"));
-        assert_eq!(c.messages[1]["content"], json!(""));
+        let messages = serde_json::to_value(&c.messages).unwrap();
+        assert_eq!(messages[0]["content"], json!("a\nb"));
+        assert_eq!(messages[1]["content"], json!(""));
         assert_eq!(
-            c.messages[1]["tool_calls"][0]["function"]["arguments"],
+            messages[1]["tool_calls"][0]["function"]["arguments"],
             json!({"x": 1})
         );
-        assert_eq!(c.messages[1]["reasoning_content"], json!("hmm"));
+        assert_eq!(messages[1]["reasoning_content"], json!("hmm"));
         let o = conversation(b.as_object().unwrap(), ContentFormat::OpenAi).unwrap();
+        let messages = serde_json::to_value(&o.messages).unwrap();
         assert_eq!(
-            o.messages[0]["content"],
+            messages[0]["content"],
             json!([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}])
         );
         let bad = json!({"messages": [{"role": "user", "content": [{"type": "bogus"}]}]});

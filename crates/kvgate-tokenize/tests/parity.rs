@@ -327,3 +327,80 @@ fn prompts_beyond_the_context_limit_are_refused() {
         Err(TokenizeError::TooLong { limit: 64 })
     ));
 }
+
+/// A template that reads content as a list of parts (vLLM's "openai" format) gets the
+/// text parts as `{type, text}` dicts, a tool message's parts joined into a string, and
+/// `continue_final_message` cuts after the final message's last text part.
+#[test]
+fn openai_format_templates_see_parts() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        common::qwen3_dir().join("tokenizer.json"),
+        dir.path().join("tokenizer.json"),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("chat_template.jinja"),
+        "{%- for m in messages -%}[{{ m.role }}]\
+         {%- if m.content is string -%}{{ m.content }}\
+         {%- else -%}{%- for c in m['content'] -%}<{{ c.type }}:{{ c.text }}>{%- endfor -%}{%- endif -%}\
+         |{%- endfor -%}{%- if add_generation_prompt -%}[assistant]{%- endif -%}",
+    )
+    .unwrap();
+    let tok = LocalTokenizer::from_dir(dir.path()).unwrap();
+    let body = json!({"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, "b",
+            {"type": "image_url", "image_url": {"url": "http://x"}}]},
+        {"role": "tool", "content": [{"type": "text", "text": "c"}, {"type": "text", "text": "d"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "e"}, {"type": "text", "text": " f "}]}
+    ]});
+    assert_eq!(
+        tok.render_chat(&body).unwrap(),
+        "[user]<text:a><text:b>|[tool]c\nd|[assistant]<text:e><text: f >|[assistant]"
+    );
+    let mut cont = body.clone();
+    cont["continue_final_message"] = json!(true);
+    cont["add_generation_prompt"] = json!(false);
+    assert_eq!(
+        tok.render_chat(&cont).unwrap(),
+        "[user]<text:a><text:b>|[tool]c\nd|[assistant]<text:e><text: f"
+    );
+}
+
+/// A message is a mapping to the template whatever its fields: dumped whole, measured,
+/// iterated by key and value, tested for a key, read by attribute and by item.
+#[test]
+fn templates_see_each_message_as_a_mapping() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        common::qwen3_dir().join("tokenizer.json"),
+        dir.path().join("tokenizer.json"),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("chat_template.jinja"),
+        "{%- for m in messages -%}{{ m | tojson }}|{{ m | length }}|{{ 'tool_calls' in m }}|\
+         {{ m.name is defined }}|{{ m['role'] }}|{%- for k, v in m.items() -%}{{ k }}={{ v is string }},{%- endfor -%}\
+         |{{ m.keys() | list | join(' ') }}|{{ m.missing is undefined }};{%- endfor -%}",
+    )
+    .unwrap();
+    let tok = LocalTokenizer::from_dir(dir.path()).unwrap();
+    let body = json!({"add_generation_prompt": false, "messages": [
+        {"role": "user", "content": "hi", "name": "bob"},
+        {"role": "assistant", "content": null, "reasoning": "r", "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
+        {"role": "tool", "content": "ok", "tool_call_id": "1"}
+    ]});
+    assert_eq!(
+        tok.render_chat(&body).unwrap(),
+        "{\"role\": \"user\", \"content\": \"hi\", \"name\": \"bob\"}|3|False|True|user|\
+         role=True,content=True,name=True,|role content name|True;\
+         {\"role\": \"assistant\", \"content\": \"\", \"tool_calls\": [{\"id\": \"1\", \"type\": \
+         \"function\", \"function\": {\"name\": \"f\", \"arguments\": {\"x\": 1}}}], \"reasoning\": \
+         \"r\", \"reasoning_content\": \"r\"}|5|True|False|assistant|role=True,content=True,\
+         tool_calls=False,reasoning=True,reasoning_content=True,|role content tool_calls \
+         reasoning reasoning_content|True;\
+         {\"role\": \"tool\", \"content\": \"ok\", \"tool_call_id\": \"1\"}|3|False|False|tool|\
+         role=True,content=True,tool_call_id=True,|role content tool_call_id|True;"
+    );
+}
