@@ -8,9 +8,11 @@ the choice falls back after the prompt is tokenized and hashed); vllm-router and
 sglang-router with `cache_aware` when they are on PATH. Bodies are chat conversations of a
 2,000-word system prompt and 300-word turns, grown to about 8k, 32k, 128k and 256k tokens.
 
-- decision: `POST /v1/route/explain` (parse, template, tokenize, block keys, selection, the
-  JSON answer), client-timed on loopback; `cold` = a conversation never sent, `seen` = the
-  last one sent with one turn more (an agent's next turn);
+- decision: `POST /v1/route/explain`, timed by kvgate itself from the body's arrival to the
+  choice (its `Server-Timing` header: parse, tokenize = template and encoding, hash = block
+  keys, select); `cold` = a conversation never sent, `seen` = the last one sent with one
+  turn more (an agent's next turn); the client's round trip beside it (the body's transfer
+  and this client's own cost included);
 - end to end: `POST /v1/chat/completions` (`max_tokens: 1`) through each router to the
   instant engine, `seen` bodies, against the engine reached directly.
 
@@ -73,7 +75,17 @@ def post(port, path, body, headers=None):
     c.close()
     if r.status != 200:
         raise SystemExit(f"{path} on {port}: {r.status} {payload[:300]!r}")
-    return took, payload
+    return took, payload, r.getheader("server-timing")
+
+
+def stages(header):
+    """kvgate's `Server-Timing` as {stage: seconds}."""
+    out = {}
+    for part in (header or "").split(","):
+        name, _, dur = part.strip().partition(";dur=")
+        if dur:
+            out[name] = float(dur) / 1000
+    return out
 
 
 def wait_up(port, timeout=60):
@@ -146,36 +158,40 @@ def main():
         for _, p in routers:
             wait_up(p)
         print("| tokens | body KiB | decision cold p50 / p99 ms | decision seen p50 / p99 ms | "
+              "seen: parse / tokenize / hash / select p50 ms | explain round trip seen p50 ms | "
               + " | ".join(f"{n} e2e p50 / p99 ms" for n, _ in routers) + " |")
-        print("|---:|---:|---:|---:|" + "---:|" * len(routers))
+        print("|---:|---:|---:|---:|---:|---:|" + "---:|" * len(routers))
         seed = 0
         for target in [int(t) for t in args.tokens.split(",")]:
             # Grow the turns until the prompt reaches the target (kvgate's own count).
             turns, tokens = 2, 0
             while True:
                 seed += 1
-                _, answer = post(kv, "/v1/route/explain", {"model": "m", "messages": conversation(seed, turns)})
+                _, answer, _ = post(kv, "/v1/route/explain", {"model": "m", "messages": conversation(seed, turns)})
                 tokens = json.loads(answer)["prompt_tokens"]
                 if tokens >= target:
                     break
                 turns = max(turns + 2, int(turns * target / max(tokens, 1)))
-            cold, seen, e2e = [], [], {n: [] for n, _ in routers}
+            cold, seen, trip, e2e = [], [], [], {n: [] for n, _ in routers}
             for r in range(args.repeats):
                 seed += 1
                 history = conversation(seed, turns)
-                took, _ = post(kv, "/v1/route/explain", {"model": "m", "messages": history})
-                cold.append(took)
+                _, _, timing = post(kv, "/v1/route/explain", {"model": "m", "messages": history})
+                cold.append(stages(timing))
                 # The agent's next turn: the whole history again, one message more.
                 more = history + [{"role": "user", "content": f"[{seed}+] " + text(random.Random(seed), 300)}]
-                took, _ = post(kv, "/v1/route/explain", {"model": "m", "messages": more})
-                seen.append(took)
+                took, _, timing = post(kv, "/v1/route/explain", {"model": "m", "messages": more})
+                seen.append(stages(timing))
+                trip.append(took)
                 body = {"model": "m", "messages": more, "max_tokens": 1}
                 for name, port in routers:
-                    took, _ = post(port, "/v1/chat/completions", body)
+                    took, _, _ = post(port, "/v1/chat/completions", body)
                     e2e[name].append(took)
             size = len(json.dumps({"model": "m", "messages": more})) // 1024
-            print(f"| {tokens:,} | {size:,} | {ms(pct(cold, .5))} / {ms(pct(cold, .99))} | "
-                  f"{ms(pct(seen, .5))} / {ms(pct(seen, .99))} | "
+            total = lambda runs: [t["total"] for t in runs]
+            parts = " / ".join(ms(pct([t[k] for t in seen], .5)) for k in ("parse", "tokenize", "hash", "select"))
+            print(f"| {tokens:,} | {size:,} | {ms(pct(total(cold), .5))} / {ms(pct(total(cold), .99))} | "
+                  f"{ms(pct(total(seen), .5))} / {ms(pct(total(seen), .99))} | {parts} | {ms(pct(trip, .5))} | "
                   + " | ".join(f"{ms(pct(e2e[n], .5))} / {ms(pct(e2e[n], .99))}" for n, _ in routers) + " |",
                   flush=True)
     finally:

@@ -5,6 +5,7 @@
 //! Owns these endpoints' answers. Must not route or book (select.rs, lease.rs).
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::State;
@@ -95,7 +96,8 @@ async fn forward_tokenize(
 }
 
 /// `POST /v1/route/explain`: what the policy would choose for a request, and why.
-/// Books nothing.
+/// Books nothing. Its `Server-Timing` header says how long the decision took, by stage
+/// (parse, tokenize, hash, select; `total` from the body's arrival), in milliseconds.
 pub async fn explain(
     gw: Arc<Gateway>,
     Admitted {
@@ -105,15 +107,18 @@ pub async fn explain(
         ..
     }: Admitted,
 ) -> Response {
+    let arrived = Instant::now();
     let p = match prepare(&gw, None, &bytes, TokenUse::ForPolicy).await {
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
     let session = session_key(&p.model, &headers);
+    let selecting = Instant::now();
     let mut answer = match explain_pool(&gw, &p, session) {
         Ok(a) => a,
         Err(e) => return e.into_response(),
     };
+    let decided = Instant::now();
     answer["model"] = json!(&*p.model.name);
     answer["lora"] = json!(p.lora.as_deref());
     answer["prompt_tokens"] = json!(p.prompt_tokens);
@@ -131,7 +136,20 @@ pub async fn explain(
         };
         answer["skips_prefill"] = json!(skips_prefill(&gw, prefill, &p));
     }
-    Json(answer).into_response()
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let timing = format!(
+        "parse;dur={:.3}, tokenize;dur={:.3}, hash;dur={:.3}, select;dur={:.3}, total;dur={:.3}",
+        ms(p.took.parse),
+        ms(p.took.tokenize),
+        ms(p.took.hash),
+        ms(decided - selecting),
+        ms(decided - arrived),
+    );
+    let mut response = Json(answer).into_response();
+    if let Ok(value) = http::HeaderValue::from_str(&timing) {
+        response.headers_mut().insert("server-timing", value);
+    }
+    response
 }
 
 /// What one pool's policy would choose for a prepared request, and why: every

@@ -7,7 +7,7 @@
 
 use std::borrow::Cow;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use http::HeaderMap;
 use kvgate_core::BlockKey;
@@ -138,6 +138,20 @@ pub struct Prepared {
     /// The prompt's KV cache arrives from a prefill worker (a disaggregated request's
     /// decode leg): its booking counts no prefill work.
     pub kv_transferred: bool,
+    /// Where preparing it took its time (`/v1/route/explain` answers it as
+    /// `Server-Timing`).
+    pub took: PrepareTimes,
+}
+
+/// The stages of [`prepare`], timed.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PrepareTimes {
+    /// Parsing the body (the routing fields, and the document when it is tokenized).
+    pub parse: Duration,
+    /// Tokenizing it (template and encoding, local or remote).
+    pub tokenize: Duration,
+    /// Hashing the tokens into block keys.
+    pub hash: Duration,
 }
 
 fn to_u32(v: Option<f64>) -> Option<u32> {
@@ -169,6 +183,7 @@ pub async fn prepare(
 ) -> Result<Prepared, ApiError> {
     // Parsing and tokenizing a large body costs several times its size in memory.
     let _large_body = gw.limiter.acquire_large_body(body.len()).await?;
+    let parsing = Instant::now();
     let needs_tokens = |m: &ModelState| match tokens {
         TokenUse::ForPolicy => m.uses_tokens(),
         TokenUse::ReturnIds => m.tokenizer.is_some(),
@@ -198,6 +213,7 @@ pub async fn prepare(
         prompt_tokens_estimated: false,
         token_ids: None,
         kv_transferred: false,
+        took: PrepareTimes::default(),
         model,
         lora,
     };
@@ -206,6 +222,7 @@ pub async fn prepare(
         let size = head.messages.or(head.prompt).unwrap_or_default();
         p.prompt_tokens = u32::try_from(size.0).unwrap_or(u32::MAX);
         p.prompt_tokens_estimated = true;
+        p.took.parse = parsing.elapsed();
         return Ok(p);
     }
     let value = match document {
@@ -213,9 +230,15 @@ pub async fn prepare(
         None => serde_json::from_slice(body).map_err(ApiError::malformed_json)?,
     };
     let value = &value;
-    match tokenize(gw, &p.model, kind, value).await? {
+    let tokenizing = Instant::now();
+    p.took.parse = tokenizing - parsing;
+    let routing = tokenize(gw, &p.model, kind, value).await?;
+    let hashing = Instant::now();
+    p.took.tokenize = hashing - tokenizing;
+    match routing {
         RoutingTokens::Tokens { ids, .. } => {
             p.keys = Some(p.model.selection.block_keys(&ids, p.lora.as_deref()));
+            p.took.hash = hashing.elapsed();
             p.prompt_tokens = u32::try_from(ids.len()).unwrap_or(u32::MAX);
             if tokens == TokenUse::ReturnIds {
                 p.token_ids = Some(ids);

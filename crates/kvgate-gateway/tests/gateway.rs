@@ -1349,6 +1349,36 @@ async fn models_tokenize_explain_and_graceful_shutdown() {
     assert_eq!(ex["lora"], "m-sql");
     assert_eq!(ex["scores"].as_array().unwrap().len(), 1);
     assert_eq!(a.hits(), 0, "explain must not forward");
+    // The decision's cost by stage, in milliseconds, tokenizing included.
+    let timed = c
+        .post(format!("{}/v1/route/explain", gw.url()))
+        .json(&json!({"model": "m", "prompt": "hello world"}))
+        .send()
+        .await
+        .unwrap();
+    let timing = timed.headers()["server-timing"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let stages: Vec<(&str, f64)> = timing
+        .split(", ")
+        .map(|s| {
+            let (name, dur) = s.split_once(";dur=").unwrap();
+            (name, dur.parse().unwrap())
+        })
+        .collect();
+    let names: Vec<&str> = stages.iter().map(|s| s.0).collect();
+    assert_eq!(
+        names,
+        ["parse", "tokenize", "hash", "select", "total"],
+        "{timing}"
+    );
+    let total = stages[4].1;
+    assert!(stages[1].1 > 0.0 && total > 0.0, "{timing}");
+    assert!(
+        stages[..4].iter().map(|s| s.1).sum::<f64>() <= total + 0.01,
+        "{timing}"
+    );
 
     // Shutdown lets an in-flight stream finish.
     let r = c
