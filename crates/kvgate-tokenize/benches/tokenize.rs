@@ -78,7 +78,11 @@ fn chat_with_tokens(tok: &LocalTokenizer, target: usize) -> (Value, usize) {
 
 fn bench(c: &mut Criterion) {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/qwen3-tokenizer");
-    let tok = LocalTokenizer::from_dir(&dir).expect("fixture tokenizer");
+    // Without the segment cache: every iteration encodes the text as if never seen
+    // (what the cache saves is measured end to end by scripts/decision-cost.py).
+    let tok = LocalTokenizer::from_dir(&dir)
+        .expect("fixture tokenizer")
+        .with_segment_cache(0);
     let mut group = c.benchmark_group("tokenize_chat");
     group.measurement_time(Duration::from_secs(3));
     for (label, target) in [("1k", 1_000), ("8k", 8_000), ("32k", 32_000)] {

@@ -20,9 +20,9 @@ use crate::template::TemplateSet;
 use crate::{count_non_text_parts, RequestKind, RoutingTokens, TokenizeError};
 
 /// Requests with at least this many bytes of text are tokenized on tokio's blocking
-/// pool instead of the async worker. Measured (docs/BENCHMARKS.md, Tokenization): a 1k-token
-/// chat (~4 KiB) takes ~0.2 ms, an 8k one ~1.6 ms, so 16 KiB (~4k tokens) caps inline
-/// work below ~1 ms while `spawn_blocking`'s fixed cost (~10-20 µs) stays negligible.
+/// pool instead of the async worker. Measured (docs/BENCHMARKS.md, section 11): a cold
+/// 8k-token chat (~40 KiB) takes ~0.8 ms, so 16 KiB (~4k tokens) caps inline work near
+/// ~0.4 ms while `spawn_blocking`'s fixed cost (~10-20 µs) stays negligible.
 pub const SPAWN_BLOCKING_MIN_BYTES: usize = 16 * 1024;
 
 /// The segment cache's bound unless set ([`LocalTokenizer::with_segment_cache`]): the ids
