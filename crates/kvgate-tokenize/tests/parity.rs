@@ -333,21 +333,12 @@ fn prompts_beyond_the_context_limit_are_refused() {
 /// `continue_final_message` cuts after the final message's last text part.
 #[test]
 fn openai_format_templates_see_parts() {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::copy(
-        common::qwen3_dir().join("tokenizer.json"),
-        dir.path().join("tokenizer.json"),
-    )
-    .unwrap();
-    std::fs::write(
-        dir.path().join("chat_template.jinja"),
+    let (_dir, tok) = common::qwen3_with_template(
         "{%- for m in messages -%}[{{ m.role }}]\
          {%- if m.content is string -%}{{ m.content }}\
          {%- else -%}{%- for c in m['content'] -%}<{{ c.type }}:{{ c.text }}>{%- endfor -%}{%- endif -%}\
          |{%- endfor -%}{%- if add_generation_prompt -%}[assistant]{%- endif -%}",
-    )
-    .unwrap();
-    let tok = LocalTokenizer::from_dir(dir.path()).unwrap();
+    );
     let body = json!({"messages": [
         {"role": "user", "content": [{"type": "text", "text": "a"}, "b",
             {"type": "image_url", "image_url": {"url": "http://x"}}]},
@@ -371,20 +362,11 @@ fn openai_format_templates_see_parts() {
 /// iterated by key and value, tested for a key, read by attribute and by item.
 #[test]
 fn templates_see_each_message_as_a_mapping() {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::copy(
-        common::qwen3_dir().join("tokenizer.json"),
-        dir.path().join("tokenizer.json"),
-    )
-    .unwrap();
-    std::fs::write(
-        dir.path().join("chat_template.jinja"),
+    let (_dir, tok) = common::qwen3_with_template(
         "{%- for m in messages -%}{{ m | tojson }}|{{ m | length }}|{{ 'tool_calls' in m }}|\
          {{ m.name is defined }}|{{ m['role'] }}|{%- for k, v in m.items() -%}{{ k }}={{ v is string }},{%- endfor -%}\
          |{{ m.keys() | list | join(' ') }}|{{ m.missing is undefined }};{%- endfor -%}",
-    )
-    .unwrap();
-    let tok = LocalTokenizer::from_dir(dir.path()).unwrap();
+    );
     let body = json!({"add_generation_prompt": false, "messages": [
         {"role": "user", "content": "hi", "name": "bob"},
         {"role": "assistant", "content": null, "reasoning": "r", "tool_calls": [
