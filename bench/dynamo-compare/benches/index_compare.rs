@@ -8,8 +8,9 @@
 //!   event ingestion must) and then the matching BlockRemoved.
 //!
 //! At equal threads: the Flash Indexer's N event threads against kvgate's index behind
-//! the gateway's lock (kvgate-events' `SharedIndex`, a `parking_lot::RwLock`) written by
-//! N threads, each applying its workers' events as the gateway's subscriber tasks do;
+//! the gateway's lock (kvgate-events' `SharedIndex`, an `IndexLock`) written by
+//! N threads, each applying its workers' events as the gateway's subscriber tasks do
+//! (`kvgate_events::apply_batch` under the write lock);
 //! lookups split over N threads on both (kvgate's under the read lock, the keys hashed
 //! before it as the gateway does).
 //!
@@ -28,12 +29,12 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use common::Flash;
-use parking_lot::RwLock;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use dynamo_kv_router::indexer::RadixTree;
 use dynamo_kv_router::protocols::{compute_block_hash_for_seq, BlockHashOptions, RouterEvent};
 use kvgate_core::{BlockHasher, IndexConfig, PrefixIndex, Tier, WorkerId, WorkerRef};
+use kvgate_events::{apply_batch, EventBatch, IndexLock};
 use support::mooncake::{scenario, StoredEvent};
 
 const BLOCK_SIZE: usize = 16;
@@ -92,28 +93,28 @@ fn flash_events(flash: &Flash, churn: &[StoredEvent], id: &mut u64) {
 }
 
 /// The event workload on kvgate's index behind the gateway's lock, written by
-/// `threads` threads, each applying the events of its share of the workers (one
-/// `write()` per event, as a subscriber applies a batch).
+/// `threads` threads, each applying the events of its share of the workers through the
+/// gateway's ingestion (one `write()` per event, as a subscriber applies a batch):
+/// `stores[i]` and `removals[i]` are churn event `i` and its removal as decoded.
 fn shared_events(
-    index: &RwLock<PrefixIndex>,
+    index: &IndexLock,
     churn: &[StoredEvent],
-    removals: &[Vec<u64>],
+    stores: &[EventBatch],
+    removals: &[EventBatch],
     threads: u32,
 ) {
     thread::scope(|s| {
         for t in 0..threads {
             s.spawn(move || {
-                let mine = |ev: &&StoredEvent| ev.worker % threads == t;
-                for ev in churn.iter().filter(mine) {
-                    ev.apply_to(&mut index.write());
-                }
-                for (ev, hashes) in churn.iter().zip(removals).rev() {
+                let at = |ev: &StoredEvent| WorkerRef::new(WorkerId(ev.worker), 0);
+                for (ev, batch) in churn.iter().zip(stores) {
                     if ev.worker % threads == t {
-                        index.write().apply_removed(
-                            WorkerRef::new(WorkerId(ev.worker), 0),
-                            hashes,
-                            Some(Tier::Device),
-                        );
+                        apply_batch(&mut index.write(), at(ev), batch);
+                    }
+                }
+                for (ev, batch) in churn.iter().zip(removals).rev() {
+                    if ev.worker % threads == t {
+                        apply_batch(&mut index.write(), at(ev), batch);
                     }
                 }
             });
@@ -208,7 +209,14 @@ fn benches(c: &mut Criterion) {
     eprintln!("lookup interleaved: kvgate's rate / dynamo's {lookups}");
 
     // Against the Flash Indexer at equal threads, kvgate's index behind the gateway's lock.
-    let shared = RwLock::new(kv);
+    let shared = IndexLock::new(kv);
+    let stores: Vec<EventBatch> = s
+        .churn
+        .iter()
+        .map(|ev| common::kvgate_stored(ev, BLOCK_SIZE as u32))
+        .collect();
+    let removal_batches: Vec<EventBatch> =
+        removals.iter().map(|h| common::kvgate_removed(h)).collect();
     for threads in [1usize, 2] {
         let flash = Flash::new(threads, BLOCK_SIZE as u32);
         for (i, ev) in s.population.iter().enumerate() {
@@ -217,7 +225,7 @@ fn benches(c: &mut Criterion) {
         flash.flush();
         let events = interleaved(
             101,
-            || shared_events(&shared, &s.churn, &removals, threads as u32),
+            || shared_events(&shared, &s.churn, &stores, &removal_batches, threads as u32),
             || flash_events(&flash, &s.churn, &mut id),
         );
         eprintln!("events, {threads} thread(s), interleaved: kvgate's rate / the Flash Indexer's {events}");

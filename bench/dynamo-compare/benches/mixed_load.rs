@@ -11,11 +11,13 @@
 //! 500: a worker prefilling ~8k new tokens a second) for `MIXED_SECONDS` (default 5).
 //!
 //! Each used as its router uses it:
-//! - kvgate: the gateway's `SharedIndex` (a `parking_lot::RwLock<PrefixIndex>`); each
-//!   event applied under the write lock by the thread that received it (as a subscriber
-//!   task applies a batch: one writer thread, or two with the workers split between
-//!   them); a lookup hashes the prompt, then takes the read lock for the overlap (as
-//!   selection does).
+//! - kvgate: the gateway's `SharedIndex` (kvgate-events' `IndexLock`: a readers-writer
+//!   lock whose writers take turns); each event applied by the thread that received it
+//!   through the gateway's ingestion (`kvgate_events::apply_batch` under the write lock,
+//!   as a subscriber task applies a batch, letting waiting lookups in between slices of
+//!   `WRITE_SLICE_BLOCKS` blocks; one writer thread, or two with the workers split
+//!   between them); a lookup hashes the prompt, then takes the read lock for the
+//!   overlap (as selection does).
 //! - Dynamo: `ThreadPoolIndexer<ConcurrentRadixTreeCompressed>` with one or two event
 //!   threads; the thread that receives an event builds it (hashing its tokens) and
 //!   enqueues it; a lookup hashes and matches on the caller's thread, without a lock.
@@ -33,8 +35,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use common::Flash;
-use kvgate_core::{BlockHasher, IndexConfig, PrefixIndex, Tier, WorkerId, WorkerRef};
-use parking_lot::RwLock;
+use kvgate_core::{BlockHasher, IndexConfig, PrefixIndex, WorkerId, WorkerRef};
+use kvgate_events::{apply_batch, EventBatch, IndexLock};
 use support::mooncake::{
     load_conversation_trace, long_prompts, populate, tokens_for, Fleet, StoredEvent,
 };
@@ -83,6 +85,8 @@ struct Workload {
     population: Vec<StoredEvent>,
     /// The timed stream, each op with its due time from the start.
     ops: Vec<(Duration, Op)>,
+    /// Each op as kvgate's event ingestion decodes it.
+    batches: Vec<EventBatch>,
     stored_blocks: usize,
     queries: Vec<Vec<u32>>,
 }
@@ -118,9 +122,17 @@ fn workload(workers: u32, blocks_per_worker_s: u64, seconds: u64) -> Workload {
             ops.push((due, Op::Removed { worker, hashes }));
         }
     }
+    let batches = ops
+        .iter()
+        .map(|(_, op)| match op {
+            Op::Stored(ev) => common::kvgate_stored(ev, BLOCK_SIZE as u32),
+            Op::Removed { hashes, .. } => common::kvgate_removed(hashes),
+        })
+        .collect();
     Workload {
         population,
         ops,
+        batches,
         stored_blocks,
         queries,
     }
@@ -128,30 +140,22 @@ fn workload(workers: u32, blocks_per_worker_s: u64, seconds: u64) -> Workload {
 
 /// One index under the mixed load.
 trait Mixed: Sync {
-    /// Applies (or hands over) one op, on the thread that received it.
-    fn receive(&self, op: &Op, id: u64);
+    /// Applies (or hands over) the workload's op `i`, on the thread that received it.
+    fn receive(&self, w: &Workload, i: usize);
     /// Returns once every op received is applied.
     fn settle(&self);
     fn lookup(&self, tokens: &[u32]);
 }
 
 struct Kvgate {
-    index: RwLock<PrefixIndex>,
+    index: IndexLock,
     hasher: BlockHasher,
 }
 
 impl Mixed for Kvgate {
-    fn receive(&self, op: &Op, _id: u64) {
-        match op {
-            Op::Stored(ev) => ev.apply_to(&mut self.index.write()),
-            Op::Removed { worker, hashes } => {
-                self.index.write().apply_removed(
-                    WorkerRef::new(WorkerId(*worker), 0),
-                    hashes,
-                    Some(Tier::Device),
-                );
-            }
-        }
+    fn receive(&self, w: &Workload, i: usize) {
+        let at = WorkerRef::new(WorkerId(w.ops[i].1.worker()), 0);
+        apply_batch(&mut self.index.write(), at, &w.batches[i]);
     }
 
     fn settle(&self) {}
@@ -163,8 +167,9 @@ impl Mixed for Kvgate {
 }
 
 impl Mixed for Flash {
-    fn receive(&self, op: &Op, id: u64) {
-        self.enqueue(match op {
+    fn receive(&self, w: &Workload, i: usize) {
+        let id = (1 << 40) + i as u64;
+        self.enqueue(match &w.ops[i].1 {
             Op::Stored(ev) => common::stored_event(ev, id, BLOCK_SIZE as u32),
             Op::Removed { worker, hashes } => common::removed(*worker, id, hashes.iter().copied()),
         });
@@ -206,7 +211,7 @@ fn run(index: &dyn Mixed, w: &Workload, receivers: u32) -> Outcome {
                         } else {
                             behind = behind.max(now - *due);
                         }
-                        index.receive(op, (1 << 40) + i as u64);
+                        index.receive(w, i);
                     }
                     behind
                 })
@@ -262,7 +267,7 @@ fn main() {
                     ev.apply_to(&mut index);
                 }
                 Kvgate {
-                    index: RwLock::new(index),
+                    index: IndexLock::new(index),
                     hasher,
                 }
             };

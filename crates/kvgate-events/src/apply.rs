@@ -1,9 +1,12 @@
 //! Applying one decoded [`EventBatch`] to the prefix index for one worker rank.
 //!
-//! Owns the filtering rules (which events the router may index) and the translation
-//! into [`PrefixIndex`] calls. It must not lock, log, count into shared metrics or touch
-//! sockets: the caller holds the write lock for the whole batch and turns the returned
-//! [`ApplyOutcome`] into metrics and log lines.
+//! Owns the filtering rules (which events the router may index), the translation into
+//! [`PrefixIndex`] calls, and how long one write section lasts. It must not take locks,
+//! log, count into shared metrics or touch sockets: the caller takes the write lock for
+//! the batch and turns the returned [`ApplyOutcome`] into metrics and log lines; this
+//! module applies the batch in slices of at most [`WRITE_SLICE_BLOCKS`] blocks and
+//! lets waiting lookups in between them ([`IndexWriter::let_waiters_in`]: nothing when
+//! none waits), so a routing decision never waits for a whole batch.
 //!
 //! Rules:
 //! * only group 0 and `full_attention` blocks are indexed, when those fields are present
@@ -16,7 +19,7 @@
 //!   it can never match base-model requests.
 
 use kvgate_core::index::StoreError;
-use kvgate_core::{PrefixIndex, StoredBlocks, Tier, WorkerRef};
+use kvgate_core::{PrefixIndex, StoredBlocks, Tier, WorkerRef, WRITE_SLICE_BLOCKS};
 
 use crate::wire::{BlockRemoved, BlockStored, EventBatch, KvEvent};
 
@@ -77,19 +80,46 @@ impl ApplyOutcome {
     }
 }
 
-/// Applies every event of `batch` to `index` as held by `at`, in order.
-pub fn apply_batch(index: &mut PrefixIndex, at: WorkerRef, batch: &EventBatch) -> ApplyOutcome {
+/// What a batch is applied to: an index of one's own, or a shared index under its
+/// write guard ([`crate::IndexWriteGuard`]), which lets waiting lookups in between
+/// slices.
+pub trait IndexWriter {
+    fn index(&mut self) -> &mut PrefixIndex;
+
+    /// Lets threads waiting to read the index go first (nothing for an unshared one).
+    fn let_waiters_in(&mut self) {}
+}
+
+impl IndexWriter for PrefixIndex {
+    fn index(&mut self) -> &mut PrefixIndex {
+        self
+    }
+}
+
+/// Applies every event of `batch` to the index as held by `at`, in order, letting
+/// waiting lookups in whenever a slice's worth of blocks ([`WRITE_SLICE_BLOCKS`]) was
+/// applied since they last could.
+pub fn apply_batch(
+    index: &mut impl IndexWriter,
+    at: WorkerRef,
+    batch: &EventBatch,
+) -> ApplyOutcome {
     let mut out = ApplyOutcome {
         unknown_events: batch.unknown_events as u64,
         ..ApplyOutcome::default()
     };
+    let mut section = Section {
+        writer: index,
+        blocks: 0,
+    };
     for event in &batch.events {
         match event {
-            KvEvent::BlockStored(e) => apply_stored(index, at, e, &mut out),
-            KvEvent::BlockRemoved(e) => apply_removed(index, at, e, &mut out),
+            KvEvent::BlockStored(e) => apply_stored(&mut section, at, e, &mut out),
+            KvEvent::BlockRemoved(e) => apply_removed(&mut section, at, e, &mut out),
             KvEvent::AllBlocksCleared => {
                 out.clears += 1;
                 out.events_applied += 1;
+                let index = section.for_blocks(WRITE_SLICE_BLOCKS);
                 out.cleared_entries += index.clear(at) as u64;
             }
         }
@@ -97,11 +127,36 @@ pub fn apply_batch(index: &mut PrefixIndex, at: WorkerRef, batch: &EventBatch) -
     out
 }
 
+/// A batch's write section, cut into slices.
+struct Section<'s, W: IndexWriter> {
+    writer: &'s mut W,
+    /// Blocks applied since waiting lookups last could go.
+    blocks: usize,
+}
+
+impl<W: IndexWriter> Section<'_, W> {
+    /// The index, to apply `blocks` more blocks: first yields the lock to waiting
+    /// readers if that would take this slice past [`WRITE_SLICE_BLOCKS`].
+    fn for_blocks(&mut self, blocks: usize) -> &mut PrefixIndex {
+        if self.blocks > 0 && self.blocks + blocks > WRITE_SLICE_BLOCKS {
+            self.writer.let_waiters_in();
+            self.blocks = 0;
+        }
+        self.blocks += blocks;
+        self.writer.index()
+    }
+}
+
 fn indexable_group(group_idx: Option<u32>, spec_kind: Option<&str>) -> bool {
     group_idx.is_none_or(|g| g == 0) && spec_kind.is_none_or(|k| k == "full_attention")
 }
 
-fn apply_stored(index: &mut PrefixIndex, at: WorkerRef, e: &BlockStored, out: &mut ApplyOutcome) {
+fn apply_stored(
+    section: &mut Section<'_, impl IndexWriter>,
+    at: WorkerRef,
+    e: &BlockStored,
+    out: &mut ApplyOutcome,
+) {
     if !indexable_group(e.group_idx, e.kv_cache_spec_kind.as_deref()) {
         out.skipped_group += 1;
         return;
@@ -127,30 +182,48 @@ fn apply_stored(index: &mut PrefixIndex, at: WorkerRef, e: &BlockStored, out: &m
         tier: Tier::from_medium(e.medium.as_deref()),
         lora_name,
     };
-    match index.apply_stored(at, &blocks) {
-        Ok(o) => {
-            out.events_applied += 1;
-            out.blocks_stored += o.inserted as u64;
-            out.blocks_refreshed += o.duplicates as u64;
-            out.evicted += o.evicted as u64;
+    for slice in blocks.slices(WRITE_SLICE_BLOCKS) {
+        let index = section.for_blocks(slice.engine_hashes.len());
+        match index.apply_stored(at, &slice) {
+            Ok(o) => {
+                out.blocks_stored += o.inserted as u64;
+                out.blocks_refreshed += o.duplicates as u64;
+                out.evicted += o.evicted as u64;
+            }
+            // A later slice finds its parent unless the cap evicted it in between.
+            Err(e) => {
+                match e {
+                    StoreError::BlockSizeMismatch { got, .. } => {
+                        out.block_size_mismatches += 1;
+                        out.mismatched_block_size = Some(got);
+                    }
+                    StoreError::TokenCountMismatch { .. } => out.token_count_mismatches += 1,
+                    StoreError::UnknownParent { .. } => out.unknown_parents += 1,
+                }
+                return;
+            }
         }
-        Err(StoreError::BlockSizeMismatch { got, .. }) => {
-            out.block_size_mismatches += 1;
-            out.mismatched_block_size = Some(got);
-        }
-        Err(StoreError::TokenCountMismatch { .. }) => out.token_count_mismatches += 1,
-        Err(StoreError::UnknownParent { .. }) => out.unknown_parents += 1,
     }
+    out.events_applied += 1;
 }
 
-fn apply_removed(index: &mut PrefixIndex, at: WorkerRef, e: &BlockRemoved, out: &mut ApplyOutcome) {
+fn apply_removed(
+    section: &mut Section<'_, impl IndexWriter>,
+    at: WorkerRef,
+    e: &BlockRemoved,
+    out: &mut ApplyOutcome,
+) {
     if !indexable_group(e.group_idx, None) {
         out.skipped_group += 1;
         return;
     }
     let tier = Tier::from_medium(e.medium.as_deref());
-    let o = index.apply_removed(at, &e.block_hashes, Some(tier));
+    for hashes in e.block_hashes.chunks(WRITE_SLICE_BLOCKS) {
+        let o = section
+            .for_blocks(hashes.len())
+            .apply_removed(at, hashes, Some(tier));
+        out.blocks_removed += o.removed as u64;
+        out.unknown_removals += o.unknown as u64;
+    }
     out.events_applied += 1;
-    out.blocks_removed += o.removed as u64;
-    out.unknown_removals += o.unknown as u64;
 }

@@ -7,14 +7,14 @@
 //! replay on gaps, and purging a worker rank whose stream cannot be trusted
 //! (unrecoverable gap, engine restart, lost connection). It
 //! must not decide routing, and never holds the index lock across an `.await`: the
-//! write lock is taken once per batch.
+//! write lock is taken once per batch (and let go to waiting lookups between its
+//! slices, `apply`).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvgate_core::{PrefixIndex, WorkerId, WorkerRef};
-use parking_lot::RwLock;
+use kvgate_core::{WorkerId, WorkerRef};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use zeromq::{Socket, SocketRecv, SubSocket};
@@ -26,10 +26,8 @@ use crate::metrics::DropReason;
 use crate::metrics::{EventMetrics, WorkerCounters};
 use crate::replay::{fetch_replay, ReplayLimits, ReplayedBatch};
 use crate::sequence::{covers, Cursor, Verdict};
+use crate::shared::{IndexLock, SharedIndex};
 use crate::wire::decode_batch;
-
-/// The shared, per-model prefix index.
-pub type SharedIndex = Arc<RwLock<PrefixIndex>>;
 
 /// One engine event stream to follow.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -122,7 +120,7 @@ impl Drop for SubscriberHandle {
 
 /// Forgets everything a worker holds (all ranks): call when a worker is removed from
 /// the fleet or declared dead. Returns the entries removed.
-pub fn purge_worker(index: &RwLock<PrefixIndex>, worker: WorkerId) -> usize {
+pub fn purge_worker(index: &IndexLock, worker: WorkerId) -> usize {
     index.write().remove_worker(worker)
 }
 
@@ -219,8 +217,11 @@ impl Ingest {
         let stream = WorkerRef::new(self.source.worker, self.source.dp_rank);
         let (outcome, block_size, entries) = {
             let mut index = self.index.write();
+            // Lookups may get in between slices of the batch (`apply_batch`), and so may
+            // a peer's snapshot: part of the batch under the previous sequence number,
+            // which a router loading it replays from (stores and removals apply again
+            // as no-ops, so it ends where this index does).
             let outcome = apply_batch(&mut index, at, &batch);
-            // Under the same lock, so a snapshot's blocks and sequence agree.
             index.set_applied_seq(stream, seq);
             (outcome, index.block_size(), index.len())
         };

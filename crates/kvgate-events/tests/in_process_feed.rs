@@ -8,8 +8,7 @@ use std::sync::Arc;
 
 use common::*;
 use kvgate_core::{BlockHasher, IndexConfig, PrefixIndex, WorkerId, WorkerRef};
-use kvgate_events::{EventFeed, EventMetrics, EventSource, SharedIndex};
-use parking_lot::RwLock;
+use kvgate_events::{EventFeed, EventMetrics, EventSource, IndexLock, SharedIndex};
 
 const BS: u32 = 4;
 const WORKER: WorkerId = WorkerId(5);
@@ -23,10 +22,10 @@ fn stored(hash: u64, parent: Option<u64>, seed: u64) -> Vec<u8> {
 
 #[test]
 fn the_feed_applies_in_order_and_purges_on_restart_and_gaps() {
-    let index: SharedIndex = Arc::new(RwLock::new(PrefixIndex::new(
+    let index: SharedIndex = IndexLock::shared(PrefixIndex::new(
         BlockHasher::new(BS).unwrap(),
         IndexConfig::default(),
-    )));
+    ));
     let metrics = Arc::new(EventMetrics::default());
     let mut feed = EventFeed::new(
         EventSource::new(WORKER, "in-process:test"),

@@ -310,3 +310,62 @@ fn malformed_payloads_are_errors() {
         (None, None)
     );
 }
+
+/// A large batch applied to a shared index lets a waiting lookup in part-way (after a
+/// slice of `WRITE_SLICE_BLOCKS` blocks), instead of keeping it out for the whole batch:
+/// the batch stores blocks and removes them all again, so only a lookup let in between
+/// sees any. The batch still ends fully applied and counted once per event.
+#[test]
+fn a_waiting_lookup_gets_in_between_slices_of_a_large_batch() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+
+    use kvgate_core::WRITE_SLICE_BLOCKS;
+    use kvgate_events::wire::BlockRemoved;
+    use kvgate_events::IndexLock;
+
+    let blocks = 20 * WRITE_SLICE_BLOCKS;
+    let hashes: Vec<u64> = (1..=blocks as u64).collect();
+    let b = kvgate_events::EventBatch {
+        events: vec![
+            KvEvent::BlockStored(BlockStored {
+                block_hashes: hashes.clone(),
+                token_ids: (0..4 * blocks as u32).collect(),
+                block_size: 4,
+                ..BlockStored::default()
+            }),
+            KvEvent::BlockRemoved(BlockRemoved {
+                block_hashes: hashes.iter().rev().copied().collect(),
+                ..BlockRemoved::default()
+            }),
+        ],
+        ..kvgate_events::EventBatch::default()
+    };
+    let shared = IndexLock::new(index(4));
+    let mut writer = shared.write();
+    let asking = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let lookup = s.spawn(|| {
+            asking.store(true, Ordering::SeqCst);
+            shared.read().len()
+        });
+        while !asking.load(Ordering::SeqCst) {
+            std::thread::yield_now();
+        }
+        // Long enough for the reader to be parked on the lock.
+        std::thread::sleep(Duration::from_millis(50));
+        let o = apply_batch(&mut writer, AT, &b);
+        assert_eq!(o.events_applied, 2);
+        assert_eq!(
+            (o.blocks_stored, o.blocks_removed),
+            (blocks as u64, blocks as u64)
+        );
+        assert_eq!(writer.len(), 0);
+        drop(writer);
+        let seen = lookup.join().expect("lookup thread");
+        assert!(
+            seen > 0,
+            "the lookup saw no entry: it waited for the whole batch"
+        );
+    });
+}

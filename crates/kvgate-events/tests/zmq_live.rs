@@ -12,10 +12,10 @@ use kvgate_core::{BlockHasher, BlockKey, IndexConfig, PrefixIndex, Tier, WorkerI
 use kvgate_events::metrics::WorkerEventStats;
 use kvgate_events::replay::ReplayLimits;
 use kvgate_events::{
-    spawn_subscriber_with, EventMetrics, EventSource, SharedIndex, SubscriberConfig,
+    spawn_subscriber_with, EventMetrics, EventSource, IndexLock, SharedIndex, SubscriberConfig,
     SubscriberHandle,
 };
-use parking_lot::{Mutex, RwLock};
+use parking_lot::Mutex;
 use rmpv::Value;
 use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
@@ -119,10 +119,10 @@ impl Drop for FakeEngine {
 }
 
 fn new_index() -> SharedIndex {
-    Arc::new(RwLock::new(PrefixIndex::new(
+    IndexLock::shared(PrefixIndex::new(
         BlockHasher::new(BS).unwrap(),
         IndexConfig::default(),
-    )))
+    ))
 }
 
 fn config() -> SubscriberConfig {

@@ -31,8 +31,8 @@ use kvgate_core::{
     SelectError, WorkerId,
 };
 use kvgate_events::{
-    spawn_subscriber, Bootstrap, EventFeed, EventMetrics, EventSource, RankSnapshot, SharedIndex,
-    SubscriberHandle,
+    spawn_subscriber, Bootstrap, EventFeed, EventMetrics, EventSource, IndexLock, RankSnapshot,
+    SharedIndex, SubscriberHandle,
 };
 use parking_lot::{Mutex, RwLock};
 use rustc_hash::FxHashMap;
@@ -226,12 +226,12 @@ impl SelectionService {
             })
         });
         let index = (kind == PolicyKind::KvAware).then(|| {
-            Arc::new(RwLock::new(PrefixIndex::new(
+            IndexLock::shared(PrefixIndex::new(
                 hasher,
                 IndexConfig {
                     max_blocks: config.index_max_blocks,
                 },
-            )))
+            ))
         });
         Ok(SelectionService {
             ledger: Ledger::new(config.block_size),

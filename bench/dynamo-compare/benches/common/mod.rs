@@ -1,6 +1,9 @@
 //! dynamo-kv-router events built as its KV-event ingestion builds them (the stored
-//! blocks' token ids hashed into its local block hashes), and its Flash Indexer, shared
-//! by the benchmarks.
+//! blocks' token ids hashed into its local block hashes), and its Flash Indexer; the
+//! same events as kvgate's ingestion decodes them. Shared by the benchmarks.
+
+use kvgate_events::wire::{BlockRemoved, BlockStored};
+use kvgate_events::{EventBatch, KvEvent};
 
 use dynamo_kv_router::indexer::{
     concurrent_radix_tree_compressed::ConcurrentRadixTreeCompressed, SyncIndexer, ThreadPoolIndexer,
@@ -127,5 +130,34 @@ impl Flash {
         let local =
             compute_block_hash_for_seq(tokens, self.block_size, BlockHashOptions::default());
         self.index.backend().find_matches(&local, false)
+    }
+}
+
+/// The Mooncake workload's `BlockStored` as kvgate's event ingestion decodes it (one
+/// event in a batch), for `kvgate_events::apply_batch`.
+#[allow(dead_code)] // memory_churn applies to the index directly
+pub fn kvgate_stored(ev: &crate::support::mooncake::StoredEvent, block_size: u32) -> EventBatch {
+    kvgate_batch(KvEvent::BlockStored(BlockStored {
+        block_hashes: ev.engine_hashes.clone(),
+        parent_block_hash: ev.parent,
+        token_ids: ev.tokens.clone(),
+        block_size,
+        ..BlockStored::default()
+    }))
+}
+
+/// A `BlockRemoved` of `engine_hashes` (in that order) as kvgate's ingestion decodes it.
+#[allow(dead_code)]
+pub fn kvgate_removed(engine_hashes: &[u64]) -> EventBatch {
+    kvgate_batch(KvEvent::BlockRemoved(BlockRemoved {
+        block_hashes: engine_hashes.to_vec(),
+        ..BlockRemoved::default()
+    }))
+}
+
+fn kvgate_batch(event: KvEvent) -> EventBatch {
+    EventBatch {
+        events: vec![event],
+        ..EventBatch::default()
     }
 }

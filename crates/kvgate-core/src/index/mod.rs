@@ -102,6 +102,61 @@ pub struct StoredBlocks<'a> {
     pub lora_name: Option<&'a str>,
 }
 
+/// The most blocks one write section of a shared index should apply before it lets
+/// waiting lookups in: a writer holding the index's lock applies an event in slices
+/// of at most this many blocks ([`StoredBlocks::slices`], removals in chunks) and
+/// yields the lock to waiting readers between them, so a lookup waits for at most one
+/// slice (about 2-5 µs), not for an engine's whole batch (thousands of blocks: a
+/// millisecond). docs/BENCHMARKS.md, "Under a mixed load", has the ablation.
+pub const WRITE_SLICE_BLOCKS: usize = 64;
+
+impl<'a> StoredBlocks<'a> {
+    /// The run cut into consecutive runs of at most `max_blocks` blocks (at least one),
+    /// each naming the last block of the one before as its parent: applied in order,
+    /// they store exactly what the whole run stores, and a writer can let readers in
+    /// between. A run whose token count does not match its blocks comes whole, so that
+    /// applying it reports the mismatch.
+    pub fn slices(&self, max_blocks: usize) -> Slices<'a> {
+        Slices {
+            rest: Some(*self),
+            max_blocks: max_blocks.max(1),
+        }
+    }
+}
+
+/// Iterator of [`StoredBlocks::slices`].
+#[derive(Clone, Debug)]
+pub struct Slices<'a> {
+    rest: Option<StoredBlocks<'a>>,
+    max_blocks: usize,
+}
+
+impl<'a> Iterator for Slices<'a> {
+    type Item = StoredBlocks<'a>;
+
+    fn next(&mut self) -> Option<StoredBlocks<'a>> {
+        let run = self.rest.take()?;
+        let n = run.engine_hashes.len();
+        let block_size = run.block_size as usize;
+        if n <= self.max_blocks || run.token_ids.len() != n * block_size {
+            return Some(run);
+        }
+        let (hashes, later_hashes) = run.engine_hashes.split_at(self.max_blocks);
+        let (token_ids, later_tokens) = run.token_ids.split_at(self.max_blocks * block_size);
+        self.rest = Some(StoredBlocks {
+            engine_hashes: later_hashes,
+            parent_engine_hash: hashes.last().copied(),
+            token_ids: later_tokens,
+            ..run
+        });
+        Some(StoredBlocks {
+            engine_hashes: hashes,
+            token_ids,
+            ..run
+        })
+    }
+}
+
 /// What an accepted store did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StoreOutcome {

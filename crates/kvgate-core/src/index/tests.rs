@@ -184,6 +184,56 @@ fn remove_worker_purges_every_rank_and_recycles_the_slot() {
 }
 
 #[test]
+fn slices_chain_each_to_the_last_block_before_it() {
+    let hashes = [10, 11, 12, 13, 14];
+    let tokens: Vec<u32> = (0..10).collect();
+    let run = StoredBlocks {
+        engine_hashes: &hashes,
+        parent_engine_hash: Some(9),
+        token_ids: &tokens,
+        block_size: BS,
+        tier: Tier::Host,
+        lora_name: Some("adapter"),
+    };
+    let parts: Vec<_> = run.slices(2).collect();
+    let shape: Vec<_> = parts
+        .iter()
+        .map(|p| {
+            (
+                p.engine_hashes.to_vec(),
+                p.parent_engine_hash,
+                p.token_ids.to_vec(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        shape,
+        vec![
+            (vec![10, 11], Some(9), vec![0, 1, 2, 3]),
+            (vec![12, 13], Some(11), vec![4, 5, 6, 7]),
+            (vec![14], Some(13), vec![8, 9]),
+        ]
+    );
+    assert!(parts
+        .iter()
+        .all(|p| p.tier == Tier::Host && p.lora_name == Some("adapter")));
+    // Whole when it fits, and when its token count is wrong (so applying it says so);
+    // a slice size of 0 is taken as 1.
+    assert_eq!(run.slices(5).count(), 1);
+    assert_eq!(
+        run.slices(0)
+            .map(|p| p.engine_hashes.len())
+            .collect::<Vec<_>>(),
+        [1; 5]
+    );
+    let short = StoredBlocks {
+        token_ids: &tokens[..9],
+        ..run
+    };
+    assert_eq!(short.slices(2).count(), 1);
+}
+
+#[test]
 fn block_size_and_token_count_mismatches_are_errors() {
     let mut idx = index(1000);
     let err = idx
@@ -798,6 +848,12 @@ fn engine_hash(w: u32, seq: usize, b: usize) -> u64 {
 
 /// Applies one operation to the index and to the model.
 fn apply_op(idx: &mut PrefixIndex, model: &mut Model, op: Op) {
+    apply_op_in_slices(idx, model, op, usize::MAX);
+}
+
+/// [`apply_op`], its stores and removals applied `slice` blocks at a time, as a writer
+/// of a shared index does ([`WRITE_SLICE_BLOCKS`]).
+fn apply_op_in_slices(idx: &mut PrefixIndex, model: &mut Model, op: Op, slice: usize) {
     match op {
         Op::Store {
             w,
@@ -822,7 +878,19 @@ fn apply_op(idx: &mut PrefixIndex, model: &mut Model, op: Op) {
                 None
             };
             let toks = &tokens[start * BS as usize..end * BS as usize];
-            let _ = store(idx, at(w, r), &hashes, parent, toks, tier);
+            let blocks = StoredBlocks {
+                engine_hashes: &hashes,
+                parent_engine_hash: parent,
+                token_ids: toks,
+                block_size: BS,
+                tier,
+                lora_name: None,
+            };
+            for part in blocks.slices(slice) {
+                if idx.apply_stored(at(w, r), &part).is_err() {
+                    break;
+                }
+            }
             model.store(at(w, r), &hashes, parent, toks, tier);
         }
         Op::Remove {
@@ -843,7 +911,9 @@ fn apply_op(idx: &mut PrefixIndex, model: &mut Model, op: Op) {
             if bogus {
                 hashes.insert(hashes.len() / 2, 999_999);
             }
-            idx.apply_removed(at(w, r), &hashes, tier);
+            for part in hashes.chunks(slice) {
+                idx.apply_removed(at(w, r), part, tier);
+            }
             model.remove(at(w, r), &hashes, tier);
         }
         Op::Clear { w, r } => {
@@ -997,6 +1067,37 @@ proptest! {
                     let keys = hasher().block_keys(&sequence(seq));
                     let of = |idx: &PrefixIndex| idx.overlaps(&keys).per_ref.iter().find(|o| o.at == a).map_or([0; 3], |o| o.blocks);
                     prop_assert_eq!(of(&loaded), of(&original), "worker {:?} seq {}", a, seq);
+                }
+            }
+        }
+    }
+
+    /// An event applied in slices (a shared index's writer letting lookups in between)
+    /// leaves the index as the whole event does: the same holdings, overlaps and counts.
+    #[test]
+    fn events_applied_in_slices_leave_the_index_as_whole_ones(
+        ops in prop::collection::vec(op_strategy(), 1..60),
+        slice in 1..4usize,
+    ) {
+        let (mut whole, mut sliced) = (index(1_000_000), index(1_000_000));
+        let (mut model, mut model_copy) = (Model::default(), Model::default());
+        for op in ops {
+            apply_op(&mut whole, &mut model, op.clone());
+            apply_op_in_slices(&mut sliced, &mut model_copy, op, slice);
+            assert_bookkeeping(&sliced);
+        }
+        prop_assert_eq!(sliced.len(), whole.len());
+        prop_assert_eq!(sliced.stats().stored_blocks, whole.stats().stored_blocks);
+        prop_assert_eq!(sliced.stats().removed_blocks, whole.stats().removed_blocks);
+        prop_assert_eq!(sliced.stats().unknown_parents, whole.stats().unknown_parents);
+        for w in 0..3 {
+            for r in 0..2 {
+                let a = at(w, r);
+                prop_assert_eq!(sliced.worker_blocks(a), whole.worker_blocks(a));
+                for seq in 0..4 {
+                    let keys = hasher().block_keys(&sequence(seq));
+                    let of = |idx: &PrefixIndex| idx.overlaps(&keys).per_ref.iter().find(|o| o.at == a).map_or([0; 3], |o| o.blocks);
+                    prop_assert_eq!(of(&sliced), of(&whole), "worker {:?} seq {}", a, seq);
                 }
             }
         }
