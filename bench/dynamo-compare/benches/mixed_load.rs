@@ -290,7 +290,7 @@ fn main() {
                     }
                 }
             }
-            for (name, outcomes) in ["kvgate (RwLock)", "Dynamo Flash Indexer"]
+            for (name, outcomes) in ["kvgate (IndexLock)", "Dynamo Flash Indexer"]
                 .iter()
                 .zip(&runs)
             {

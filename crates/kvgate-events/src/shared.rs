@@ -7,8 +7,9 @@
 //! lookup waits for at most a slice, never for an engine's whole batch. Writers queue
 //! on their own mutex before they take the index's lock: at a handover the only
 //! threads waiting for the index are readers, so two writers never pass the lock
-//! back and forth slice by slice (which cut two writers' event rate to 0.2x when they
-//! did, docs/BENCHMARKS.md section 10). Must not know about events or routing.
+//! back and forth slice by slice (without this mutex they did, and two writers' event
+//! rate fell to half, docs/BENCHMARKS.md section 10). Must not know about events or
+//! routing.
 
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;

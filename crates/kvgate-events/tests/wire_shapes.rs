@@ -369,3 +369,42 @@ fn a_waiting_lookup_gets_in_between_slices_of_a_large_batch() {
         );
     });
 }
+
+/// Writers take turns by whole batches: a second writer waiting while a large batch is
+/// applied is not let in between its slices (only readers are), so it sees the batch
+/// whole. Two writers passing the lock at every slice halved their event rate.
+#[test]
+fn a_waiting_writer_gets_in_after_the_whole_batch() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+
+    use kvgate_core::WRITE_SLICE_BLOCKS;
+    use kvgate_events::IndexLock;
+
+    let blocks = 20 * WRITE_SLICE_BLOCKS;
+    let b = kvgate_events::EventBatch {
+        events: vec![KvEvent::BlockStored(BlockStored {
+            block_hashes: (1..=blocks as u64).collect(),
+            token_ids: (0..4 * blocks as u32).collect(),
+            block_size: 4,
+            ..BlockStored::default()
+        })],
+        ..kvgate_events::EventBatch::default()
+    };
+    let shared = IndexLock::new(index(4));
+    let mut writer = shared.write();
+    let asking = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let other = s.spawn(|| {
+            asking.store(true, Ordering::SeqCst);
+            shared.write().len()
+        });
+        while !asking.load(Ordering::SeqCst) {
+            std::thread::yield_now();
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        apply_batch(&mut writer, AT, &b);
+        drop(writer);
+        assert_eq!(other.join().expect("second writer"), blocks);
+    });
+}

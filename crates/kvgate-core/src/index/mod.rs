@@ -106,9 +106,12 @@ pub struct StoredBlocks<'a> {
 /// waiting lookups in: a writer holding the index's lock applies an event in slices
 /// of at most this many blocks ([`StoredBlocks::slices`], removals in chunks) and
 /// yields the lock to waiting readers between them, so a lookup waits for at most one
-/// slice (about 2-5 µs), not for an engine's whole batch (thousands of blocks: a
-/// millisecond). docs/BENCHMARKS.md, "Under a mixed load", has the ablation.
-pub const WRITE_SLICE_BLOCKS: usize = 64;
+/// slice (tens of µs, more if it grows a worker's engine-hash map), not for an
+/// engine's whole batch (thousands of blocks: a millisecond). With writers saturated at
+/// 256 workers, slices of 256 blocks halved lookups' p50 and cut their p99 2-4x
+/// against no slices, at 5% of the event rate; slices of 64 did no better for lookups
+/// and cost 12% (docs/BENCHMARKS.md section 10).
+pub const WRITE_SLICE_BLOCKS: usize = 256;
 
 impl<'a> StoredBlocks<'a> {
     /// The run cut into consecutive runs of at most `max_blocks` blocks (at least one),
