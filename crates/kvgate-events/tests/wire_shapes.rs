@@ -311,63 +311,79 @@ fn malformed_payloads_are_errors() {
     );
 }
 
+/// A store of `hashes` (blocks of 4 tokens) as one event.
+fn stored_run(hashes: &[u64]) -> KvEvent {
+    KvEvent::BlockStored(BlockStored {
+        block_hashes: hashes.to_vec(),
+        token_ids: (0..4 * hashes.len() as u32).collect(),
+        block_size: 4,
+        ..BlockStored::default()
+    })
+}
+
+/// Applies `events` as one batch to a shared index through its write guard while
+/// another thread, started first and parked on the lock by then, runs `waiter` on the
+/// index. Returns the batch's outcome, the entries after it, and what `waiter` saw.
+fn apply_while_one_waits(
+    events: Vec<KvEvent>,
+    waiter: impl FnOnce(&kvgate_events::IndexLock) -> usize + Send,
+) -> (kvgate_events::ApplyOutcome, usize, usize) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+
+    let b = kvgate_events::EventBatch {
+        events,
+        ..kvgate_events::EventBatch::default()
+    };
+    let shared = kvgate_events::IndexLock::new(index(4));
+    let mut writer = shared.write();
+    let asking = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let waiting = s.spawn(|| {
+            asking.store(true, Ordering::SeqCst);
+            waiter(&shared)
+        });
+        while !asking.load(Ordering::SeqCst) {
+            std::thread::yield_now();
+        }
+        // Long enough for the waiter to be parked on the lock.
+        std::thread::sleep(Duration::from_millis(50));
+        let outcome = apply_batch(&mut writer, AT, &b);
+        let entries = writer.len();
+        drop(writer);
+        (outcome, entries, waiting.join().expect("waiting thread"))
+    })
+}
+
 /// A large batch applied to a shared index lets a waiting lookup in part-way (after a
 /// slice of `WRITE_SLICE_BLOCKS` blocks), instead of keeping it out for the whole batch:
 /// the batch stores blocks and removes them all again, so only a lookup let in between
 /// sees any. The batch still ends fully applied and counted once per event.
 #[test]
 fn a_waiting_lookup_gets_in_between_slices_of_a_large_batch() {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    use std::time::Duration;
-
     use kvgate_core::WRITE_SLICE_BLOCKS;
     use kvgate_events::wire::BlockRemoved;
-    use kvgate_events::IndexLock;
 
     let blocks = 20 * WRITE_SLICE_BLOCKS;
     let hashes: Vec<u64> = (1..=blocks as u64).collect();
-    let b = kvgate_events::EventBatch {
-        events: vec![
-            KvEvent::BlockStored(BlockStored {
-                block_hashes: hashes.clone(),
-                token_ids: (0..4 * blocks as u32).collect(),
-                block_size: 4,
-                ..BlockStored::default()
-            }),
-            KvEvent::BlockRemoved(BlockRemoved {
-                block_hashes: hashes.iter().rev().copied().collect(),
-                ..BlockRemoved::default()
-            }),
-        ],
-        ..kvgate_events::EventBatch::default()
-    };
-    let shared = IndexLock::new(index(4));
-    let mut writer = shared.write();
-    let asking = AtomicBool::new(false);
-    std::thread::scope(|s| {
-        let lookup = s.spawn(|| {
-            asking.store(true, Ordering::SeqCst);
-            shared.read().len()
-        });
-        while !asking.load(Ordering::SeqCst) {
-            std::thread::yield_now();
-        }
-        // Long enough for the reader to be parked on the lock.
-        std::thread::sleep(Duration::from_millis(50));
-        let o = apply_batch(&mut writer, AT, &b);
-        assert_eq!(o.events_applied, 2);
-        assert_eq!(
-            (o.blocks_stored, o.blocks_removed),
-            (blocks as u64, blocks as u64)
-        );
-        assert_eq!(writer.len(), 0);
-        drop(writer);
-        let seen = lookup.join().expect("lookup thread");
-        assert!(
-            seen > 0,
-            "the lookup saw no entry: it waited for the whole batch"
-        );
-    });
+    let events = vec![
+        stored_run(&hashes),
+        KvEvent::BlockRemoved(BlockRemoved {
+            block_hashes: hashes.iter().rev().copied().collect(),
+            ..BlockRemoved::default()
+        }),
+    ];
+    let (o, entries, seen) = apply_while_one_waits(events, |shared| shared.read().len());
+    assert_eq!(o.events_applied, 2);
+    assert_eq!(
+        (o.blocks_stored, o.blocks_removed),
+        (blocks as u64, blocks as u64)
+    );
+    assert_eq!(entries, 0);
+    assert!(
+        seen > 0,
+        "the lookup saw no entry: it waited for the whole batch"
+    );
 }
 
 /// Writers take turns by whole batches: a second writer waiting while a large batch is
@@ -375,36 +391,11 @@ fn a_waiting_lookup_gets_in_between_slices_of_a_large_batch() {
 /// whole. Two writers passing the lock at every slice halved their event rate.
 #[test]
 fn a_waiting_writer_gets_in_after_the_whole_batch() {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    use std::time::Duration;
-
     use kvgate_core::WRITE_SLICE_BLOCKS;
-    use kvgate_events::IndexLock;
 
     let blocks = 20 * WRITE_SLICE_BLOCKS;
-    let b = kvgate_events::EventBatch {
-        events: vec![KvEvent::BlockStored(BlockStored {
-            block_hashes: (1..=blocks as u64).collect(),
-            token_ids: (0..4 * blocks as u32).collect(),
-            block_size: 4,
-            ..BlockStored::default()
-        })],
-        ..kvgate_events::EventBatch::default()
-    };
-    let shared = IndexLock::new(index(4));
-    let mut writer = shared.write();
-    let asking = AtomicBool::new(false);
-    std::thread::scope(|s| {
-        let other = s.spawn(|| {
-            asking.store(true, Ordering::SeqCst);
-            shared.write().len()
-        });
-        while !asking.load(Ordering::SeqCst) {
-            std::thread::yield_now();
-        }
-        std::thread::sleep(Duration::from_millis(50));
-        apply_batch(&mut writer, AT, &b);
-        drop(writer);
-        assert_eq!(other.join().expect("second writer"), blocks);
-    });
+    let hashes: Vec<u64> = (1..=blocks as u64).collect();
+    let (_, _, seen) =
+        apply_while_one_waits(vec![stored_run(&hashes)], |shared| shared.write().len());
+    assert_eq!(seen, blocks);
 }

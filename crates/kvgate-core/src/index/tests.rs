@@ -967,6 +967,30 @@ fn assert_exact_subset(idx: &PrefixIndex, model: &Model, cap: usize) -> Result<(
     Ok(())
 }
 
+/// `got` holds what `want` holds: as many entries, the same blocks per worker rank
+/// under test, and the same overlaps with every test sequence.
+fn assert_same_holdings(got: &PrefixIndex, want: &PrefixIndex) -> Result<(), TestCaseError> {
+    prop_assert_eq!(got.len(), want.len());
+    for w in 0..3 {
+        for r in 0..2 {
+            let a = at(w, r);
+            prop_assert_eq!(got.worker_blocks(a), want.worker_blocks(a));
+            for seq in 0..4 {
+                let keys = hasher().block_keys(&sequence(seq));
+                let of = |idx: &PrefixIndex| {
+                    idx.overlaps(&keys)
+                        .per_ref
+                        .iter()
+                        .find(|o| o.at == a)
+                        .map_or([0; 3], |o| o.blocks)
+                };
+                prop_assert_eq!(of(got), of(want), "worker {:?} seq {}", a, seq);
+            }
+        }
+    }
+    Ok(())
+}
+
 /// An index where `n` other worker ranks already hold the first two blocks of the test
 /// sequences, so the ranks under test get slot numbers from `n` on (slots past 63 live
 /// in an entry's wide part) and share entries with many holders.
@@ -1058,18 +1082,7 @@ proptest! {
             apply_op(&mut loaded, &mut model_copy, op);
             assert_bookkeeping(&loaded);
         }
-        prop_assert_eq!(loaded.len(), original.len());
-        for w in 0..3 {
-            for r in 0..2 {
-                let a = at(w, r);
-                prop_assert_eq!(loaded.worker_blocks(a), original.worker_blocks(a));
-                for seq in 0..4 {
-                    let keys = hasher().block_keys(&sequence(seq));
-                    let of = |idx: &PrefixIndex| idx.overlaps(&keys).per_ref.iter().find(|o| o.at == a).map_or([0; 3], |o| o.blocks);
-                    prop_assert_eq!(of(&loaded), of(&original), "worker {:?} seq {}", a, seq);
-                }
-            }
-        }
+        assert_same_holdings(&loaded, &original)?;
     }
 
     /// An event applied in slices (a shared index's writer letting lookups in between)
@@ -1086,21 +1099,10 @@ proptest! {
             apply_op_in_slices(&mut sliced, &mut model_copy, op, slice);
             assert_bookkeeping(&sliced);
         }
-        prop_assert_eq!(sliced.len(), whole.len());
         prop_assert_eq!(sliced.stats().stored_blocks, whole.stats().stored_blocks);
         prop_assert_eq!(sliced.stats().removed_blocks, whole.stats().removed_blocks);
         prop_assert_eq!(sliced.stats().unknown_parents, whole.stats().unknown_parents);
-        for w in 0..3 {
-            for r in 0..2 {
-                let a = at(w, r);
-                prop_assert_eq!(sliced.worker_blocks(a), whole.worker_blocks(a));
-                for seq in 0..4 {
-                    let keys = hasher().block_keys(&sequence(seq));
-                    let of = |idx: &PrefixIndex| idx.overlaps(&keys).per_ref.iter().find(|o| o.at == a).map_or([0; 3], |o| o.blocks);
-                    prop_assert_eq!(of(&sliced), of(&whole), "worker {:?} seq {}", a, seq);
-                }
-            }
-        }
+        assert_same_holdings(&sliced, &whole)?;
     }
 
     /// Without engine removals, no hole can appear: eviction only takes leaves.
