@@ -108,9 +108,9 @@ pub struct StoredBlocks<'a> {
 /// yields the lock to waiting readers between them, so a lookup waits for at most one
 /// slice (tens of µs, more if it grows a worker's engine-hash map), not for an
 /// engine's whole batch (thousands of blocks: a millisecond). With writers saturated at
-/// 256 workers, slices of 256 blocks halved lookups' p50 and cut their p99 2-4x
-/// against no slices, at 5% of the event rate; slices of 64 did no better for lookups
-/// and cost 12% (docs/BENCHMARKS.md section 10).
+/// 256 workers, slices of 256 blocks against no slices: lookups' p50 72-86 µs against
+/// 126-174, p99 0.35-1.14 ms against 1.10-1.63, for 4-14% of the event rate; slices of
+/// 64 did no better for lookups and cost 13-16% (docs/BENCHMARKS.md section 10).
 pub const WRITE_SLICE_BLOCKS: usize = 256;
 
 impl<'a> StoredBlocks<'a> {
