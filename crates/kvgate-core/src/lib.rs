@@ -22,8 +22,8 @@ pub mod policy;
 pub use hashing::{cpu_can_hash_blocks, BlockHasher, BlockKey, CPU_CANNOT_HASH_BLOCKS};
 pub use ids::{Tier, WorkerId, WorkerRef};
 pub use index::{
-    HeldBlock, IndexConfig, IndexStats, Overlap, OverlapScores, PrefixIndex, RemoveOutcome,
-    StoreError, StoreOutcome, StoredBlocks, WRITE_SLICE_BLOCKS,
+    GrownEngineMap, HeldBlock, IndexConfig, IndexStats, Overlap, OverlapScores, PrefixIndex,
+    RemoveOutcome, StoreError, StoreOutcome, StoredBlocks, WRITE_SLICE_BLOCKS,
 };
 
 pub use ledger::{

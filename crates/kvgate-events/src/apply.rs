@@ -6,7 +6,9 @@
 //! the batch and turns the returned [`ApplyOutcome`] into metrics and log lines; this
 //! module applies the batch in slices of at most [`WRITE_SLICE_BLOCKS`] blocks and
 //! lets waiting lookups in between them ([`IndexWriter::let_waiters_in`]: nothing when
-//! none waits), so a routing decision never waits for a whole batch.
+//! none waits), so a routing decision never waits for a whole batch; before a slice
+//! that could fill a rank's engine-hash map it has the writer make room
+//! ([`IndexWriter::make_room`]), so no slice rehashes the map under the lock.
 //!
 //! Rules:
 //! * only group 0 and `full_attention` blocks are indexed, when those fields are present
@@ -88,6 +90,11 @@ pub trait IndexWriter {
 
     /// Lets threads waiting to read the index go first (nothing for an unshared one).
     fn let_waiters_in(&mut self) {}
+
+    /// Before `blocks` blocks are stored for `at`: grows the rank's engine-hash map
+    /// if they could fill it, off the write lock where the index is shared
+    /// ([`PrefixIndex::grow_ahead`]); nothing for an unshared one (the store grows it).
+    fn make_room(&mut self, _at: WorkerRef, _blocks: usize) {}
 }
 
 impl IndexWriter for PrefixIndex {
@@ -145,6 +152,14 @@ impl<W: IndexWriter> Section<'_, W> {
         self.blocks += blocks;
         self.writer.index()
     }
+
+    /// The index, to store `blocks` more blocks for `at`: as [`Self::for_blocks`],
+    /// with room made in the rank's engine-hash map first ([`IndexWriter::make_room`]).
+    fn for_stored(&mut self, at: WorkerRef, blocks: usize) -> &mut PrefixIndex {
+        self.for_blocks(blocks);
+        self.writer.make_room(at, blocks);
+        self.writer.index()
+    }
 }
 
 fn indexable_group(group_idx: Option<u32>, spec_kind: Option<&str>) -> bool {
@@ -183,7 +198,7 @@ fn apply_stored(
         lora_name,
     };
     for slice in blocks.slices(WRITE_SLICE_BLOCKS) {
-        let index = section.for_blocks(slice.engine_hashes.len());
+        let index = section.for_stored(at, slice.engine_hashes.len());
         match index.apply_stored(at, &slice) {
             Ok(o) => {
                 out.blocks_stored += o.inserted as u64;

@@ -3,18 +3,29 @@
 //!
 //! Owns the locking policy: many readers at once ([`IndexLock::read`]), one writer at
 //! a time ([`IndexLock::write`]), and a writer that lets waiting readers in between
-//! slices of its work ([`IndexWriter::let_waiters_in`], called by `apply`), so a
-//! lookup waits for at most a slice, never for an engine's whole batch. Writers queue
-//! on their own mutex before they take the index's lock: at a handover the only
-//! threads waiting for the index are readers, so two writers never pass the lock
-//! back and forth slice by slice (without this mutex they did, and two writers' event
-//! rate fell to half, docs/BENCHMARKS.md section 10). Must not know about events or
-//! routing.
+//! slices of its work ([`IndexWriter::let_waiters_in`], called by `apply`) and before
+//! it starts, so a lookup waits for at most a slice, never for an engine's whole
+//! batch. Must not know about events or routing.
+//!
+//! A reader that finds the index write-locked says so (`waiting_readers`) before it
+//! blocks, and the writer, at its next slice boundary or its next batch, lets go of the
+//! lock and waits until every such reader has it. The lock's own handover to parked
+//! threads was not enough: with writers saturated, lookups waited across tens of
+//! slices and batches (p99 0.5-1.1 ms; counted, docs/BENCHMARKS.md section 10), because
+//! a reader is only handed the lock once it is parked, and the writer took the lock
+//! back first.
+//!
+//! Writers queue on their own mutex before they take the index's lock: at a handover
+//! the only threads waiting for the index are readers, so two writers never pass the
+//! lock back and forth slice by slice (without this mutex they did, and two writers'
+//! event rate fell to half, docs/BENCHMARKS.md section 10).
 
 use std::ops::{Deref, DerefMut};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use kvgate_core::PrefixIndex;
+use kvgate_core::{PrefixIndex, WorkerRef};
 use parking_lot::{Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::apply::IndexWriter;
@@ -22,12 +33,18 @@ use crate::apply::IndexWriter;
 /// The shared, per-model prefix index.
 pub type SharedIndex = Arc<IndexLock>;
 
+/// The longest a writer waits for readers to take the index before it goes on (a
+/// reader that has not run for this long is descheduled, not waiting for the lock).
+const READERS_GRACE: Duration = Duration::from_millis(1);
+
 /// A prefix index behind a readers-writer lock whose writers take turns on a mutex of
-/// their own (see the module comment).
+/// their own and let waiting readers in (see the module comment).
 #[derive(Debug)]
 pub struct IndexLock {
     index: RwLock<PrefixIndex>,
     writers: Mutex<()>,
+    /// Readers that found the index write-locked and do not have it yet.
+    waiting_readers: AtomicUsize,
 }
 
 /// Write access to the index: the index's write lock, held after the writers' turn.
@@ -35,6 +52,7 @@ pub struct IndexWriteGuard<'a> {
     // Dropped in this order: readers get the index before the next writer its turn.
     index: RwLockWriteGuard<'a, PrefixIndex>,
     _turn: MutexGuard<'a, ()>,
+    lock: &'a IndexLock,
 }
 
 impl IndexLock {
@@ -42,6 +60,7 @@ impl IndexLock {
         Self {
             index: RwLock::new(index),
             writers: Mutex::new(()),
+            waiting_readers: AtomicUsize::new(0),
         }
     }
 
@@ -54,17 +73,36 @@ impl IndexLock {
         self.index.into_inner()
     }
 
-    /// Read access, alongside other readers; waits while a writer holds a slice.
+    /// Read access, alongside other readers; a reader that finds a writer in waits for
+    /// the end of its slice.
     pub fn read(&self) -> RwLockReadGuard<'_, PrefixIndex> {
-        self.index.read()
+        if let Some(guard) = self.index.try_read() {
+            return guard;
+        }
+        self.waiting_readers.fetch_add(1, Ordering::SeqCst);
+        let guard = self.index.read();
+        self.waiting_readers.fetch_sub(1, Ordering::SeqCst);
+        guard
     }
 
-    /// Write access: this writer's turn, then the index's write lock.
+    /// Write access: this writer's turn, then the index's write lock once the readers
+    /// waiting for it have had it.
     pub fn write(&self) -> IndexWriteGuard<'_> {
         let turn = self.writers.lock();
+        self.wait_for_readers();
         IndexWriteGuard {
             index: self.index.write(),
             _turn: turn,
+            lock: self,
+        }
+    }
+
+    /// Waits, not holding the index, until the readers waiting for it have it (for at
+    /// most [`READERS_GRACE`]); yields the CPU meanwhile, which a reader may need.
+    fn wait_for_readers(&self) {
+        let start = Instant::now();
+        while self.waiting_readers.load(Ordering::SeqCst) > 0 && start.elapsed() < READERS_GRACE {
+            std::thread::yield_now();
         }
     }
 }
@@ -88,9 +126,28 @@ impl IndexWriter for IndexWriteGuard<'_> {
         &mut self.index
     }
 
-    /// Hands the index to waiting readers, if any, and takes it back after them
-    /// (nothing when none waits). Other writers wait for their turn, not here.
+    /// Lets go of the index while the readers waiting for it take it, and takes it
+    /// back after them (nothing when none waits). Other writers wait for their turn,
+    /// not here.
     fn let_waiters_in(&mut self) {
-        RwLockWriteGuard::bump(&mut self.index);
+        if self.lock.waiting_readers.load(Ordering::SeqCst) > 0 {
+            let lock = self.lock;
+            RwLockWriteGuard::unlocked_fair(&mut self.index, || lock.wait_for_readers());
+        }
+    }
+
+    /// Lets go of the write lock while the rank's grown engine-hash map is built under
+    /// a read lock (lookups go on meanwhile; other writers wait for their turn, so the
+    /// map cannot change), then takes it back and swaps the map in.
+    fn make_room(&mut self, at: WorkerRef, blocks: usize) {
+        if !self.index.needs_room(at, blocks) {
+            return;
+        }
+        let lock = RwLockWriteGuard::rwlock(&self.index);
+        let grown =
+            RwLockWriteGuard::unlocked(&mut self.index, || lock.read().grow_ahead(at, blocks));
+        if let Some(grown) = grown {
+            self.index.install_grown(grown);
+        }
     }
 }

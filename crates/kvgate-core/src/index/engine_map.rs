@@ -66,6 +66,9 @@ pub(super) struct EngineMap {
     /// State of the generator that picks which entry an insert moves (a fixed seed:
     /// the map's layout is a function of its operations).
     kicks: u32,
+    /// Changes made so far (inserts, removals, re-points): a grown copy is only
+    /// swapped in for the map it was copied from ([`Self::changes`]).
+    changes: u64,
 }
 
 /// The 32-bit tag of an engine hash (which may be a small integer): the high half of
@@ -187,6 +190,7 @@ impl EngineMap {
         mut is_it: impl FnMut(Pos) -> bool,
     ) -> Option<Pos> {
         debug_assert!(pos.node != NO_NODE);
+        self.changes += 1;
         let tag = tag_of(engine_hash);
         if self.buckets.is_empty() {
             self.resize(4);
@@ -229,6 +233,41 @@ impl EngineMap {
 
     fn grown(&self) -> usize {
         self.buckets.len() + self.buckets.len() / 8 + 1
+    }
+
+    /// Whether inserting `more` new entries would grow the map.
+    pub fn would_grow(&self, more: usize) -> bool {
+        (self.len + more) * 8 > self.buckets.len() * WAYS * 7
+    }
+
+    /// A copy of the map, grown as inserting `more` new entries would grow it (by at
+    /// least an eighth, to hold them all under 7/8 full), built without changing this
+    /// one: a shared index's writer builds it while lookups read the index and then
+    /// swaps it in, so they never wait for a rehash.
+    pub fn grown_copy(&self, more: usize) -> EngineMap {
+        let needed = ((self.len + more) * 8).div_ceil(WAYS * 7);
+        let mut copy = EngineMap {
+            buckets: Vec::new(),
+            stash: Vec::new(),
+            len: 0,
+            kicks: self.kicks,
+            changes: self.changes,
+        };
+        copy.rebuild(needed.max(self.grown()), self.entries());
+        copy
+    }
+
+    /// How many changes the map has had (a copy carries its original's count).
+    pub fn changes(&self) -> u64 {
+        self.changes
+    }
+
+    /// Every entry, as (tag, position).
+    fn entries(&self) -> impl Iterator<Item = (u32, Pos)> + '_ {
+        self.buckets
+            .iter()
+            .flat_map(|b| (0..b.len as usize).map(move |i| (b.tags[i], b.pos[i])))
+            .chain(self.stash.iter().copied())
     }
 
     /// Puts an entry known to be absent into the emptier of its buckets, or, both being
@@ -294,6 +333,7 @@ impl EngineMap {
 
     /// Unmaps `engine_hash` if it points at `pos`; returns whether it did.
     pub fn remove_at(&mut self, engine_hash: u64, pos: Pos) -> bool {
+        self.changes += 1;
         let Some((b, i)) = self.find(tag_of(engine_hash), |p| p == pos) else {
             return false;
         };
@@ -316,6 +356,7 @@ impl EngineMap {
 
     /// Points `engine_hash`'s entry at `old` to node `node` instead (same offset).
     pub fn repoint(&mut self, engine_hash: u64, old: Pos, node: u32) {
+        self.changes += 1;
         if let Some(at) = self.find(tag_of(engine_hash), |p| p == old) {
             self.pos_mut(at).node = node;
         }
@@ -342,13 +383,15 @@ impl EngineMap {
     /// Rebuilds the map with `buckets` buckets; an entry that finds no place (which
     /// takes a tag shared by more entries than two buckets hold) goes to the stash.
     fn resize(&mut self, buckets: usize) {
-        let old = std::mem::replace(&mut self.buckets, vec![EMPTY; buckets.max(4)]);
-        let stashed = std::mem::take(&mut self.stash);
-        self.len = 0;
-        let entries = old
-            .iter()
-            .flat_map(|b| (0..b.len as usize).map(move |i| (b.tags[i], b.pos[i])))
-            .chain(stashed);
+        let old = std::mem::take(self);
+        self.kicks = old.kicks;
+        self.changes = old.changes;
+        self.rebuild(buckets, old.entries());
+    }
+
+    /// Fills this (empty) map, given `buckets` buckets, with `entries`.
+    fn rebuild(&mut self, buckets: usize, entries: impl Iterator<Item = (u32, Pos)>) {
+        self.buckets = vec![EMPTY; buckets.max(4)];
         for (tag, pos) in entries {
             if let Some(left) = self.place(tag, pos) {
                 self.stash.push(left);
@@ -425,6 +468,33 @@ mod tests {
                 assert!((0.77..=0.875).contains(&load), "load {load} at {}", m.len());
             }
         }
+    }
+
+    /// A grown copy holds every entry of its original, which it leaves as it was, and
+    /// takes the entries it was grown for without growing again.
+    #[test]
+    fn a_grown_copy_takes_what_it_was_grown_for() {
+        let is = |k: u64| move |p: Pos| u64::from(p.node) == k;
+        let mut m = EngineMap::default();
+        for k in 0..10_000u64 {
+            m.insert(k, pos(k, 0), is(k));
+        }
+        let more = 5_000;
+        assert!(m.would_grow(more));
+        let buckets = m.buckets.len();
+        let mut g = m.grown_copy(more);
+        assert_eq!((m.buckets.len(), m.len()), (buckets, 10_000));
+        assert_eq!(g.len(), 10_000);
+        assert!(!g.would_grow(more));
+        let grown_to = g.buckets.len();
+        for k in 0..10_000u64 {
+            assert_eq!(g.get(k, is(k)), Some(pos(k, 0)));
+        }
+        for k in 10_000..10_000 + more as u64 {
+            g.insert(k, pos(k, 0), is(k));
+        }
+        assert_eq!(g.buckets.len(), grown_to);
+        assert_eq!(g.len(), 15_000);
     }
 
     /// Hashes whose tags collide (an engine could send them) fit in neither of their

@@ -106,12 +106,12 @@ pub struct StoredBlocks<'a> {
 /// waiting lookups in: a writer holding the index's lock applies an event in slices
 /// of at most this many blocks ([`StoredBlocks::slices`], removals in chunks) and
 /// yields the lock to waiting readers between them, so a lookup waits for at most one
-/// slice (tens of µs, more if it grows a worker's engine-hash map), not for an
-/// engine's whole batch (thousands of blocks: a millisecond). With writers saturated at
-/// 256 workers, slices of 256 blocks against no slices: lookups' p50 72-86 µs against
-/// 126-174, p99 0.35-1.14 ms against 1.10-1.63, for 4-14% of the event rate; slices of
-/// 64 did no better for lookups and cost 13-16% (docs/BENCHMARKS.md section 10).
-pub const WRITE_SLICE_BLOCKS: usize = 256;
+/// slice (a few µs to tens, more with the caches cold), not for an engine's whole
+/// batch (thousands of blocks: a millisecond). With writers saturated, slices of 64
+/// blocks against 256: lookups' p99 35-83 µs against 76-139 (two alternating rounds),
+/// for about 8% of the event rate (each slice starts its prefetching anew); without
+/// slices, p99 above a millisecond (docs/BENCHMARKS.md section 10).
+pub const WRITE_SLICE_BLOCKS: usize = 64;
 
 impl<'a> StoredBlocks<'a> {
     /// The run cut into consecutive runs of at most `max_blocks` blocks (at least one),
@@ -169,6 +169,15 @@ pub struct StoreOutcome {
     pub duplicates: usize,
     /// Entries evicted to stay under the cap.
     pub evicted: usize,
+}
+
+/// A worker rank's engine-hash map, grown ahead of a store
+/// ([`PrefixIndex::grow_ahead`]).
+#[derive(Debug)]
+pub struct GrownEngineMap {
+    at: WorkerRef,
+    slot: u16,
+    map: EngineMap,
 }
 
 /// Why a store was not applied. Each is also counted in [`IndexStats`].
@@ -633,6 +642,45 @@ impl PrefixIndex {
     pub fn key_of(&self, at: WorkerRef, engine_hash: u64) -> Option<BlockKey> {
         let slot = *self.slot_of.get(&at)?;
         self.lookup(slot, engine_hash).map(|pos| self.key_at(pos))
+    }
+
+    /// Whether storing `blocks` more blocks for a worker rank could grow its
+    /// engine-hash map, a rehash of all it holds: a shared index's writer then builds
+    /// the grown map beside the index ([`Self::grow_ahead`]) while lookups go on, and
+    /// swaps it in ([`Self::install_grown`]), instead of rehashing under the write lock
+    /// (the longest writes: 0.2-0.9 ms for a rank holding tens of thousands of blocks,
+    /// docs/BENCHMARKS.md section 10).
+    pub fn needs_room(&self, at: WorkerRef, blocks: usize) -> bool {
+        self.slot_state(at)
+            .is_some_and(|s| s.engine_map.would_grow(blocks))
+    }
+
+    /// The rank's engine-hash map grown to take `blocks` more blocks, built from a
+    /// shared borrow (readers may use the index meanwhile); `None` when it needs no room.
+    pub fn grow_ahead(&self, at: WorkerRef, blocks: usize) -> Option<GrownEngineMap> {
+        let slot = *self.slot_of.get(&at)?;
+        let map = &self.slot(slot)?.engine_map;
+        map.would_grow(blocks).then(|| GrownEngineMap {
+            at,
+            slot,
+            map: map.grown_copy(blocks),
+        })
+    }
+
+    /// Swaps in a map from [`Self::grow_ahead`] if the rank's map has not changed since
+    /// it was copied (otherwise drops it: the store then grows the map itself). Returns
+    /// whether it was swapped in.
+    pub fn install_grown(&mut self, grown: GrownEngineMap) -> bool {
+        if self.slot_of.get(&grown.at) != Some(&grown.slot) {
+            return false;
+        }
+        match self.slot_mut(grown.slot) {
+            Some(state) if state.engine_map.changes() == grown.map.changes() => {
+                state.engine_map = grown.map;
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Applies a `BlockStored` run for one worker rank.

@@ -67,6 +67,59 @@ fn stored_run_with_parent_matches_whole_prefix() {
     assert_eq!(run_of(&idx, &[9, 9], 0), [0, 0, 0]);
 }
 
+/// A rank's engine-hash map grown ahead of a store (a shared index's writer builds it
+/// off the write lock) is swapped in, the store then needs no more room, and the index
+/// ends as if the store had grown the map itself; a map grown before the rank's map
+/// changed is refused.
+#[test]
+fn a_map_grown_ahead_is_swapped_in_unless_the_map_changed() {
+    let (mut ahead, mut in_place) = (index(1_000_000), index(1_000_000));
+    let tokens: Vec<u32> = (0..2_000).collect();
+    let hashes: Vec<u64> = (1..=1_000).collect();
+    for idx in [&mut ahead, &mut in_place] {
+        store(
+            idx,
+            at(0, 0),
+            &hashes[..40],
+            None,
+            &tokens[..80],
+            Tier::Device,
+        )
+        .unwrap();
+    }
+    let more = 960;
+    assert!(ahead.needs_room(at(0, 0), more));
+    assert!(ahead.grow_ahead(at(1, 0), more).is_none(), "no such rank");
+    let grown = ahead.grow_ahead(at(0, 0), more).expect("room needed");
+    assert!(ahead.install_grown(grown));
+    assert!(!ahead.needs_room(at(0, 0), more));
+    for idx in [&mut ahead, &mut in_place] {
+        store(
+            idx,
+            at(0, 0),
+            &hashes[40..],
+            Some(40),
+            &tokens[80..],
+            Tier::Device,
+        )
+        .unwrap();
+    }
+    assert_eq!(
+        ahead.worker_blocks(at(0, 0)),
+        in_place.worker_blocks(at(0, 0))
+    );
+    assert_eq!(run_of(&ahead, &tokens, 0), [1_000, 0, 0]);
+    for h in hashes.iter().step_by(7) {
+        assert_eq!(ahead.key_of(at(0, 0), *h), in_place.key_of(at(0, 0), *h));
+    }
+
+    let stale = ahead.grow_ahead(at(0, 0), 2_000).expect("room needed");
+    ahead.apply_removed(at(0, 0), &[1_000], Some(Tier::Device));
+    assert!(!ahead.install_grown(stale), "copied before a removal");
+    assert_eq!(ahead.worker_len(at(0, 0)), 999);
+    assert_eq!(ahead.key_of(at(0, 0), 1_000), None);
+}
+
 #[test]
 fn duplicate_store_is_idempotent() {
     let mut idx = index(1000);
