@@ -1,6 +1,7 @@
 //! kvgate's index against Dynamo's Flash Indexer under a mixed load: the KV event
 //! streams of 64 and 256 workers applied at a steady rate while another thread routes
-//! (hashes an 8,192-token prompt and finds each worker's overlap) once a millisecond.
+//! (hashes an 8,192-token prompt and finds each worker's overlap) once a millisecond
+//! (`MIXED_LOOKUP_EVERY_US`, default 1000).
 //! Per index: lookup latency p50 / p99 / max, and the event rate it sustained, each the
 //! median over `MIXED_REPEATS` runs (default 3; the two indexes' runs alternate).
 //!
@@ -46,7 +47,6 @@ const ENTRIES: usize = 1_000_000;
 const QUERY_TOKENS: usize = 8192;
 /// Requests a worker keeps cached before it evicts its oldest.
 const KEPT_PER_WORKER: usize = 8;
-const LOOKUP_EVERY: Duration = Duration::from_millis(1);
 
 fn env_or(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -191,8 +191,8 @@ struct Outcome {
 }
 
 /// Runs the timed stream through `index` from `receivers` threads (each for its share
-/// of the workers), a lookup every millisecond on another thread meanwhile.
-fn run(index: &dyn Mixed, w: &Workload, receivers: u32) -> Outcome {
+/// of the workers), a lookup every `lookup_every` on another thread meanwhile.
+fn run(index: &dyn Mixed, w: &Workload, receivers: u32, lookup_every: Duration) -> Outcome {
     let start = Instant::now();
     let mut lookups_us = Vec::new();
     let mut behind = Duration::ZERO;
@@ -220,7 +220,7 @@ fn run(index: &dyn Mixed, w: &Workload, receivers: u32) -> Outcome {
         let mut q = 0;
         let mut tick = Instant::now();
         while senders.iter().any(|h| !h.is_finished()) {
-            tick += LOOKUP_EVERY;
+            tick += lookup_every;
             if let Some(wait) = tick.checked_duration_since(Instant::now()) {
                 thread::sleep(wait);
             }
@@ -249,6 +249,7 @@ fn main() {
     let per_worker = env_or("MIXED_BLOCKS_PER_WORKER", 500);
     let seconds = env_or("MIXED_SECONDS", 5);
     let repeats = env_or("MIXED_REPEATS", 3) as usize;
+    let lookup_every = Duration::from_micros(env_or("MIXED_LOOKUP_EVERY_US", 1000));
     println!(
         "| workers | index | event threads | offered / sustained block events/s | latest event behind, ms | lookups | lookup p50 / p99 / max µs |"
     );
@@ -284,9 +285,9 @@ fn main() {
             for r in 0..repeats {
                 for kvgate in [r % 2 == 0, r % 2 == 1] {
                     if kvgate {
-                        runs[0].push(run(&kv(), &w, threads));
+                        runs[0].push(run(&kv(), &w, threads, lookup_every));
                     } else {
-                        runs[1].push(run(&flash(), &w, 1));
+                        runs[1].push(run(&flash(), &w, 1, lookup_every));
                     }
                 }
             }
