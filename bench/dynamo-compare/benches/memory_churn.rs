@@ -62,6 +62,7 @@ impl Index for Kvgate {
                     block_size: BLOCK_SIZE as u32,
                     tier: Tier::Device,
                     lora_name: None,
+                    blocks_after: 0,
                 },
             )
             .expect("consistent events");

@@ -165,6 +165,7 @@ fn cold_benches(c: &mut Criterion) {
                     block_size: BLOCK_SIZE as u32,
                     tier: Tier::Device,
                     lora_name: None,
+                    blocks_after: 0,
                 },
             )
             .expect("stored");

@@ -55,6 +55,7 @@ fn store(
                 block_size: BLOCK_SIZE,
                 tier: Tier::Device,
                 lora_name: None,
+                blocks_after: 0,
             },
         )
         .expect("consistent events");

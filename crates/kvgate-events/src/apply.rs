@@ -196,6 +196,7 @@ fn apply_stored(
         block_size: e.block_size,
         tier: Tier::from_medium(e.medium.as_deref()),
         lora_name,
+        blocks_after: 0,
     };
     for slice in blocks.slices(WRITE_SLICE_BLOCKS) {
         let index = section.for_stored(at, slice.engine_hashes.len());

@@ -240,6 +240,7 @@ impl StoredEvent {
                     block_size: index.block_size(),
                     tier: Tier::Device,
                     lora_name: None,
+                    blocks_after: 0,
                 },
             )
             .expect("workload events are consistent");

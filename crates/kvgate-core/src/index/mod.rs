@@ -100,6 +100,10 @@ pub struct StoredBlocks<'a> {
     pub tier: Tier,
     /// LoRA adapter the blocks were computed with (salts the keys).
     pub lora_name: Option<&'a str>,
+    /// Blocks of the same engine run that follow these in later stores (the rest of a
+    /// run cut by [`StoredBlocks::slices`]; 0 for a run stored whole): the run's storage
+    /// is sized for them too, so a long run grows once, not once per slice.
+    pub blocks_after: usize,
 }
 
 /// The most blocks one write section of a shared index should apply before it lets
@@ -109,8 +113,9 @@ pub struct StoredBlocks<'a> {
 /// slice (a few µs to tens, more with the caches cold), not for an engine's whole
 /// batch (thousands of blocks: a millisecond). With writers saturated, slices of 64
 /// blocks against 256: lookups' p99 35-83 µs against 76-139 (two alternating rounds),
-/// for about 8% of the event rate (each slice starts its prefetching anew); without
-/// slices, p99 above a millisecond (docs/BENCHMARKS.md section 10).
+/// for about 8% of index_compare's event rate (three alternating pairs); without
+/// slices, p99 above a millisecond (docs/BENCHMARKS.md section 10). A sliced run's
+/// storage is still sized once for the whole run ([`StoredBlocks::blocks_after`]).
 pub const WRITE_SLICE_BLOCKS: usize = 64;
 
 impl<'a> StoredBlocks<'a> {
@@ -155,6 +160,7 @@ impl<'a> Iterator for Slices<'a> {
         Some(StoredBlocks {
             engine_hashes: hashes,
             token_ids,
+            blocks_after: run.blocks_after + later_hashes.len(),
             ..run
         })
     }
@@ -744,7 +750,7 @@ impl PrefixIndex {
             }
             for (engine_hash, &key) in hashes.iter().zip(&keys) {
                 // The blocks still to come, so a run's storage grows once, exactly.
-                let rest = n - done;
+                let rest = n - done + blocks.blocks_after;
                 self.prefetch_ahead(slot, blocks.engine_hashes, done);
                 done += 1;
                 if let Some(pos) = prev

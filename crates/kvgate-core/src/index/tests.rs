@@ -38,6 +38,7 @@ fn store(
             block_size: BS,
             tier,
             lora_name: None,
+            blocks_after: 0,
         },
     )
 }
@@ -247,6 +248,7 @@ fn slices_chain_each_to_the_last_block_before_it() {
         block_size: BS,
         tier: Tier::Host,
         lora_name: Some("adapter"),
+        blocks_after: 0,
     };
     let parts: Vec<_> = run.slices(2).collect();
     let shape: Vec<_> = parts
@@ -267,6 +269,8 @@ fn slices_chain_each_to_the_last_block_before_it() {
             (vec![14], Some(13), vec![8, 9]),
         ]
     );
+    let after: Vec<usize> = parts.iter().map(|p| p.blocks_after).collect();
+    assert_eq!(after, [3, 1, 0]);
     assert!(parts
         .iter()
         .all(|p| p.tier == Tier::Host && p.lora_name == Some("adapter")));
@@ -286,6 +290,31 @@ fn slices_chain_each_to_the_last_block_before_it() {
     assert_eq!(short.slices(2).count(), 1);
 }
 
+/// A long run's first slice sizes the run's storage (its keys, the cover's engine
+/// hashes) for the whole run, so a run stored in slices grows once, as a whole one
+/// does, not once per slice (reallocating what it held each time).
+#[test]
+fn a_runs_first_slice_sizes_its_storage_for_the_whole_run() {
+    let mut idx = index(1_000_000);
+    let tokens: Vec<u32> = (0..2_000).collect();
+    let hashes: Vec<u64> = (1..=1_000).collect();
+    let run = StoredBlocks {
+        engine_hashes: &hashes,
+        parent_engine_hash: None,
+        token_ids: &tokens,
+        block_size: BS,
+        tier: Tier::Device,
+        lora_name: None,
+        blocks_after: 0,
+    };
+    let first = run.slices(64).next().expect("a slice");
+    idx.apply_stored(at(0, 0), &first).unwrap();
+    let node = idx.nodes.iter().find(|n| n.is_live()).expect("a node");
+    assert_eq!(node.keys.len(), 64);
+    assert_eq!(node.keys.capacity(), 1_000);
+    assert_eq!(node.covers[0].engine_hashes.capacity(), 1_000);
+}
+
 #[test]
 fn block_size_and_token_count_mismatches_are_errors() {
     let mut idx = index(1000);
@@ -299,6 +328,7 @@ fn block_size_and_token_count_mismatches_are_errors() {
                 block_size: 4,
                 tier: Tier::Device,
                 lora_name: None,
+                blocks_after: 0,
             },
         )
         .unwrap_err();
@@ -347,6 +377,7 @@ fn lora_blocks_do_not_match_base_model_prompts() {
             block_size: BS,
             tier: Tier::Device,
             lora_name: Some("adapter"),
+            blocks_after: 0,
         },
     )
     .unwrap();
@@ -938,6 +969,7 @@ fn apply_op_in_slices(idx: &mut PrefixIndex, model: &mut Model, op: Op, slice: u
                 block_size: BS,
                 tier,
                 lora_name: None,
+                blocks_after: 0,
             };
             for part in blocks.slices(slice) {
                 if idx.apply_stored(at(w, r), &part).is_err() {

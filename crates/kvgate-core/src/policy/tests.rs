@@ -39,6 +39,7 @@ fn engine_caches(index: &mut PrefixIndex, worker: WorkerId, tokens: &[u32]) {
                 block_size: BS,
                 tier: Tier::Device,
                 lora_name: None,
+                blocks_after: 0,
             },
         )
         .unwrap();
@@ -407,6 +408,7 @@ fn kv_aware_gives_host_tier_partial_credit() {
                 block_size: BS,
                 tier: Tier::Host,
                 lora_name: None,
+                blocks_after: 0,
             },
         )
         .unwrap();
