@@ -10,10 +10,9 @@
 //! A reader that finds the index write-locked says so (`waiting_readers`) before it
 //! blocks, and the writer, at its next slice boundary or its next batch, lets go of the
 //! lock and waits until every such reader has it. The lock's own handover to parked
-//! threads was not enough: with writers saturated, lookups waited across tens of
-//! slices and batches (p99 0.5-1.1 ms; counted, docs/BENCHMARKS.md section 10), because
-//! a reader is only handed the lock once it is parked, and the writer took the lock
-//! back first.
+//! threads was not enough: with writers saturated, lookups waited through 4-40 slices
+//! and batches (p99 0.4-1.0 ms, docs/BENCHMARKS.md section 10), because a reader is
+//! only handed the lock once it is parked, and the writer took the lock back first.
 //!
 //! Writers queue on their own mutex before they take the index's lock: at a handover
 //! the only threads waiting for the index are readers, so two writers never pass the
