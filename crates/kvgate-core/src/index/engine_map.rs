@@ -246,15 +246,7 @@ impl EngineMap {
     /// swaps it in, so they never wait for a rehash.
     pub fn grown_copy(&self, more: usize) -> EngineMap {
         let needed = ((self.len + more) * 8).div_ceil(WAYS * 7);
-        let mut copy = EngineMap {
-            buckets: Vec::new(),
-            stash: Vec::new(),
-            len: 0,
-            kicks: self.kicks,
-            changes: self.changes,
-        };
-        copy.rebuild(needed.max(self.grown()), self.entries());
-        copy
+        self.rebuilt(needed.max(self.grown()))
     }
 
     /// How many changes the map has had (a copy carries its original's count).
@@ -383,21 +375,26 @@ impl EngineMap {
     /// Rebuilds the map with `buckets` buckets; an entry that finds no place (which
     /// takes a tag shared by more entries than two buckets hold) goes to the stash.
     fn resize(&mut self, buckets: usize) {
-        let old = std::mem::take(self);
-        self.kicks = old.kicks;
-        self.changes = old.changes;
-        self.rebuild(buckets, old.entries());
+        *self = self.rebuilt(buckets);
     }
 
-    /// Fills this (empty) map, given `buckets` buckets, with `entries`.
-    fn rebuild(&mut self, buckets: usize, entries: impl Iterator<Item = (u32, Pos)>) {
-        self.buckets = vec![EMPTY; buckets.max(4)];
-        for (tag, pos) in entries {
-            if let Some(left) = self.place(tag, pos) {
-                self.stash.push(left);
-                self.len += 1;
+    /// This map's entries in a new map of `buckets` buckets (carrying the move
+    /// generator's state and the change count on).
+    fn rebuilt(&self, buckets: usize) -> EngineMap {
+        let mut map = EngineMap {
+            buckets: vec![EMPTY; buckets.max(4)],
+            stash: Vec::new(),
+            len: 0,
+            kicks: self.kicks,
+            changes: self.changes,
+        };
+        for (tag, pos) in self.entries() {
+            if let Some(left) = map.place(tag, pos) {
+                map.stash.push(left);
+                map.len += 1;
             }
         }
+        map
     }
 }
 
