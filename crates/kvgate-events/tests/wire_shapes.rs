@@ -321,6 +321,22 @@ fn stored_run(hashes: &[u64]) -> KvEvent {
     })
 }
 
+/// A removal of `hashes`, in that order, as one event.
+fn removed_run(hashes: impl IntoIterator<Item = u64>) -> KvEvent {
+    KvEvent::BlockRemoved(kvgate_events::wire::BlockRemoved {
+        block_hashes: hashes.into_iter().collect(),
+        ..Default::default()
+    })
+}
+
+/// `events` as one decoded batch.
+fn decoded(events: Vec<KvEvent>) -> kvgate_events::EventBatch {
+    kvgate_events::EventBatch {
+        events,
+        ..kvgate_events::EventBatch::default()
+    }
+}
+
 /// Applies `events` as one batch to a shared index through its write guard while
 /// another thread, started first and parked on the lock by then, runs `waiter` on the
 /// index. Returns the batch's outcome, the entries after it, and what `waiter` saw.
@@ -331,10 +347,7 @@ fn apply_while_one_waits(
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::time::Duration;
 
-    let b = kvgate_events::EventBatch {
-        events,
-        ..kvgate_events::EventBatch::default()
-    };
+    let b = decoded(events);
     let shared = kvgate_events::IndexLock::new(index(4));
     let mut writer = shared.write();
     let asking = AtomicBool::new(false);
@@ -362,16 +375,12 @@ fn apply_while_one_waits(
 #[test]
 fn a_waiting_lookup_gets_in_between_slices_of_a_large_batch() {
     use kvgate_core::WRITE_SLICE_BLOCKS;
-    use kvgate_events::wire::BlockRemoved;
 
     let blocks = 20 * WRITE_SLICE_BLOCKS;
     let hashes: Vec<u64> = (1..=blocks as u64).collect();
     let events = vec![
         stored_run(&hashes),
-        KvEvent::BlockRemoved(BlockRemoved {
-            block_hashes: hashes.iter().rev().copied().collect(),
-            ..BlockRemoved::default()
-        }),
+        removed_run(hashes.iter().rev().copied()),
     ];
     let (o, entries, seen) = apply_while_one_waits(events, |shared| shared.read().len());
     assert_eq!(o.events_applied, 2);
@@ -407,19 +416,11 @@ fn a_waiting_writer_gets_in_after_the_whole_batch() {
 /// here (until the lock's fairness timer, about every half millisecond).
 #[test]
 fn a_waiting_lookup_gets_in_before_the_writers_next_batch() {
-    use kvgate_events::wire::BlockRemoved;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
     let shared = kvgate_events::IndexLock::new(index(4));
-    let batch = |event| kvgate_events::EventBatch {
-        events: vec![event],
-        ..kvgate_events::EventBatch::default()
-    };
-    let store = batch(stored_run(&[1]));
-    let remove = batch(KvEvent::BlockRemoved(BlockRemoved {
-        block_hashes: vec![1],
-        ..BlockRemoved::default()
-    }));
+    let store = decoded(vec![stored_run(&[1])]);
+    let remove = decoded(vec![removed_run([1])]);
     let (written, done) = (AtomicUsize::new(0), AtomicBool::new(false));
     let mut passed: Vec<usize> = std::thread::scope(|s| {
         s.spawn(|| {
