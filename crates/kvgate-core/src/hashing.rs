@@ -15,15 +15,14 @@
 //! whole prefix up to and including its block. A trailing partial block is not a block
 //! and gets no key.
 //!
-//! Why gxhash: hashing is most of a lookup (an 8,192-token prompt is 512 blocks), and
-//! with gxhash's AES rounds a prompt's keys cost little more than the serial chain
-//! step: 512 blocks of 16 tokens in 0.87 µs, against 2.08 µs with xxh3 and 0.83 µs for
-//! the chain step alone (docs/BENCHMARKS.md, "Block keys with gxhash"). It needs the
-//! CPU's AES instructions at build time (`.cargo/config.toml`) and at run time
-//! ([`cpu_can_hash_blocks`]). Its output is the same on every platform for one version,
-//! which is pinned: replicas compare keys (snapshots, decisions at a leader), so every
-//! replica of a fleet must run the same scheme, and [`BlockHasher::fingerprint`] lets
-//! them check that they do.
+//! Why gxhash: hashing is most of a lookup (an 8,192-token prompt is 512 blocks; its
+//! keys 2.0-2.4 µs of a 2.5-2.9 µs lookup, `cargo bench -p kvgate-core --bench
+//! selection`, docs/BENCHMARKS.md section 10), so it is done with gxhash, a handful of
+//! AES rounds per block. It needs the CPU's AES instructions at build time
+//! (`.cargo/config.toml`) and at run time ([`cpu_can_hash_blocks`]). Its output is the
+//! same on every platform for one version, which is pinned: replicas compare keys
+//! (snapshots, decisions at a leader), so every replica of a fleet must run the same
+//! scheme, and [`BlockHasher::fingerprint`] lets them check that they do.
 
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
@@ -147,14 +146,7 @@ impl BlockHasher {
             Some(p) => p.0,
             None => self.root_seed,
         };
-        BlockKey(mix(parent, self.content_hash(block_tokens)))
-    }
-
-    /// Hash of one block's tokens alone (not chained, not salted: the salt enters
-    /// through the chain, whose first parent is the root seed).
-    #[inline]
-    fn content_hash(&self, block_tokens: &[u32]) -> u64 {
-        gxhash::gxhash64(bytemuck::cast_slice::<u32, u8>(block_tokens), 0)
+        BlockKey(mix(parent, content_hash(block_tokens)))
     }
 
     /// A number that differs between two hashers that would key the same tokens
@@ -181,17 +173,68 @@ impl BlockHasher {
         tokens: &[u32],
         out: &mut Vec<BlockKey>,
     ) -> Option<BlockKey> {
-        // The content hashes do not depend on the chain, so the CPU overlaps them; only
-        // the one-multiply chain step in `chain` is serial.
-        out.reserve(self.full_blocks(tokens.len()));
-        let mut last = parent;
-        for block in tokens.chunks_exact(self.block_size as usize) {
-            let key = self.chain(last, block);
-            out.push(key);
-            last = Some(key);
-        }
-        last
+        let start = out.len();
+        out.resize(start + self.full_blocks(tokens.len()), BlockKey(0));
+        self.write_keys(parent, tokens, &mut out[start..])
     }
+
+    /// Writes the keys of the full blocks of `tokens`, chained after `parent`, into
+    /// `out`, one block per element, as many as both have. Returns the key of the last
+    /// block written (or `parent` when none was).
+    pub fn write_keys(
+        &self,
+        parent: Option<BlockKey>,
+        tokens: &[u32],
+        out: &mut [BlockKey],
+    ) -> Option<BlockKey> {
+        if out.is_empty() || self.full_blocks(tokens.len()) == 0 {
+            return parent;
+        }
+        let root = parent.map_or(self.root_seed, |p| p.0);
+        // The usual block sizes get a loop whose block length is a constant, so the
+        // content hash's length checks fold away: at 16 tokens a prompt's keys take 30%
+        // less time than in the general loop (docs/BENCHMARKS.md section 10).
+        let last = match self.block_size {
+            16 => write_sized::<16>(root, tokens, out),
+            32 => write_sized::<32>(root, tokens, out),
+            64 => write_sized::<64>(root, tokens, out),
+            size => {
+                let mut last = root;
+                for (slot, block) in out.iter_mut().zip(tokens.chunks_exact(size as usize)) {
+                    last = mix(last, content_hash(block));
+                    *slot = BlockKey(last);
+                }
+                last
+            }
+        };
+        Some(BlockKey(last))
+    }
+}
+
+/// Hash of one block's tokens alone (not chained, not salted: the salt enters through
+/// the chain, whose first parent is the root seed).
+#[inline(always)]
+fn content_hash(block_tokens: &[u32]) -> u64 {
+    gxhash::gxhash64(bytemuck::cast_slice::<u32, u8>(block_tokens), 0)
+}
+
+/// [`BlockHasher::write_keys`] for blocks of `N` tokens, chained after `last`; returns
+/// the last key. The content hashes do not depend on the chain, so the CPU overlaps
+/// them; only the one-multiply chain step is serial (the chain is a local, kept in a
+/// register: carried through memory, as a closure's captured state can be, it costs a
+/// store and a load per block on that serial path).
+#[inline(always)]
+fn write_sized<const N: usize>(mut last: u64, tokens: &[u32], out: &mut [BlockKey]) -> u64
+where
+    [u32; N]: bytemuck::Pod,
+{
+    let full = tokens.len() / N * N;
+    let blocks: &[[u32; N]] = bytemuck::cast_slice(&tokens[..full]);
+    for (slot, block) in out.iter_mut().zip(blocks) {
+        last = mix(last, content_hash(block));
+        *slot = BlockKey(last);
+    }
+    last
 }
 
 #[cfg(test)]
@@ -290,5 +333,34 @@ mod tests {
         let last = h.extend_keys(None, &[1, 2], &mut split);
         h.extend_keys(last, &[3, 4, 5, 6], &mut split);
         assert_eq!(whole, split);
+    }
+
+    /// The loops specialised for the usual block sizes key blocks exactly as `chain`
+    /// does, one block at a time, after a parent or from the root, a trailing partial
+    /// block left out.
+    #[test]
+    fn every_block_size_keys_blocks_as_chain_does() {
+        let tokens: Vec<u32> = (0..700u32).map(|i| i.wrapping_mul(2_654_435_761)).collect();
+        for size in [1, 3, 15, 16, 17, 31, 32, 33, 64, 65, 128] {
+            let h = BlockHasher::with_salt(size, b"s").unwrap();
+            for parent in [None, Some(BlockKey(42))] {
+                let mut expected = Vec::new();
+                let mut last = parent;
+                for block in tokens.chunks_exact(size as usize) {
+                    let key = h.chain(last, block);
+                    expected.push(key);
+                    last = Some(key);
+                }
+                let mut out = vec![BlockKey(7)];
+                let returned = h.extend_keys(parent, &tokens, &mut out);
+                assert_eq!(out[0], BlockKey(7), "size {size}: kept what out held");
+                assert_eq!(out[1..], expected[..], "size {size}, parent {parent:?}");
+                assert_eq!(returned, last, "size {size}, parent {parent:?}");
+            }
+            assert_eq!(
+                h.extend_keys(Some(BlockKey(9)), &[], &mut Vec::new()),
+                Some(BlockKey(9))
+            );
+        }
     }
 }

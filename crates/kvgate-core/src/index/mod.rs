@@ -733,7 +733,7 @@ impl PrefixIndex {
         };
         let hasher = self.hasher.for_lora(blocks.lora_name);
         let mut outcome = StoreOutcome::default();
-        let mut keys: SmallVec<[BlockKey; PIPELINE]> = SmallVec::new();
+        let mut keys = [BlockKey(0); PIPELINE];
         let mut last_key = prev.map(|p| self.key_at(p));
         let mut done = 0;
         self.prefetch(slot, &blocks.engine_hashes[..n.min(PIPELINE)]);
@@ -742,13 +742,9 @@ impl PrefixIndex {
             .chunks(PIPELINE)
             .zip(blocks.token_ids.chunks(PIPELINE * block_size as usize))
         {
-            keys.clear();
-            for block in tokens.chunks_exact(block_size as usize) {
-                let key = hasher.chain(last_key, block);
-                keys.push(key);
-                last_key = Some(key);
-            }
-            for (engine_hash, &key) in hashes.iter().zip(&keys) {
+            let chunk_keys = &mut keys[..tokens.len() / block_size as usize];
+            last_key = hasher.write_keys(last_key, tokens, chunk_keys);
+            for (engine_hash, &key) in hashes.iter().zip(chunk_keys.iter()) {
                 // The blocks still to come, so a run's storage grows once, exactly.
                 let rest = n - done + blocks.blocks_after;
                 self.prefetch_ahead(slot, blocks.engine_hashes, done);
