@@ -160,22 +160,9 @@ impl BlockHasher {
 
     /// Keys of every full block of `tokens`, from the start of the sequence.
     pub fn block_keys(&self, tokens: &[u32]) -> Vec<BlockKey> {
-        let mut out = Vec::with_capacity(self.full_blocks(tokens.len()));
-        self.extend_keys(None, tokens, &mut out);
+        let mut out = vec![BlockKey(0); self.full_blocks(tokens.len())];
+        self.write_keys(None, tokens, &mut out);
         out
-    }
-
-    /// Appends to `out` the keys of the full blocks of `tokens`, chained after `parent`.
-    /// Returns the key of the last block appended (or `parent` when none was).
-    pub fn extend_keys(
-        &self,
-        parent: Option<BlockKey>,
-        tokens: &[u32],
-        out: &mut Vec<BlockKey>,
-    ) -> Option<BlockKey> {
-        let start = out.len();
-        out.resize(start + self.full_blocks(tokens.len()), BlockKey(0));
-        self.write_keys(parent, tokens, &mut out[start..])
     }
 
     /// Writes the keys of the full blocks of `tokens`, chained after `parent`, into
@@ -326,13 +313,20 @@ mod tests {
     }
 
     #[test]
-    fn extend_keys_continues_a_chain() {
+    fn write_keys_continues_a_chain() {
         let h = BlockHasher::new(2).unwrap();
         let whole = h.block_keys(&[1, 2, 3, 4, 5, 6]);
-        let mut split = Vec::new();
-        let last = h.extend_keys(None, &[1, 2], &mut split);
-        h.extend_keys(last, &[3, 4, 5, 6], &mut split);
+        let mut split = [BlockKey(0); 3];
+        let last = h.write_keys(None, &[1, 2], &mut split[..1]);
+        assert_eq!(last, Some(whole[0]));
+        h.write_keys(last, &[3, 4, 5, 6], &mut split[1..]);
         assert_eq!(whole, split);
+        // As many keys as both have: a shorter `out` takes the first blocks.
+        let mut first = [BlockKey(0); 1];
+        assert_eq!(
+            h.write_keys(None, &[1, 2, 3, 4], &mut first),
+            Some(whole[0])
+        );
     }
 
     /// The loops specialised for the usual block sizes key blocks exactly as `chain`
@@ -351,16 +345,29 @@ mod tests {
                     expected.push(key);
                     last = Some(key);
                 }
-                let mut out = vec![BlockKey(7)];
-                let returned = h.extend_keys(parent, &tokens, &mut out);
-                assert_eq!(out[0], BlockKey(7), "size {size}: kept what out held");
-                assert_eq!(out[1..], expected[..], "size {size}, parent {parent:?}");
+                let mut out = vec![BlockKey(7); expected.len() + 1];
+                let returned = h.write_keys(parent, &tokens, &mut out);
+                assert_eq!(
+                    out[..expected.len()],
+                    expected[..],
+                    "size {size}, {parent:?}"
+                );
+                assert_eq!(
+                    out[expected.len()],
+                    BlockKey(7),
+                    "size {size}: one key a block"
+                );
                 assert_eq!(returned, last, "size {size}, parent {parent:?}");
+                if parent.is_none() {
+                    assert_eq!(h.block_keys(&tokens), expected, "size {size}");
+                }
             }
+            let mut out = [BlockKey(7)];
             assert_eq!(
-                h.extend_keys(Some(BlockKey(9)), &[], &mut Vec::new()),
+                h.write_keys(Some(BlockKey(9)), &[], &mut out),
                 Some(BlockKey(9))
             );
+            assert_eq!(out, [BlockKey(7)]);
         }
     }
 }
