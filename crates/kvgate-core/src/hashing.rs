@@ -182,17 +182,10 @@ impl BlockHasher {
         // content hash's length checks fold away: at 16 tokens a prompt's keys take 30%
         // less time than in the general loop (docs/BENCHMARKS.md section 10).
         let last = match self.block_size {
-            16 => write_sized::<16>(root, tokens, out),
-            32 => write_sized::<32>(root, tokens, out),
-            64 => write_sized::<64>(root, tokens, out),
-            size => {
-                let mut last = root;
-                for (slot, block) in out.iter_mut().zip(tokens.chunks_exact(size as usize)) {
-                    last = mix(last, content_hash(block));
-                    *slot = BlockKey(last);
-                }
-                last
-            }
+            16 => chain_into(root, sized_blocks::<16>(tokens), out),
+            32 => chain_into(root, sized_blocks::<32>(tokens), out),
+            64 => chain_into(root, sized_blocks::<64>(tokens), out),
+            size => chain_into(root, tokens.chunks_exact(size as usize), out),
         };
         Some(BlockKey(last))
     }
@@ -205,23 +198,34 @@ fn content_hash(block_tokens: &[u32]) -> u64 {
     gxhash::gxhash64(bytemuck::cast_slice::<u32, u8>(block_tokens), 0)
 }
 
-/// [`BlockHasher::write_keys`] for blocks of `N` tokens, chained after `last`; returns
-/// the last key. The content hashes do not depend on the chain, so the CPU overlaps
-/// them; only the one-multiply chain step is serial (the chain is a local, kept in a
-/// register: carried through memory, as a closure's captured state can be, it costs a
-/// store and a load per block on that serial path).
+/// Chains `blocks` after `last` into `out`, one key per element, as many as both have;
+/// returns the last key. The content hashes do not depend on the chain, so the CPU
+/// overlaps them; only the one-multiply chain step is serial (the chain is a local, kept
+/// in a register: carried through memory, as a closure's captured state can be, it
+/// costs a store and a load per block on that serial path).
 #[inline(always)]
-fn write_sized<const N: usize>(mut last: u64, tokens: &[u32], out: &mut [BlockKey]) -> u64
-where
-    [u32; N]: bytemuck::Pod,
-{
-    let full = tokens.len() / N * N;
-    let blocks: &[[u32; N]] = bytemuck::cast_slice(&tokens[..full]);
+fn chain_into<'a>(
+    mut last: u64,
+    blocks: impl Iterator<Item = &'a [u32]>,
+    out: &mut [BlockKey],
+) -> u64 {
     for (slot, block) in out.iter_mut().zip(blocks) {
         last = mix(last, content_hash(block));
         *slot = BlockKey(last);
     }
     last
+}
+
+/// The full blocks of `tokens` as slices whose length, `N`, the compiler knows.
+#[inline(always)]
+fn sized_blocks<const N: usize>(tokens: &[u32]) -> impl Iterator<Item = &[u32]>
+where
+    [u32; N]: bytemuck::Pod,
+{
+    let full = tokens.len() / N * N;
+    bytemuck::cast_slice::<u32, [u32; N]>(&tokens[..full])
+        .iter()
+        .map(|block| block.as_slice())
 }
 
 #[cfg(test)]
