@@ -12,10 +12,11 @@ use std::time::{Duration, Instant};
 use http::HeaderMap;
 use kvgate_core::BlockKey;
 use kvgate_tokenize::{
-    remote_answer, remote_request, RemoteRequest, RequestKind, RoutingTokens, TokenizeError,
+    remote_answer, remote_request, Json, RemoteRequest, RequestBody, RequestKind, RoutingTokens,
+    TokenizeError,
 };
-use serde::de::IgnoredAny;
 use serde::Deserialize;
+use serde_json::Value;
 
 use crate::body::read_bounded;
 use crate::errors::ApiError;
@@ -24,11 +25,10 @@ use crate::gateway::Gateway;
 use crate::registry::{Endpoint, ModelState};
 
 /// The request fields routing reads; everything else is skipped while parsing.
-/// `messages` and `prompt` are read as `S`: measured ([`PromptSize`]) by a scan of the
-/// text, only looked for (`IgnoredAny`) in a parsed document, whose prompt is about to
-/// be tokenized.
+/// `messages` and `prompt` are measured ([`PromptSize`]) by a scan of the text, or only
+/// looked for in a parsed document, whose prompt is about to be tokenized.
 #[derive(Deserialize)]
-struct Head<'a, S> {
+struct Head<'a> {
     #[serde(borrow, default)]
     model: Option<Cow<'a, str>>,
     #[serde(default)]
@@ -39,23 +39,30 @@ struct Head<'a, S> {
     max_completion_tokens: Option<f64>,
     /// Present in chat requests; only its size is read.
     #[serde(default)]
-    messages: Option<S>,
+    messages: Option<PromptSize>,
     /// A completion's prompt; only its size is read.
     #[serde(default)]
-    prompt: Option<S>,
+    prompt: Option<PromptSize>,
 }
 
-impl<'a> Head<'a, IgnoredAny> {
-    /// The fields of a parsed document, its prompt's size unmeasured (0).
-    fn unmeasured(self) -> Head<'a, PromptSize> {
-        Head {
-            model: self.model,
-            stream: self.stream,
-            max_tokens: self.max_tokens,
-            max_completion_tokens: self.max_completion_tokens,
-            messages: self.messages.map(|_| PromptSize::default()),
-            prompt: self.prompt.map(|_| PromptSize::default()),
-        }
+impl<'a> Head<'a> {
+    /// The fields of a parsed document (each read as the scan reads it: the same values
+    /// and errors), its prompt's size unmeasured (0).
+    fn of_document(doc: &'a RequestBody<'_>) -> Result<Head<'a>, serde_json::Error> {
+        let field = |key: &str| doc.fields().get(key).unwrap_or(&Value::Null);
+        let present = |prompt: Option<&Json>| {
+            prompt
+                .filter(|p| !p.is_null())
+                .map(|_| PromptSize::default())
+        };
+        Ok(Head {
+            model: Option::<Cow<str>>::deserialize(field("model"))?,
+            stream: Option::deserialize(field("stream"))?,
+            max_tokens: Option::deserialize(field("max_tokens"))?,
+            max_completion_tokens: Option::deserialize(field("max_completion_tokens"))?,
+            messages: present(doc.messages()),
+            prompt: present(doc.prompt()),
+        })
     }
 }
 
@@ -188,13 +195,13 @@ pub async fn prepare(
         TokenUse::ForPolicy => m.uses_tokens(),
         TokenUse::ReturnIds => m.tokenizer.is_some(),
     };
-    let document: Option<serde_json::Value> = if gw.models().all(|m| needs_tokens(m)) {
-        Some(serde_json::from_slice(body).map_err(ApiError::malformed_json)?)
+    let document: Option<RequestBody<'_>> = if gw.models().all(|m| needs_tokens(m)) {
+        Some(RequestBody::parse(body).map_err(ApiError::malformed_json)?)
     } else {
         None
     };
-    let head: Head<'_, PromptSize> = match &document {
-        Some(doc) => Head::<IgnoredAny>::deserialize(doc).map(Head::unmeasured),
+    let head: Head<'_> = match &document {
+        Some(doc) => Head::of_document(doc),
         None => serde_json::from_slice(body),
     }
     .map_err(ApiError::malformed_json)?;
@@ -227,7 +234,7 @@ pub async fn prepare(
     }
     let value = match document {
         Some(doc) => doc,
-        None => serde_json::from_slice(body).map_err(ApiError::malformed_json)?,
+        None => RequestBody::parse(body).map_err(ApiError::malformed_json)?,
     };
     let value = &value;
     let tokenizing = Instant::now();
@@ -256,7 +263,7 @@ async fn tokenize(
     gw: &Gateway,
     model: &ModelState,
     kind: RequestKind,
-    value: &serde_json::Value,
+    value: &RequestBody<'_>,
 ) -> Result<RoutingTokens, ApiError> {
     let start = Instant::now();
     let result = if let Some(t) = &model.tokenizer {
@@ -290,7 +297,7 @@ async fn tokenize_remotely(
     gw: &Gateway,
     model: &ModelState,
     kind: RequestKind,
-    value: &serde_json::Value,
+    value: &RequestBody<'_>,
 ) -> Result<RoutingTokens, ApiError> {
     let (payload, non_text_parts) = match remote_request(kind, value).map_err(tokenize_error)? {
         RemoteRequest::Answered(tokens) => return Ok(tokens),

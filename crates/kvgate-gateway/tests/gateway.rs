@@ -646,6 +646,25 @@ async fn error_cases_are_openai_shaped() {
         (400, Some("invalid_prompt")),
         "{v}"
     );
+    // The routing fields of a body parsed for tokenizing are read as the scan of a
+    // body that is not tokenized reads them: a wrong type is bad JSON for the request.
+    let messages = json!([{"role": "user", "content": "hi"}]);
+    let chat = format!("{}/v1/chat/completions", gw.url());
+    for bad in [
+        json!({"model": 5, "messages": messages}),
+        json!({"model": "m", "messages": messages, "stream": "yes"}),
+        json!({"model": "m", "messages": messages, "max_tokens": "9"}),
+    ] {
+        let (s, v) = error_of(c.post(&chat).json(&bad).send().await.unwrap()).await;
+        assert_eq!(
+            (s, v["error"]["code"].as_str()),
+            (400, Some("invalid_json")),
+            "{bad}: {v}"
+        );
+    }
+    let not_an_object = json!([messages]);
+    let (s, v) = error_of(c.post(&chat).json(&not_an_object).send().await.unwrap()).await;
+    assert_eq!(s, 400, "{v}");
     gw.shutdown().await;
 
     // kv_aware without an event source: 503 naming the fix; with --kv-fallback: routed.

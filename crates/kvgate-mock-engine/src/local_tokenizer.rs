@@ -7,7 +7,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use kvgate_tokenize::{LocalTokenizer, RequestKind, RoutingTokens};
+use kvgate_tokenize::{LocalTokenizer, RequestBody, RequestKind, RoutingTokens};
 use serde_json::Value;
 
 use crate::tokenizer::{PromptTokenizer, TokenizeError};
@@ -16,7 +16,7 @@ struct Local(LocalTokenizer);
 
 impl PromptTokenizer for Local {
     fn chat(&self, body: &Value) -> Result<Vec<u32>, TokenizeError> {
-        match self.0.tokenize(RequestKind::Chat, body) {
+        match self.0.tokenize(RequestKind::Chat, &RequestBody::from(body)) {
             Ok(RoutingTokens::Tokens { ids, .. }) => Ok(ids),
             Ok(RoutingTokens::NoRoutingTokens { reason }) => {
                 Err(TokenizeError::Invalid(reason.to_string()))

@@ -21,7 +21,9 @@ use std::time::{Duration, Instant};
 use kvgate_core::{Decision, KvAwareConfig, PolicyConfig, PolicyKind, SelectError, WorkerId};
 use kvgate_events::EventMetrics;
 use kvgate_selection::{BookError, SelectRequest, SelectionConfig, SelectionService, WorkerEvents};
-use kvgate_tokenize::{LocalTokenizer, RemoteTokenizer, RequestKind, RoutingTokens, TokenizeError};
+use kvgate_tokenize::{
+    LocalTokenizer, RemoteTokenizer, RequestBody, RequestKind, RoutingTokens, TokenizeError,
+};
 use pyo3::exceptions::PyValueError;
 use pyo3::import_exception;
 use pyo3::prelude::*;
@@ -595,18 +597,22 @@ impl PyTokenizer {
             TokenizerKind::Remote(t) => TokenizerKind::Remote(t.clone()),
         };
         pyo3_async_runtimes::tokio::future_into_py(py, async move {
-            let value: serde_json::Value = serde_json::from_slice(&body)
-                .map_err(|e| value_error(format!("the body is not valid JSON: {e}")))?;
-            if !value.is_object() {
-                return Err(value_error("the body must be a JSON object"));
-            }
-            let tokens = match tokenizer {
-                TokenizerKind::Local(t) => {
-                    tokio::task::spawn_blocking(move || t.tokenize(kind, &value))
-                        .await
-                        .map_err(|e| unavailable(format!("tokenization failed: {e}")))?
+            fn parse(body: &[u8]) -> PyResult<RequestBody<'_>> {
+                let parsed = RequestBody::parse(body)
+                    .map_err(|e| value_error(format!("the body is not valid JSON: {e}")))?;
+                if !parsed.is_object() {
+                    return Err(value_error("the body must be a JSON object"));
                 }
-                TokenizerKind::Remote(t) => t.tokenize(kind, &value).await,
+                Ok(parsed)
+            }
+            // Parsed where it is tokenized (the parsed body borrows from the bytes).
+            let tokens = match tokenizer {
+                TokenizerKind::Local(t) => tokio::task::spawn_blocking(move || {
+                    parse(&body).map(|parsed| t.tokenize(kind, &parsed))
+                })
+                .await
+                .map_err(|e| unavailable(format!("tokenization failed: {e}")))??,
+                TokenizerKind::Remote(t) => t.tokenize(kind, &parse(&body)?).await,
             }
             .map_err(tokenize_error)?;
             Ok(match tokens {

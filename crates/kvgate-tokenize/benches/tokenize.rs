@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use kvgate_tokenize::{LocalTokenizer, RequestKind, RoutingTokens};
+use kvgate_tokenize::{LocalTokenizer, RequestBody, RequestKind, RoutingTokens};
 use serde_json::{json, Value};
 
 const PHRASES: &[&str] = &[
@@ -57,7 +57,7 @@ fn chat(n: usize) -> Value {
 }
 
 fn token_count(tok: &LocalTokenizer, body: &Value) -> usize {
-    match tok.tokenize(RequestKind::Chat, body) {
+    match tok.tokenize(RequestKind::Chat, &RequestBody::from(body)) {
         Ok(RoutingTokens::Tokens { ids, .. }) => ids.len(),
         other => panic!("{other:?}"),
     }
@@ -87,13 +87,13 @@ fn bench(c: &mut Criterion) {
     group.measurement_time(Duration::from_secs(3));
     for (label, target) in [("1k", 1_000), ("8k", 8_000), ("32k", 32_000)] {
         let (body, count) = chat_with_tokens(&tok, target);
-        let prompt = tok.render_chat(&body).expect("renders");
+        let prompt = tok.render_chat(&RequestBody::from(&body)).expect("renders");
         group.throughput(Throughput::Elements(count as u64));
         group.bench_with_input(BenchmarkId::new("full", label), &body, |b, body| {
-            b.iter(|| tok.tokenize(RequestKind::Chat, body))
+            b.iter(|| tok.tokenize(RequestKind::Chat, &RequestBody::from(body)))
         });
         group.bench_with_input(BenchmarkId::new("render_only", label), &body, |b, body| {
-            b.iter(|| tok.render_chat(body))
+            b.iter(|| tok.render_chat(&RequestBody::from(body)))
         });
         group.bench_with_input(
             BenchmarkId::new("encode_only", label),

@@ -2,7 +2,7 @@
 //! with its history seen. `cargo run --release -p kvgate-tokenize --example long_chat`.
 use std::time::Instant;
 
-use kvgate_tokenize::{LocalTokenizer, RequestKind};
+use kvgate_tokenize::{LocalTokenizer, RequestBody, RequestKind};
 use serde_json::{json, Value};
 
 fn words(seed: usize, n: usize) -> String {
@@ -34,9 +34,11 @@ fn main() {
             let t0 = Instant::now();
             let v: Value = serde_json::from_slice(&text).unwrap();
             let t1 = Instant::now();
-            let prompt = tok.render_chat(&v).unwrap();
+            let prompt = tok.render_chat(&RequestBody::from(&v)).unwrap();
             let t2 = Instant::now();
-            let r = tok.tokenize(RequestKind::Chat, &v).unwrap();
+            let r = tok
+                .tokenize(RequestKind::Chat, &RequestBody::from(&v))
+                .unwrap();
             let t3 = Instant::now();
             if let kvgate_tokenize::RoutingTokens::Tokens { ids, .. } = r {
                 n = ids.len();

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 
-use crate::{LocalTokenizer, RemoteTokenizer, RequestKind, RoutingTokens, Tokenizer};
+use crate::{LocalTokenizer, RemoteTokenizer, RequestBody, RequestKind, RoutingTokens, Tokenizer};
 
 /// Which endpoint the body is for.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -65,8 +65,7 @@ pub async fn run_with_io(
     input
         .read_to_string(&mut raw)
         .context("cannot read the request body from stdin")?;
-    let body: serde_json::Value =
-        serde_json::from_str(&raw).context("stdin is not a JSON request body")?;
+    let body = RequestBody::parse(raw.as_bytes()).context("stdin is not a JSON request body")?;
     let kind = match args.kind {
         KindArg::Auto => RequestKind::detect(&body),
         KindArg::Chat => RequestKind::Chat,

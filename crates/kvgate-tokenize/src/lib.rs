@@ -14,6 +14,7 @@
 //! use a single list of token ids as is. Bodies the router cannot route on (several
 //! prompts, no prompt and no messages) yield [`RoutingTokens::NoRoutingTokens`].
 
+mod body;
 pub mod cli;
 mod fast;
 pub mod local;
@@ -26,6 +27,7 @@ mod template;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+pub use body::{Json, RequestBody};
 pub use local::LocalTokenizer;
 pub use remote::{remote_answer, remote_request, RemoteRequest, RemoteTokenizer};
 pub use segments::SegmentCacheStats;
@@ -42,8 +44,8 @@ pub enum RequestKind {
 impl RequestKind {
     /// Guess the kind from the body alone: `messages` present means chat.
     /// Used by `kvgate tokenize`; the gateway knows the endpoint and should not need it.
-    pub fn detect(body: &serde_json::Value) -> RequestKind {
-        if body.get("messages").is_some() {
+    pub fn detect(body: &RequestBody<'_>) -> RequestKind {
+        if body.messages().is_some() {
             RequestKind::Chat
         } else {
             RequestKind::Completion
@@ -119,7 +121,7 @@ impl Tokenizer {
     pub async fn tokenize(
         &self,
         kind: RequestKind,
-        body: &serde_json::Value,
+        body: &RequestBody<'_>,
     ) -> Result<RoutingTokens, TokenizeError> {
         match self {
             Tokenizer::Local(local) => local::tokenize_async(local, kind, body).await,

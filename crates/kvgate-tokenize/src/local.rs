@@ -17,7 +17,7 @@ use crate::fast::FastEncoder;
 use crate::request::{self, ChatOptions, Conversation, Shape};
 use crate::segments::{SegmentCache, SegmentCacheStats};
 use crate::template::TemplateSet;
-use crate::{count_non_text_parts, RequestKind, RoutingTokens, TokenizeError};
+use crate::{count_non_text_parts, RequestBody, RequestKind, RoutingTokens, TokenizeError};
 
 /// Requests with at least this many bytes of text are tokenized on tokio's blocking
 /// pool instead of the async worker. Measured (docs/BENCHMARKS.md, section 11): a cold
@@ -170,7 +170,7 @@ impl LocalTokenizer {
     pub fn tokenize(
         &self,
         kind: RequestKind,
-        body: &Value,
+        body: &RequestBody<'_>,
     ) -> Result<RoutingTokens, TokenizeError> {
         let work = self.prepare(kind, body)?;
         self.run(work)
@@ -178,12 +178,12 @@ impl LocalTokenizer {
 
     /// Render a chat body to the prompt text the engine would tokenize (for debugging
     /// parity: `kvgate tokenize --print-prompt`).
-    pub fn render_chat(&self, body: &Value) -> Result<String, TokenizeError> {
-        let obj = body
-            .as_object()
-            .ok_or_else(|| request::invalid("request body must be a JSON object"))?;
-        let options = ChatOptions::parse(obj)?;
-        let conversation = request::conversation(obj, self.content_format(&options)?)?;
+    pub fn render_chat(&self, body: &RequestBody<'_>) -> Result<String, TokenizeError> {
+        if !body.is_object() {
+            return Err(request::invalid("request body must be a JSON object"));
+        }
+        let options = ChatOptions::parse(body.fields())?;
+        let conversation = request::conversation(body, self.content_format(&options)?)?;
         self.render(&options, &conversation)
     }
 
@@ -247,7 +247,11 @@ impl LocalTokenizer {
         Ok(encoding.get_ids().to_vec())
     }
 
-    pub(crate) fn prepare(&self, kind: RequestKind, body: &Value) -> Result<Work, TokenizeError> {
+    pub(crate) fn prepare(
+        &self,
+        kind: RequestKind,
+        body: &RequestBody<'_>,
+    ) -> Result<Work, TokenizeError> {
         match request::classify(kind, body)? {
             Shape::NoTokens(reason) => Ok(Work::Done(RoutingTokens::NoRoutingTokens { reason })),
             Shape::Ids(ids) => Ok(Work::Done(RoutingTokens::Tokens {
@@ -261,9 +265,9 @@ impl LocalTokenizer {
                 prompt: prompt.to_owned(),
                 add_special_tokens,
             }),
-            Shape::Chat(obj) => {
-                let options = ChatOptions::parse(obj)?;
-                let conversation = request::conversation(obj, self.content_format(&options)?)?;
+            Shape::Chat(body) => {
+                let options = ChatOptions::parse(body.fields())?;
+                let conversation = request::conversation(body, self.content_format(&options)?)?;
                 count_non_text_parts(conversation.non_text_parts);
                 Ok(Work::Chat(Box::new(ChatWork {
                     options,
@@ -502,7 +506,7 @@ fn max_token_bytes(tokenizer: &tokenizers::Tokenizer) -> usize {
 pub(crate) async fn tokenize_async(
     local: &Arc<LocalTokenizer>,
     kind: RequestKind,
-    body: &Value,
+    body: &RequestBody<'_>,
 ) -> Result<RoutingTokens, TokenizeError> {
     let work = local.prepare(kind, body)?;
     if work.text_bytes() < SPAWN_BLOCKING_MIN_BYTES {

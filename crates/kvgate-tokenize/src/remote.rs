@@ -17,6 +17,7 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use crate::request::{self, ChatOptions, Shape};
+use crate::RequestBody;
 use crate::{count_non_text_parts, RequestKind, RoutingTokens, TokenizeError};
 
 /// Chat fields of vLLM's `TokenizeChatRequest` forwarded to the engine.
@@ -84,7 +85,7 @@ impl RemoteTokenizer {
     pub async fn tokenize(
         &self,
         kind: RequestKind,
-        body: &Value,
+        body: &RequestBody<'_>,
     ) -> Result<RoutingTokens, TokenizeError> {
         let (payload, non_text_parts) = match remote_request(kind, body)? {
             RemoteRequest::Answered(tokens) => return Ok(tokens),
@@ -126,7 +127,10 @@ pub enum RemoteRequest {
 /// The `/tokenize` request for one OpenAI body (or its answer, when the body's shape
 /// needs no engine). The protocol half of remote tokenization, without transport: the
 /// gateway sends it through its own worker client.
-pub fn remote_request(kind: RequestKind, body: &Value) -> Result<RemoteRequest, TokenizeError> {
+pub fn remote_request(
+    kind: RequestKind,
+    body: &RequestBody<'_>,
+) -> Result<RemoteRequest, TokenizeError> {
     match request::classify(kind, body)? {
         Shape::NoTokens(reason) => Ok(RemoteRequest::Answered(RoutingTokens::NoRoutingTokens {
             reason,
@@ -140,7 +144,7 @@ pub fn remote_request(kind: RequestKind, body: &Value) -> Result<RemoteRequest, 
             add_special_tokens,
         } => {
             let mut p = Map::new();
-            if let Some(model) = body.get("model") {
+            if let Some(model) = body.fields().get("model") {
                 p.insert("model".into(), model.clone());
             }
             p.insert("prompt".into(), Value::String(prompt.to_owned()));
@@ -150,14 +154,14 @@ pub fn remote_request(kind: RequestKind, body: &Value) -> Result<RemoteRequest, 
                 non_text_parts: 0,
             })
         }
-        Shape::Chat(obj) => {
+        Shape::Chat(body) => {
             // Same validation as local mode, so both modes reject the same bodies.
-            ChatOptions::parse(obj)?;
-            let non_text = request::count_non_text(obj)?;
+            ChatOptions::parse(body.fields())?;
+            let non_text = request::count_non_text(body)?;
             count_non_text_parts(non_text);
             let p: Map<String, Value> = CHAT_FIELDS
                 .iter()
-                .filter_map(|k| obj.get(*k).map(|v| ((*k).to_owned(), v.clone())))
+                .filter_map(|k| body.value_of(k).map(|v| ((*k).to_owned(), v)))
                 .collect();
             Ok(RemoteRequest::Post {
                 payload: Value::Object(p),

@@ -1,14 +1,17 @@
-//! Parsing an OpenAI request body into what the tokenizer needs, the way vLLM 0.32
-//! does it (`vllm/entrypoints/chat_utils.py`, the tokenize protocol models).
+//! Reading an OpenAI request body (parsed by `body.rs`) into what the tokenizer needs,
+//! the way vLLM 0.32 does it (`vllm/entrypoints/chat_utils.py`, the tokenize protocol
+//! models).
 //!
 //! Owns: the request shape decision (chat, single string prompt, single id list, or
 //! nothing to route on), chat option defaults and validation, and the normalisation of
 //! messages into the conversation the chat template sees (content parts joined with
 //! "\n", non-text parts skipped and counted, tool-call arguments parsed, tools dumped
-//! the way pydantic's `model_dump` does). Must not render templates or encode text.
+//! the way pydantic's `model_dump` does). Must not parse bytes, render templates or
+//! encode text.
 
 use serde_json::{Map, Value};
 
+use crate::body::{Json, RequestBody};
 use crate::{RequestKind, TokenizeError};
 
 /// How the chat template expects `message.content`: vLLM's "string" or "openai" format.
@@ -22,7 +25,7 @@ pub(crate) enum ContentFormat {
 
 /// The routable shape of a request body.
 pub(crate) enum Shape<'a> {
-    Chat(&'a Map<String, Value>),
+    Chat(&'a RequestBody<'a>),
     Text {
         prompt: &'a str,
         add_special_tokens: bool,
@@ -32,24 +35,28 @@ pub(crate) enum Shape<'a> {
 }
 
 /// Decide what a body is, without touching the tokenizer.
-pub(crate) fn classify(kind: RequestKind, body: &Value) -> Result<Shape<'_>, TokenizeError> {
-    let obj = body
-        .as_object()
-        .ok_or_else(|| invalid("request body must be a JSON object"))?;
+pub(crate) fn classify<'a>(
+    kind: RequestKind,
+    body: &'a RequestBody<'a>,
+) -> Result<Shape<'a>, TokenizeError> {
+    if !body.is_object() {
+        return Err(invalid("request body must be a JSON object"));
+    }
     match kind {
-        RequestKind::Chat => match obj.get("messages") {
-            None | Some(Value::Null) => Ok(Shape::NoTokens("no messages")),
-            Some(Value::Array(_)) => Ok(Shape::Chat(obj)),
+        RequestKind::Chat => match body.messages() {
+            None | Some(Json::Null) => Ok(Shape::NoTokens("no messages")),
+            Some(Json::Array(_)) => Ok(Shape::Chat(body)),
             Some(_) => Err(invalid("'messages' must be an array")),
         },
-        RequestKind::Completion => classify_prompt(obj),
+        RequestKind::Completion => classify_prompt(body),
     }
 }
 
-fn classify_prompt(obj: &Map<String, Value>) -> Result<Shape<'_>, TokenizeError> {
+fn classify_prompt<'a>(body: &'a RequestBody<'a>) -> Result<Shape<'a>, TokenizeError> {
+    let obj = body.fields();
     let add_special_tokens = opt_bool(obj, "add_special_tokens")?.unwrap_or(true);
-    let prompt = match obj.get("prompt") {
-        None | Some(Value::Null) => {
+    let prompt = match body.prompt() {
+        None | Some(Json::Null) => {
             let reason = if obj.get("prompt_embeds").is_some_and(|v| !v.is_null()) {
                 "prompt_embeds"
             } else {
@@ -59,17 +66,19 @@ fn classify_prompt(obj: &Map<String, Value>) -> Result<Shape<'_>, TokenizeError>
         }
         Some(p) => p,
     };
+    let is_number = |j: &Json| matches!(j, Json::Number(_));
     match prompt {
-        Value::String(s) => Ok(Shape::Text {
+        Json::String(s) => Ok(Shape::Text {
             prompt: s,
             add_special_tokens,
         }),
-        Value::Array(items) if items.is_empty() => Err(invalid("'prompt' must not be empty")),
-        Value::Array(items) if items.iter().all(Value::is_number) => {
-            Ok(Shape::Ids(token_ids(items)?))
-        }
-        Value::Array(items) if items.len() > 1 => {
-            if items.iter().all(|i| i.is_string() || i.is_array()) {
+        Json::Array(items) if items.is_empty() => Err(invalid("'prompt' must not be empty")),
+        Json::Array(items) if items.iter().all(is_number) => Ok(Shape::Ids(token_ids(items)?)),
+        Json::Array(items) if items.len() > 1 => {
+            if items
+                .iter()
+                .all(|i| matches!(i, Json::String(_) | Json::Array(_)))
+            {
                 Ok(Shape::NoTokens("multiple prompts"))
             } else {
                 Err(invalid(
@@ -77,12 +86,12 @@ fn classify_prompt(obj: &Map<String, Value>) -> Result<Shape<'_>, TokenizeError>
                 ))
             }
         }
-        Value::Array(items) => match &items[0] {
-            Value::String(s) => Ok(Shape::Text {
+        Json::Array(items) => match &items[0] {
+            Json::String(s) => Ok(Shape::Text {
                 prompt: s,
                 add_special_tokens,
             }),
-            Value::Array(ids) if !ids.is_empty() => Ok(Shape::Ids(token_ids(ids)?)),
+            Json::Array(ids) if !ids.is_empty() => Ok(Shape::Ids(token_ids(ids)?)),
             _ => Err(invalid(
                 "'prompt' must be a string, a list of token ids, or a list of prompts",
             )),
@@ -93,12 +102,15 @@ fn classify_prompt(obj: &Map<String, Value>) -> Result<Shape<'_>, TokenizeError>
     }
 }
 
-fn token_ids(items: &[Value]) -> Result<Vec<u32>, TokenizeError> {
+fn token_ids(items: &[Json]) -> Result<Vec<u32>, TokenizeError> {
     items
         .iter()
         .map(|v| {
-            v.as_u64()
-                .and_then(|n| u32::try_from(n).ok())
+            let id = match v {
+                Json::Number(n) => n.as_u64(),
+                _ => None,
+            };
+            id.and_then(|n| u32::try_from(n).ok())
                 .ok_or_else(|| invalid(format!("invalid token id in 'prompt': {v}")))
         })
         .collect()
@@ -305,22 +317,22 @@ const MEDIA_TYPES: &[&str] = &[
 
 const TEXT_TYPES: &[&str] = &["text", "input_text", "output_text"];
 
-fn parse_part(part: &Value) -> Result<Part<'_>, TokenizeError> {
+fn parse_part<'a>(part: &'a Json<'_>) -> Result<Part<'a>, TokenizeError> {
     let obj = match part {
-        Value::String(s) => return Ok(Part::Text(s)),
-        Value::Object(o) => o,
+        Json::String(s) => return Ok(Part::Text(s)),
+        Json::Object(_) => part,
         _ => return Err(invalid("content parts must be strings or objects")),
     };
     let field = |key: &str| match obj.get(key) {
-        Some(Value::String(s)) => Ok(Part::Text(s)),
-        None | Some(Value::Null) => Ok(Part::Skip),
+        Some(Json::String(s)) => Ok(Part::Text(s)),
+        None | Some(Json::Null) => Ok(Part::Skip),
         Some(_) => Err(invalid(format!(
             "content part field '{key}' must be a string"
         ))),
     };
     match obj.get("type") {
-        Some(Value::String(ty)) => {
-            let ty = ty.as_str();
+        Some(Json::String(ty)) => {
+            let ty = ty.as_ref();
             if TEXT_TYPES.contains(&ty) {
                 field("text")
             } else if ty == "refusal" {
@@ -348,16 +360,16 @@ fn parse_part(part: &Value) -> Result<Part<'_>, TokenizeError> {
                 )))
             }
         }
-        None | Some(Value::Null) => {
+        None | Some(Json::Null) => {
             if MEDIA_TYPES
                 .iter()
-                .any(|k| obj.get(*k).is_some_and(|v| !v.is_null()))
-                || obj.contains_key("image_url")
+                .any(|k| obj.get(k).is_some_and(|v| !v.is_null()))
+                || obj.get("image_url").is_some()
             {
                 Ok(Part::NonText)
-            } else if obj.contains_key("tool_reference") {
+            } else if obj.get("tool_reference").is_some() {
                 match obj.get("name") {
-                    Some(Value::String(s)) => Ok(Part::ToolReference(s)),
+                    Some(Json::String(s)) => Ok(Part::ToolReference(s)),
                     _ => Ok(Part::Skip),
                 }
             } else {
@@ -370,29 +382,30 @@ fn parse_part(part: &Value) -> Result<Part<'_>, TokenizeError> {
 
 /// Normalise `messages` into vLLM's `ConversationMessage` list.
 pub(crate) fn conversation(
-    obj: &Map<String, Value>,
+    body: &RequestBody<'_>,
     format: ContentFormat,
 ) -> Result<Conversation, TokenizeError> {
     use minijinja::Value as Jinja;
-    let messages = obj
-        .get("messages")
-        .and_then(Value::as_array)
+    let messages = body
+        .messages()
+        .and_then(Json::as_array)
         .ok_or_else(|| invalid("'messages' must be an array"))?;
     let mut out = Vec::with_capacity(messages.len());
     let mut non_text_parts = 0;
     let mut text_bytes = 0;
     for message in messages {
-        let m = message
-            .as_object()
-            .ok_or_else(|| invalid("each message must be an object"))?;
+        if !message.is_object() {
+            return Err(invalid("each message must be an object"));
+        }
+        let m = message;
         let role = m
             .get("role")
-            .and_then(Value::as_str)
+            .and_then(Json::as_str)
             .ok_or_else(|| invalid("each message needs a string 'role'"))?;
         let parts: Vec<Part> = match m.get("content") {
-            None | Some(Value::Null) => Vec::new(),
-            Some(Value::String(s)) => vec![Part::Text(s)],
-            Some(Value::Array(parts)) => parts.iter().map(parse_part).collect::<Result<_, _>>()?,
+            None | Some(Json::Null) => Vec::new(),
+            Some(Json::String(s)) => vec![Part::Text(s)],
+            Some(Json::Array(parts)) => parts.iter().map(parse_part).collect::<Result<_, _>>()?,
             Some(_) => {
                 return Err(invalid(
                     "message 'content' must be a string, a list of parts, or null",
@@ -443,9 +456,9 @@ pub(crate) fn conversation(
         };
         if role == "assistant" {
             match m.get("tool_calls") {
-                None | Some(Value::Null) => {}
-                Some(Value::Array(calls)) if calls.is_empty() => {}
-                Some(Value::Array(calls)) => {
+                None | Some(Json::Null) => {}
+                Some(Json::Array(calls)) if calls.is_empty() => {}
+                Some(Json::Array(calls)) => {
                     let calls: Vec<Value> =
                         calls.iter().map(tool_call).collect::<Result<_, _>>()?;
                     msg.more.push(("tool_calls", Jinja::from_serialize(&calls)));
@@ -453,22 +466,23 @@ pub(crate) fn conversation(
                 Some(_) => return Err(invalid("'tool_calls' must be an array")),
             }
             if let Some(r) = m.get("reasoning").filter(|v| !v.is_null()) {
-                let r = Jinja::from_serialize(r);
+                let r = Jinja::from_serialize(r.to_value());
                 msg.more.push(("reasoning", r.clone()));
                 msg.more.push(("reasoning_content", r));
             }
         } else if role == "tool" {
             if let Some(id) = m.get("tool_call_id") {
-                msg.more.push(("tool_call_id", Jinja::from_serialize(id)));
+                msg.more
+                    .push(("tool_call_id", Jinja::from_serialize(id.to_value())));
             }
         }
         for key in ["name", "task"] {
-            if let Some(Value::String(v)) = m.get(key) {
-                msg.more.push((key, Jinja::from(v.as_str())));
+            if let Some(Json::String(v)) = m.get(key) {
+                msg.more.push((key, Jinja::from(v.as_ref())));
             }
         }
         if role == "developer" {
-            let tools = m.get("tools").unwrap_or(&Value::Null);
+            let tools = m.get("tools").map_or(Value::Null, Json::to_value);
             msg.more.push(("tools", Jinja::from_serialize(tools)));
         }
         out.push(Jinja::from_object(msg));
@@ -481,15 +495,15 @@ pub(crate) fn conversation(
 }
 
 /// Count non-text content parts without building the conversation (remote mode).
-pub(crate) fn count_non_text(obj: &Map<String, Value>) -> Result<usize, TokenizeError> {
+pub(crate) fn count_non_text(body: &RequestBody<'_>) -> Result<usize, TokenizeError> {
     let mut n = 0;
-    for message in obj
-        .get("messages")
-        .and_then(Value::as_array)
+    for message in body
+        .messages()
+        .and_then(Json::as_array)
         .into_iter()
         .flatten()
     {
-        if let Some(Value::Array(parts)) = message.get("content") {
+        if let Some(Json::Array(parts)) = message.get("content") {
             for part in parts {
                 if matches!(parse_part(part)?, Part::NonText) {
                     n += 1;
@@ -501,8 +515,8 @@ pub(crate) fn count_non_text(obj: &Map<String, Value>) -> Result<usize, Tokenize
 }
 
 /// vLLM's `_postprocess_messages`: tool-call arguments become JSON values.
-fn tool_call(call: &Value) -> Result<Value, TokenizeError> {
-    let mut call = call.clone();
+fn tool_call(call: &Json) -> Result<Value, TokenizeError> {
+    let mut call = call.to_value();
     let func = call
         .get_mut("function")
         .and_then(Value::as_object_mut)
@@ -549,7 +563,7 @@ mod tests {
 
     #[test]
     fn prompt_shapes() {
-        let c = |b: Value| match classify(RequestKind::Completion, &b) {
+        let c = |b: Value| match classify(RequestKind::Completion, &RequestBody::from(&b)) {
             Ok(Shape::Text {
                 prompt,
                 add_special_tokens,
@@ -580,7 +594,7 @@ mod tests {
     fn chat_without_messages_routes_without_tokens() {
         let b = json!({"model": "m"});
         assert!(matches!(
-            classify(RequestKind::Chat, &b),
+            classify(RequestKind::Chat, &RequestBody::from(&b)),
             Ok(Shape::NoTokens(_))
         ));
     }
@@ -628,7 +642,7 @@ mod tests {
                 {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}
             ], "reasoning": "hmm"}
         ]});
-        let c = conversation(b.as_object().unwrap(), ContentFormat::String).unwrap();
+        let c = conversation(&RequestBody::from(&b), ContentFormat::String).unwrap();
         assert_eq!(c.non_text_parts, 1);
         let messages = serde_json::to_value(&c.messages).unwrap();
         assert_eq!(messages[0]["content"], json!("a\nb"));
@@ -638,13 +652,13 @@ mod tests {
             json!({"x": 1})
         );
         assert_eq!(messages[1]["reasoning_content"], json!("hmm"));
-        let o = conversation(b.as_object().unwrap(), ContentFormat::OpenAi).unwrap();
+        let o = conversation(&RequestBody::from(&b), ContentFormat::OpenAi).unwrap();
         let messages = serde_json::to_value(&o.messages).unwrap();
         assert_eq!(
             messages[0]["content"],
             json!([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}])
         );
         let bad = json!({"messages": [{"role": "user", "content": [{"type": "bogus"}]}]});
-        assert!(conversation(bad.as_object().unwrap(), ContentFormat::String).is_err());
+        assert!(conversation(&RequestBody::from(&bad), ContentFormat::String).is_err());
     }
 }

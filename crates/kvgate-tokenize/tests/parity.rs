@@ -3,7 +3,7 @@
 
 mod common;
 
-use kvgate_tokenize::{LocalTokenizer, RequestKind, RoutingTokens, TokenizeError};
+use kvgate_tokenize::{LocalTokenizer, RequestBody, RequestKind, RoutingTokens, TokenizeError};
 use serde_json::{json, Value};
 
 fn ids(r: Result<RoutingTokens, TokenizeError>) -> Vec<u32> {
@@ -30,7 +30,10 @@ fn every_vllm_parity_case_matches() {
             case["expected"]["count"].as_u64(),
             Some(expected.len() as u64)
         );
-        let got = tok.tokenize(RequestKind::detect(body), body);
+        // Parsed from its text, as the gateway reads a body (strings borrowed from it).
+        let text = serde_json::to_vec(body).unwrap();
+        let body = RequestBody::parse(&text).unwrap();
+        let got = tok.tokenize(RequestKind::detect(&body), &body);
         match got {
             Ok(RoutingTokens::Tokens {
                 ids,
@@ -69,13 +72,14 @@ fn async_path_matches_sync_path_for_long_inputs() {
     let tok = common::qwen3();
     let long = "Grüße, 東京 and hello world. ".repeat(1500); // > spawn_blocking threshold
     let body = json!({"messages": [{"role": "system", "content": long}, {"role": "user", "content": "hi"}]});
-    let sync = ids(tok.tokenize(RequestKind::Chat, &body));
+    let sync = ids(tok.tokenize(RequestKind::Chat, &RequestBody::from(&body)));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .build()
         .unwrap();
     let tokenizer = kvgate_tokenize::Tokenizer::Local(tok);
-    let asynced = ids(rt.block_on(tokenizer.tokenize(RequestKind::Chat, &body)));
+    let asynced =
+        ids(rt.block_on(tokenizer.tokenize(RequestKind::Chat, &RequestBody::from(&body))));
     assert_eq!(sync, asynced);
     assert!(sync.len() > 5000);
 }
@@ -89,13 +93,19 @@ fn images_are_skipped_and_counted() {
         {"type": "text", "text": "what is this?"}
     ]}]});
     let text_only = json!({"messages": [{"role": "user", "content": "what is this?"}]});
-    match tok.tokenize(RequestKind::Chat, &with_image).unwrap() {
+    match tok
+        .tokenize(RequestKind::Chat, &RequestBody::from(&with_image))
+        .unwrap()
+    {
         RoutingTokens::Tokens {
             ids,
             non_text_parts,
         } => {
             assert_eq!(non_text_parts, 1);
-            assert_eq!(ids, self::ids(tok.tokenize(RequestKind::Chat, &text_only)));
+            assert_eq!(
+                ids,
+                self::ids(tok.tokenize(RequestKind::Chat, &RequestBody::from(&text_only)))
+            );
         }
         other => panic!("{other:?}"),
     }
@@ -106,28 +116,40 @@ fn images_are_skipped_and_counted() {
 fn completions_and_fallbacks() {
     let tok = common::qwen3();
     assert_eq!(
-        ids(tok.tokenize(RequestKind::Completion, &json!({"prompt": [1, 2, 3]}))),
+        ids(tok.tokenize(
+            RequestKind::Completion,
+            &RequestBody::from(&json!({"prompt": [1, 2, 3]}))
+        )),
         vec![1, 2, 3]
     );
     assert_eq!(
-        tok.tokenize(RequestKind::Completion, &json!({"prompt": ["a", "b"]})),
+        tok.tokenize(
+            RequestKind::Completion,
+            &RequestBody::from(&json!({"prompt": ["a", "b"]}))
+        ),
         Ok(RoutingTokens::NoRoutingTokens {
             reason: "multiple prompts"
         })
     );
     assert!(matches!(
-        tok.tokenize(RequestKind::Chat, &json!({"model": "x"})),
+        tok.tokenize(
+            RequestKind::Chat,
+            &RequestBody::from(&json!({"model": "x"}))
+        ),
         Ok(RoutingTokens::NoRoutingTokens { .. })
     ));
     assert!(matches!(
         tok.tokenize(
             RequestKind::Chat,
-            &json!({"messages": [{"role": "user", "content": "x"}], "continue_final_message": true})
+            &RequestBody::from(&json!({"messages": [{"role": "user", "content": "x"}], "continue_final_message": true}))
         ),
         Err(TokenizeError::Invalid(_))
     ));
     assert!(matches!(
-        tok.tokenize(RequestKind::Chat, &json!({"messages": "nope"})),
+        tok.tokenize(
+            RequestKind::Chat,
+            &RequestBody::from(&json!({"messages": "nope"}))
+        ),
         Err(TokenizeError::Invalid(_))
     ));
 }
@@ -140,7 +162,7 @@ fn tools_and_kwargs_reach_the_template() {
         "tools": [{"type": "function", "function": {"name": "get_weather", "description": "Get weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}],
         "chat_template_kwargs": {"enable_thinking": false}
     });
-    let prompt = tok.render_chat(&body).unwrap();
+    let prompt = tok.render_chat(&RequestBody::from(&body)).unwrap();
     assert!(prompt.contains(
         r#"<tools>
 {"type": "function", "function": {"name": "get_weather", "description": "Get weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
@@ -155,7 +177,7 @@ fn tools_and_kwargs_reach_the_template() {
         {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
     ]});
-    let prompt = tok.render_chat(&call).unwrap();
+    let prompt = tok.render_chat(&RequestBody::from(&call)).unwrap();
     assert!(prompt.contains("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"), "{prompt}");
     assert!(
         prompt.contains("<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>"),
@@ -178,7 +200,7 @@ fn fast_path_equals_tokenizers_crate() {
         .unwrap()
         .iter()
         .filter(|c| c["request"].get("messages").is_some())
-        .map(|c| tok.render_chat(&c["request"]).unwrap())
+        .map(|c| tok.render_chat(&RequestBody::from(&c["request"])).unwrap())
         .collect();
     // Whitespace runs, newlines, NFD input (NFC normalisation), added tokens, emoji.
     samples.extend(
@@ -286,44 +308,44 @@ fn prompts_beyond_the_context_limit_are_refused() {
         .with_max_prompt_tokens(Some(64));
     let short = serde_json::json!({"model": "m", "prompt": "a short prompt about caching"});
     assert_eq!(
-        ids(limited.tokenize(RequestKind::Completion, &short)),
-        ids(plain.tokenize(RequestKind::Completion, &short))
+        ids(limited.tokenize(RequestKind::Completion, &RequestBody::from(&short))),
+        ids(plain.tokenize(RequestKind::Completion, &RequestBody::from(&short)))
     );
     let chat =
         serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hello"}]});
     assert_eq!(
-        ids(limited.tokenize(RequestKind::Chat, &chat)),
-        ids(plain.tokenize(RequestKind::Chat, &chat))
+        ids(limited.tokenize(RequestKind::Chat, &RequestBody::from(&chat))),
+        ids(plain.tokenize(RequestKind::Chat, &RequestBody::from(&chat)))
     );
     // Exactly at the limit passes; one more token fails.
     let words = |n: usize| " cache".repeat(n);
     let n_at = |text: &str| {
         ids(plain.tokenize(
             RequestKind::Completion,
-            &serde_json::json!({"prompt": text}),
+            &RequestBody::from(&serde_json::json!({"prompt": text})),
         ))
         .len()
     };
     assert_eq!(n_at(&words(64)), 64);
     let at = serde_json::json!({"prompt": words(64)});
     assert_eq!(
-        ids(limited.tokenize(RequestKind::Completion, &at)).len(),
+        ids(limited.tokenize(RequestKind::Completion, &RequestBody::from(&at))).len(),
         64
     );
     let over = serde_json::json!({"prompt": words(65)});
     assert!(matches!(
-        limited.tokenize(RequestKind::Completion, &over),
+        limited.tokenize(RequestKind::Completion, &RequestBody::from(&over)),
         Err(TokenizeError::TooLong { limit: 64 })
     ));
     let long_chat = serde_json::json!({"messages": [{"role": "user", "content": words(100)}]});
     assert!(matches!(
-        limited.tokenize(RequestKind::Chat, &long_chat),
+        limited.tokenize(RequestKind::Chat, &RequestBody::from(&long_chat)),
         Err(TokenizeError::TooLong { limit: 64 })
     ));
     // 4 MB of text against a 64-token limit: refused at once by the length bound.
     let huge = serde_json::json!({"prompt": "x".repeat(4 << 20)});
     assert!(matches!(
-        limited.tokenize(RequestKind::Completion, &huge),
+        limited.tokenize(RequestKind::Completion, &RequestBody::from(&huge)),
         Err(TokenizeError::TooLong { limit: 64 })
     ));
 }
@@ -346,14 +368,14 @@ fn openai_format_templates_see_parts() {
         {"role": "assistant", "content": [{"type": "text", "text": "e"}, {"type": "text", "text": " f "}]}
     ]});
     assert_eq!(
-        tok.render_chat(&body).unwrap(),
+        tok.render_chat(&RequestBody::from(&body)).unwrap(),
         "[user]<text:a><text:b>|[tool]c\nd|[assistant]<text:e><text: f >|[assistant]"
     );
     let mut cont = body.clone();
     cont["continue_final_message"] = json!(true);
     cont["add_generation_prompt"] = json!(false);
     assert_eq!(
-        tok.render_chat(&cont).unwrap(),
+        tok.render_chat(&RequestBody::from(&cont)).unwrap(),
         "[user]<text:a><text:b>|[tool]c\nd|[assistant]<text:e><text: f"
     );
 }
@@ -374,7 +396,7 @@ fn templates_see_each_message_as_a_mapping() {
         {"role": "tool", "content": "ok", "tool_call_id": "1"}
     ]});
     assert_eq!(
-        tok.render_chat(&body).unwrap(),
+        tok.render_chat(&RequestBody::from(&body)).unwrap(),
         "{\"role\": \"user\", \"content\": \"hi\", \"name\": \"bob\"}|3|False|True|user|\
          role=True,content=True,name=True,|role content name|True;\
          {\"role\": \"assistant\", \"content\": \"\", \"tool_calls\": [{\"id\": \"1\", \"type\": \

@@ -10,7 +10,9 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
-use kvgate_tokenize::{RemoteTokenizer, RequestKind, RoutingTokens, TokenizeError, Tokenizer};
+use kvgate_tokenize::{
+    RemoteTokenizer, RequestBody, RequestKind, RoutingTokens, TokenizeError, Tokenizer,
+};
 use serde_json::{json, Value};
 
 #[derive(Clone, Copy)]
@@ -30,6 +32,7 @@ async fn tokenize(State(mode): State<Mode>, Json(body): Json<Value>) -> Response
     }
     // vLLM's /tokenize only accepts a string prompt; the client must never send ids.
     assert!(body.get("prompt").is_none_or(Value::is_string), "{body}");
+    let body = RequestBody::from(&body);
     let kind = RequestKind::detect(&body);
     match common::qwen3().tokenize(kind, &body) {
         Ok(RoutingTokens::Tokens { ids, .. }) => Json(json!({
@@ -68,11 +71,11 @@ async fn remote_equals_local_on_parity_cases() {
         std::fs::read_to_string(common::fixtures().join("tokenize-parity-qwen3.json")).unwrap();
     let fixture: Value = serde_json::from_str(&text).unwrap();
     for case in fixture["cases"].as_array().unwrap().iter().take(10) {
-        let body = &case["request"];
-        let kind = RequestKind::detect(body);
+        let body = RequestBody::from(&case["request"]);
+        let kind = RequestKind::detect(&body);
         assert_eq!(
-            remote.tokenize(kind, body).await,
-            local.tokenize(kind, body).await
+            remote.tokenize(kind, &body).await,
+            local.tokenize(kind, &body).await
         );
     }
 }
@@ -83,7 +86,10 @@ async fn shapes_without_engine_round_trip() {
     let remote = remote("http://127.0.0.1:9", 500);
     assert_eq!(
         remote
-            .tokenize(RequestKind::Completion, &json!({"prompt": [5, 6]}))
+            .tokenize(
+                RequestKind::Completion,
+                &RequestBody::from(&json!({"prompt": [5, 6]}))
+            )
             .await,
         Ok(RoutingTokens::Tokens {
             ids: vec![5, 6],
@@ -92,7 +98,10 @@ async fn shapes_without_engine_round_trip() {
     );
     assert!(matches!(
         remote
-            .tokenize(RequestKind::Completion, &json!({"prompt": ["a", "b"]}))
+            .tokenize(
+                RequestKind::Completion,
+                &RequestBody::from(&json!({"prompt": ["a", "b"]}))
+            )
             .await,
         Ok(RoutingTokens::NoRoutingTokens { .. })
     ));
@@ -107,12 +116,14 @@ async fn engine_400_is_invalid_with_engine_message() {
     // cannot be continued.
     let body = json!({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "plan</think>answer"}],
                       "add_generation_prompt": false, "continue_final_message": true});
-    let local = common::qwen3().tokenize(RequestKind::Chat, &body);
+    let local = common::qwen3().tokenize(RequestKind::Chat, &RequestBody::from(&body));
     let Err(TokenizeError::Invalid(local_msg)) = local else {
         panic!("{local:?}")
     };
     assert_eq!(
-        remote.tokenize(RequestKind::Chat, &body).await,
+        remote
+            .tokenize(RequestKind::Chat, &RequestBody::from(&body))
+            .await,
         Err(TokenizeError::Invalid(local_msg))
     );
 }
@@ -126,12 +137,17 @@ async fn transport_failures_are_unavailable() {
     let body = json!({"prompt": "hello"});
     let closed = remote(&format!("http://127.0.0.1:{port}"), 2_000);
     assert!(matches!(
-        closed.tokenize(RequestKind::Completion, &body).await,
+        closed
+            .tokenize(RequestKind::Completion, &RequestBody::from(&body))
+            .await,
         Err(TokenizeError::Unavailable(_))
     ));
 
     let failing = remote(&serve(Mode::ServerError).await, 2_000);
-    match failing.tokenize(RequestKind::Completion, &body).await {
+    match failing
+        .tokenize(RequestKind::Completion, &RequestBody::from(&body))
+        .await
+    {
         Err(TokenizeError::Unavailable(m)) => {
             assert!(m.contains("500") && m.contains("engine dead"), "{m}")
         }
@@ -139,7 +155,10 @@ async fn transport_failures_are_unavailable() {
     }
 
     let slow = remote(&serve(Mode::Slow).await, 200);
-    match slow.tokenize(RequestKind::Completion, &body).await {
+    match slow
+        .tokenize(RequestKind::Completion, &RequestBody::from(&body))
+        .await
+    {
         Err(TokenizeError::Unavailable(m)) => assert!(m.contains("timed out"), "{m}"),
         other => panic!("{other:?}"),
     }

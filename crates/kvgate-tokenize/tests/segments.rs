@@ -8,12 +8,21 @@ mod common;
 
 use std::sync::{Arc, OnceLock};
 
-use kvgate_tokenize::{LocalTokenizer, RequestKind, RoutingTokens, TokenizeError};
+use kvgate_tokenize::{LocalTokenizer, RequestBody, RequestKind, RoutingTokens, TokenizeError};
 use proptest::prelude::*;
 use serde_json::{json, Value};
 
+/// The ids of `body`, parsed from its text as the gateway reads a body (strings
+/// borrowed from the text); checked against the same body tokenized from its `Value`.
 fn ids(tok: &LocalTokenizer, body: &Value) -> Result<Vec<u32>, TokenizeError> {
-    match tok.tokenize(RequestKind::Chat, body)? {
+    let text = serde_json::to_vec(body).expect("serializes");
+    let parsed = RequestBody::parse(&text).expect("parses");
+    let tokens = tok.tokenize(RequestKind::Chat, &parsed);
+    assert_eq!(
+        tokens,
+        tok.tokenize(RequestKind::Chat, &RequestBody::from(body))
+    );
+    match tokens? {
         RoutingTokens::Tokens { ids, .. } => Ok(ids),
         other => panic!("no tokens: {other:?}"),
     }
