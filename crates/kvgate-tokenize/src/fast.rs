@@ -70,9 +70,52 @@ pub(crate) struct FastEncoder {
     post_processor_is_noop: bool,
 }
 
+/// The parts of `tokenizer.json` [`FastEncoder::new`] reads. Its vocabulary and merges
+/// (nearly all of the file: 11 MB for Qwen3) are skipped while parsing, not built into
+/// a `Value` the `tokenizers` crate has already parsed for itself.
+#[derive(serde::Deserialize)]
+struct TokenizerJsonHead {
+    #[serde(default)]
+    normalizer: Value,
+    #[serde(default)]
+    pre_tokenizer: Value,
+    #[serde(default)]
+    post_processor: Value,
+    #[serde(default)]
+    added_tokens: Value,
+    model: ModelHead,
+}
+
+#[derive(serde::Deserialize, serde::Serialize)]
+struct ModelHead {
+    #[serde(default, rename = "type")]
+    kind: Value,
+    #[serde(default)]
+    dropout: Value,
+    #[serde(default)]
+    continuing_subword_prefix: Value,
+    #[serde(default)]
+    end_of_word_suffix: Value,
+    #[serde(default)]
+    byte_fallback: Value,
+}
+
 impl FastEncoder {
-    /// Build from the raw `tokenizer.json`; `None` when any stage differs from the shape
-    /// reproduced here (the caller then uses the `tokenizers` crate).
+    /// Build from the text of `tokenizer.json`; `None` when it does not parse or any
+    /// stage differs from the shape reproduced here.
+    pub(crate) fn from_tokenizer_json(text: &str) -> Option<FastEncoder> {
+        let head: TokenizerJsonHead = serde_json::from_str(text).ok()?;
+        FastEncoder::new(&serde_json::json!({
+            "normalizer": head.normalizer,
+            "pre_tokenizer": head.pre_tokenizer,
+            "post_processor": head.post_processor,
+            "added_tokens": head.added_tokens,
+            "model": head.model,
+        }))
+    }
+
+    /// Build from the parsed `tokenizer.json`; `None` when any stage differs from the
+    /// shape reproduced here (the caller then uses the `tokenizers` crate).
     pub(crate) fn new(json: &Value) -> Option<FastEncoder> {
         let nfc = match json.get("normalizer") {
             None | Some(Value::Null) => false,
@@ -385,4 +428,53 @@ fn bytes_to_unicode() -> [char; 256] {
         table[b as usize] = char::from_u32(code).unwrap_or('\u{FFFD}');
     }
     table
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Qwen3's `tokenizer.json` without its vocabulary and merges.
+    fn qwen3_head() -> Value {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fixtures/qwen3-tokenizer/tokenizer.json");
+        let mut json: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir).expect("fixture")).expect("json");
+        let model = json["model"].as_object_mut().expect("model");
+        model.insert("vocab".into(), serde_json::json!({"a": 0}));
+        model.insert("merges".into(), serde_json::json!([]));
+        json
+    }
+
+    #[test]
+    fn the_text_is_accepted_as_its_parsed_value_is() {
+        let qwen3 = qwen3_head();
+        let change = |name: &str, j: &mut Value| match name {
+            "byte fallback" => j["model"]["byte_fallback"] = true.into(),
+            "another model" => j["model"]["type"] = "WordPiece".into(),
+            "a suffix" => j["model"]["end_of_word_suffix"] = "</w>".into(),
+            "another normalizer" => j["normalizer"] = serde_json::json!({"type": "Lowercase"}),
+            "no pre-tokenizer" => j["pre_tokenizer"] = Value::Null,
+            "no model" => {
+                j.as_object_mut().map(|o| o.remove("model"));
+            }
+            _ => {}
+        };
+        for name in [
+            "as is",
+            "byte fallback",
+            "another model",
+            "a suffix",
+            "another normalizer",
+            "no pre-tokenizer",
+            "no model",
+        ] {
+            let mut json = qwen3.clone();
+            change(name, &mut json);
+            let text = serde_json::to_string(&json).expect("text");
+            let from_text = FastEncoder::from_tokenizer_json(&text).is_some();
+            assert_eq!(from_text, FastEncoder::new(&json).is_some(), "{name}");
+            assert_eq!(from_text, name == "as is", "{name}");
+        }
+    }
 }

@@ -106,9 +106,7 @@ impl LocalTokenizer {
         let tokenizer: tokenizers::Tokenizer = tok_text
             .parse()
             .map_err(|e| anyhow::anyhow!("cannot load {}: {e}", tok_path.display()))?;
-        let fast = serde_json::from_str::<Value>(&tok_text)
-            .ok()
-            .and_then(|json| FastEncoder::new(&json));
+        let fast = FastEncoder::from_tokenizer_json(&tok_text);
         drop(tok_text);
         let config_path = dir.join("tokenizer_config.json");
         let config: Map<String, Value> = if config_path.exists() {
