@@ -17,8 +17,7 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use crate::request::{self, ChatOptions, Shape};
-use crate::RequestBody;
-use crate::{count_non_text_parts, RequestKind, RoutingTokens, TokenizeError};
+use crate::{count_non_text_parts, RequestBody, RequestKind, RoutingTokens, TokenizeError};
 
 /// Chat fields of vLLM's `TokenizeChatRequest` forwarded to the engine.
 const CHAT_FIELDS: &[&str] = &[
