@@ -11,12 +11,12 @@
 //!
 //! Why: parsing a 256k-token conversation into a `serde_json::Value` allocated, copied
 //! and freed again a string per message, about a tenth of routing it
-//! (docs/BENCHMARKS.md, "Decision cost").
+//! (docs/BENCHMARKS.md section 11, "Tokenization and the decision's cost").
 
 use std::borrow::Cow;
 use std::fmt;
 
-use serde::de::{self, Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::de::{Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::{Map, Number, Value};
 
 /// A JSON value whose strings borrow from the text it was parsed from where they can.
@@ -311,7 +311,7 @@ impl<'de> Visitor<'de> for BodyVisitor {
     fn visit_f64<E>(self, _: f64) -> Result<RequestBody<'de>, E> {
         Ok(RequestBody::default())
     }
-    fn visit_str<E: de::Error>(self, _: &str) -> Result<RequestBody<'de>, E> {
+    fn visit_str<E>(self, _: &str) -> Result<RequestBody<'de>, E> {
         Ok(RequestBody::default())
     }
     fn visit_unit<E>(self) -> Result<RequestBody<'de>, E> {

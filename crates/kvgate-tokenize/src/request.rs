@@ -393,11 +393,10 @@ pub(crate) fn conversation(
     let mut out = Vec::with_capacity(messages.len());
     let mut non_text_parts = 0;
     let mut text_bytes = 0;
-    for message in messages {
-        if !message.is_object() {
+    for m in messages {
+        if !m.is_object() {
             return Err(invalid("each message must be an object"));
         }
-        let m = message;
         let role = m
             .get("role")
             .and_then(Json::as_str)
