@@ -2,8 +2,9 @@
 //! streams of 64 and 256 workers applied at a steady rate while another thread routes
 //! (hashes an 8,192-token prompt and finds each worker's overlap) once a millisecond
 //! (`MIXED_LOOKUP_EVERY_US`, default 1000).
-//! Per index: lookup latency p50 / p99 / max, and the event rate it sustained, each the
-//! median over `MIXED_REPEATS` runs (default 3; the two indexes' runs alternate).
+//! Per index: lookup latency p50 / p99 / max, the event rate it sustained, and (kvgate's)
+//! the share of lookups that found a writer in and waited for it, each the median over
+//! `MIXED_REPEATS` runs (default 3; the two indexes' runs alternate).
 //!
 //! The workload: the Mooncake conversation trace as tokens, block size 16, ~1M (block,
 //! worker) entries to start with; then each worker serves more of the trace (its new
@@ -145,6 +146,8 @@ trait Mixed: Sync {
     /// Returns once every op received is applied.
     fn settle(&self);
     fn lookup(&self, tokens: &[u32]);
+    /// Lookups so far that waited for a writer, where the index counts them.
+    fn lookup_waits(&self) -> Option<u64>;
 }
 
 struct Kvgate {
@@ -164,6 +167,10 @@ impl Mixed for Kvgate {
         let keys = self.hasher.block_keys(tokens);
         black_box(self.index.read().overlaps(&keys));
     }
+
+    fn lookup_waits(&self) -> Option<u64> {
+        Some(self.index.read_waits())
+    }
 }
 
 impl Mixed for Flash {
@@ -182,12 +189,18 @@ impl Mixed for Flash {
     fn lookup(&self, tokens: &[u32]) {
         black_box(Flash::lookup(self, tokens));
     }
+
+    fn lookup_waits(&self) -> Option<u64> {
+        None
+    }
 }
 
 struct Outcome {
     lookups_us: Vec<f64>,
     blocks_per_s: f64,
     behind_ms: f64,
+    /// Share of the lookups that found a writer in and waited (kvgate's only).
+    waited: Option<f64>,
 }
 
 /// Runs the timed stream through `index` from `receivers` threads (each for its share
@@ -237,7 +250,11 @@ fn run(index: &dyn Mixed, w: &Workload, receivers: u32, lookup_every: Duration) 
     let took = start.elapsed().as_secs_f64();
     let blocks: usize = w.ops.iter().map(|(_, op)| op.blocks()).sum();
     lookups_us.sort_by(f64::total_cmp);
+    let waited = index
+        .lookup_waits()
+        .map(|n| n as f64 / lookups_us.len().max(1) as f64);
     Outcome {
+        waited,
         lookups_us,
         blocks_per_s: blocks as f64 / took,
         behind_ms: behind.as_secs_f64() * 1e3,
@@ -251,9 +268,9 @@ fn main() {
     let repeats = env_or("MIXED_REPEATS", 3) as usize;
     let lookup_every = Duration::from_micros(env_or("MIXED_LOOKUP_EVERY_US", 1000));
     println!(
-        "| workers | index | event threads | offered / sustained block events/s | latest event behind, ms | lookups | lookup p50 / p99 / max µs |"
+        "| workers | index | event threads | offered / sustained block events/s | latest event behind, ms | lookups | lookup p50 / p99 / max µs | lookups that waited for a writer |"
     );
-    println!("|---:|---|---:|---:|---:|---:|---:|");
+    println!("|---:|---|---:|---:|---:|---:|---:|---:|");
     eprintln!("each cell: the median over {repeats} runs (each index's runs alternating with the other's)");
     for workers in [64u32, 256] {
         let w = workload(workers, per_worker, seconds);
@@ -303,8 +320,13 @@ fn main() {
                 let pct = |o: &Outcome, q: f64| {
                     o.lookups_us[((o.lookups_us.len() - 1) as f64 * q) as usize]
                 };
+                let waited = if outcomes.iter().all(|o| o.waited.is_some()) {
+                    format!("{:.2}%", 100.0 * median(&|o| o.waited.unwrap_or(0.0)))
+                } else {
+                    "not counted".to_owned()
+                };
                 println!(
-                    "| {workers} | {name} | {threads} | {offered:.0} / {:.0} | {:.1} | {:.0} | {:.1} / {:.1} / {:.1} |",
+                    "| {workers} | {name} | {threads} | {offered:.0} / {:.0} | {:.1} | {:.0} | {:.1} / {:.1} / {:.1} | {waited} |",
                     median(&|o| o.blocks_per_s),
                     median(&|o| o.behind_ms),
                     median(&|o| o.lookups_us.len() as f64),

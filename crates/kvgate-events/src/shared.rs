@@ -20,7 +20,7 @@
 //! event rate fell to half, docs/BENCHMARKS.md section 10).
 
 use std::ops::{Deref, DerefMut};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -44,6 +44,8 @@ pub struct IndexLock {
     writers: Mutex<()>,
     /// Readers that found the index write-locked and do not have it yet.
     waiting_readers: AtomicUsize,
+    /// Reads so far that found a writer in and waited for it ([`IndexLock::read_waits`]).
+    read_waits: AtomicU64,
 }
 
 /// Write access to the index: the index's write lock, held after the writers' turn.
@@ -60,6 +62,7 @@ impl IndexLock {
             index: RwLock::new(index),
             writers: Mutex::new(()),
             waiting_readers: AtomicUsize::new(0),
+            read_waits: AtomicU64::new(0),
         }
     }
 
@@ -78,10 +81,17 @@ impl IndexLock {
         if let Some(guard) = self.index.try_read() {
             return guard;
         }
+        self.read_waits.fetch_add(1, Ordering::Relaxed);
         self.waiting_readers.fetch_add(1, Ordering::SeqCst);
         let guard = self.index.read();
         self.waiting_readers.fetch_sub(1, Ordering::SeqCst);
         guard
+    }
+
+    /// How many reads so far found a writer in and waited for it (the rest took the
+    /// index at once): how often event ingestion delays routing.
+    pub fn read_waits(&self) -> u64 {
+        self.read_waits.load(Ordering::Relaxed)
     }
 
     /// Write access: this writer's turn, then the index's write lock once the readers

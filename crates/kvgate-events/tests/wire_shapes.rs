@@ -395,6 +395,27 @@ fn a_waiting_lookup_gets_in_between_slices_of_a_large_batch() {
     );
 }
 
+/// A read that finds a writer in is counted (`read_waits`, the gateway's
+/// `kvgate_index_lookup_waits_total`); one that takes the index at once is not.
+#[test]
+fn reads_that_wait_for_a_writer_are_counted() {
+    let shared = kvgate_events::IndexLock::new(index(4));
+    drop(shared.read());
+    assert_eq!(shared.read_waits(), 0);
+    let writer = shared.write();
+    std::thread::scope(|s| {
+        let reader = s.spawn(|| shared.read().len());
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while shared.read_waits() == 0 && std::time::Instant::now() < deadline {
+            std::thread::yield_now();
+        }
+        drop(writer);
+        reader.join().expect("reader");
+    });
+    drop(shared.read());
+    assert_eq!(shared.read_waits(), 1);
+}
+
 /// Writers take turns by whole batches: a second writer waiting while a large batch is
 /// applied is not let in between its slices (only readers are), so it sees the batch
 /// whole. Two writers passing the lock at every slice halved their event rate.

@@ -175,6 +175,7 @@ pub struct Metrics {
     ledger_booked: IntGaugeVec,
     ledger_swept: IntGaugeVec,
     index_entries: IntGaugeVec,
+    index_lookup_waits: IntGaugeVec,
     tokenize_cache_hits: IntGaugeVec,
     tokenize_cache_misses: IntGaugeVec,
     tokenize_cache_bytes: IntGaugeVec,
@@ -202,6 +203,11 @@ fn counter(
     let c = IntCounterVec::new(Opts::new(name, help), labels)?;
     r.register(Box::new(c.clone()))?;
     Ok(c)
+}
+
+/// A count as an integer gauge's value (saturating).
+fn clamp(v: u64) -> i64 {
+    v.min(i64::MAX as u64) as i64
 }
 
 fn igauge(
@@ -285,6 +291,7 @@ impl Metrics {
             ledger_booked: igauge(&r, "kvgate_ledger_booked_total", "Bookings made since start", &["model"])?,
             ledger_swept: igauge(&r, "kvgate_ledger_swept_total", "Bookings freed by the TTL sweep (leaks caught)", &["model"])?,
             index_entries: igauge(&r, "kvgate_index_entries", "Prefix index entries per model", &["model"])?,
+            index_lookup_waits: igauge(&r, "kvgate_index_lookup_waits_total", "Routing lookups that found the prefix index being written and waited for the writer (at most a slice of its batch)", &["model"])?,
             tokenize_cache_hits: igauge(&r, "kvgate_tokenize_cache_hits_total", "Text segments (a message between special tokens) whose ids local tokenization took from its cache", &["model"])?,
             tokenize_cache_misses: igauge(&r, "kvgate_tokenize_cache_misses_total", "Text segments long enough for the cache that local tokenization encoded", &["model"])?,
             tokenize_cache_bytes: igauge(&r, "kvgate_tokenize_cache_bytes", "Bytes the tokenization cache holds (at most --tokenize-cache-mib)", &["model"])?,
@@ -367,6 +374,7 @@ impl Metrics {
             &self.ledger_booked,
             &self.ledger_swept,
             &self.index_entries,
+            &self.index_lookup_waits,
             &self.tokenize_cache_hits,
             &self.tokenize_cache_misses,
             &self.tokenize_cache_bytes,
@@ -447,7 +455,6 @@ impl ScrapeGauges<'_> {
     }
 
     pub fn ledger(&self, model: &str, stats: &kvgate_core::LedgerStats) {
-        let clamp = |v: u64| v.min(i64::MAX as u64) as i64;
         self.m
             .ledger_active
             .with_label_values(&[model])
@@ -476,7 +483,6 @@ impl ScrapeGauges<'_> {
 
     /// A model's tokenization cache.
     pub fn tokenize_cache(&self, model: &str, stats: &kvgate_tokenize::SegmentCacheStats) {
-        let clamp = |v: u64| v.min(i64::MAX as u64) as i64;
         let l = [model];
         self.m
             .tokenize_cache_hits
@@ -492,11 +498,17 @@ impl ScrapeGauges<'_> {
             .set(clamp(stats.bytes));
     }
 
-    pub fn index_entries(&self, model: &str, entries: usize) {
+    /// A model's prefix index: its entries and the lookups so far that waited for a
+    /// writer ([`kvgate_events::IndexLock::read_waits`]).
+    pub fn index(&self, model: &str, entries: usize, lookup_waits: u64) {
         self.m
             .index_entries
             .with_label_values(&[model])
-            .set(entries.min(i64::MAX as usize) as i64);
+            .set(clamp(entries as u64));
+        self.m
+            .index_lookup_waits
+            .with_label_values(&[model])
+            .set(clamp(lookup_waits));
     }
 }
 
@@ -604,11 +616,7 @@ mod tests {
             .batches
             .fetch_add(7, std::sync::atomic::Ordering::Relaxed);
         let snap = ev.snapshot();
-        let text = m.render(
-            |g| g.index_entries("m", 5),
-            &snap,
-            |_| Some("http://w".into()),
-        );
+        let text = m.render(|g| g.index("m", 5, 2), &snap, |_| Some("http://w".into()));
         assert!(text.contains("kvgate_requests_total{model=\"m\",policy=\"round_robin\",status=\"200\",worker=\"http://w\"} 1"), "{text}");
         assert!(
             text.contains("kvgate_kv_events_batches_total{worker=\"http://w\"} 7"),
@@ -616,6 +624,10 @@ mod tests {
         );
         assert!(
             text.contains("kvgate_index_entries{model=\"m\"} 5"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kvgate_index_lookup_waits_total{model=\"m\"} 2"),
             "{text}"
         );
     }

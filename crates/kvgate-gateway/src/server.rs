@@ -152,7 +152,7 @@ async fn metrics(State(gw): State<Arc<Gateway>>) -> Response {
                 g.ledger(&m.name, &m.ledger().stats());
                 g.peers(&m.name, &m.ledger().peer_stats());
                 if let Some(index) = m.index() {
-                    g.index_entries(&m.name, index.read().len());
+                    g.index(&m.name, index.read().len(), index.read_waits());
                 }
             }
             // Every model, zero without a local tokenizer (a prefill pool has none).
