@@ -13,19 +13,14 @@ import http.client
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import threading
 import time
 
+from localhost import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def mem(pid, field):

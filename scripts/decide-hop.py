@@ -21,18 +21,13 @@ import json
 import os
 import random
 import re
-import socket
 import subprocess
 import time
 
+from localhost import free_port, pct
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "decide-hop"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Client:
@@ -107,11 +102,6 @@ def explain_leader(port):
 def body(tokens, rng):
     return json.dumps({"model": "m", "prompt": [rng.randrange(1, 150000) for _ in range(tokens)],
                        "max_tokens": 1}).encode()
-
-
-def pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
 def main():

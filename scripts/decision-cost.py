@@ -28,9 +28,10 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import time
+
+from localhost import free_port, pct
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which "
@@ -41,12 +42,6 @@ WORDS = ("the of and to in is that for it as was with be by on not he this are o
          "people how too little state good very make world still own see men work long get here "
          "between both life being under never day same another know while last might us great old "
          "year off come since against go came right used take three router cache engine token").split()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def text(rng, n):
@@ -98,11 +93,6 @@ def wait_up(port, timeout=60):
         except (OSError, SystemExit):
             time.sleep(0.2)
     raise SystemExit(f"port {port} never answered")
-
-
-def pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
 def ms(x):
