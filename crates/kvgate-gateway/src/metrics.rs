@@ -205,9 +205,11 @@ fn counter(
     Ok(c)
 }
 
-/// A count as an integer gauge's value (saturating).
-fn clamp(v: u64) -> i64 {
-    v.min(i64::MAX as u64) as i64
+/// Sets one model's series of an integer gauge to a count (saturating).
+fn set_count(gauge: &IntGaugeVec, model: &str, count: u64) {
+    gauge
+        .with_label_values(&[model])
+        .set(count.min(i64::MAX as u64) as i64);
 }
 
 fn igauge(
@@ -455,60 +457,29 @@ impl ScrapeGauges<'_> {
     }
 
     pub fn ledger(&self, model: &str, stats: &kvgate_core::LedgerStats) {
-        self.m
-            .ledger_active
-            .with_label_values(&[model])
-            .set(clamp(stats.active));
-        self.m
-            .ledger_booked
-            .with_label_values(&[model])
-            .set(clamp(stats.booked));
-        self.m
-            .ledger_swept
-            .with_label_values(&[model])
-            .set(clamp(stats.swept));
+        set_count(&self.m.ledger_active, model, stats.active);
+        set_count(&self.m.ledger_booked, model, stats.booked);
+        set_count(&self.m.ledger_swept, model, stats.swept);
     }
 
     /// What the peer replicas reported for one model.
     pub fn peers(&self, model: &str, stats: &kvgate_core::PeerStats) {
-        self.m
-            .peer_in_flight
-            .with_label_values(&[model])
-            .set(stats.in_flight.min(i64::MAX as u64) as i64);
-        self.m
-            .peer_replicas
-            .with_label_values(&[model])
-            .set(stats.replicas as i64);
+        set_count(&self.m.peer_in_flight, model, stats.in_flight);
+        set_count(&self.m.peer_replicas, model, stats.replicas as u64);
     }
 
     /// A model's tokenization cache.
     pub fn tokenize_cache(&self, model: &str, stats: &kvgate_tokenize::SegmentCacheStats) {
-        let l = [model];
-        self.m
-            .tokenize_cache_hits
-            .with_label_values(&l)
-            .set(clamp(stats.hits));
-        self.m
-            .tokenize_cache_misses
-            .with_label_values(&l)
-            .set(clamp(stats.misses));
-        self.m
-            .tokenize_cache_bytes
-            .with_label_values(&l)
-            .set(clamp(stats.bytes));
+        set_count(&self.m.tokenize_cache_hits, model, stats.hits);
+        set_count(&self.m.tokenize_cache_misses, model, stats.misses);
+        set_count(&self.m.tokenize_cache_bytes, model, stats.bytes);
     }
 
     /// A model's prefix index: its entries and the lookups so far that waited for a
     /// writer ([`kvgate_events::IndexLock::read_waits`]).
     pub fn index(&self, model: &str, entries: usize, lookup_waits: u64) {
-        self.m
-            .index_entries
-            .with_label_values(&[model])
-            .set(clamp(entries as u64));
-        self.m
-            .index_lookup_waits
-            .with_label_values(&[model])
-            .set(clamp(lookup_waits));
+        set_count(&self.m.index_entries, model, entries as u64);
+        set_count(&self.m.index_lookup_waits, model, lookup_waits);
     }
 }
 
