@@ -23,7 +23,7 @@ pub use hashing::{cpu_can_hash_blocks, BlockHasher, BlockKey, CPU_CANNOT_HASH_BL
 pub use ids::{Tier, WorkerId, WorkerRef};
 pub use index::{
     GrownEngineMap, HeldBlock, IndexConfig, IndexStats, Overlap, OverlapScores, PrefixIndex,
-    RemoveOutcome, StoreError, StoreOutcome, StoredBlocks, WRITE_SLICE_BLOCKS,
+    RemoveOutcome, SnapshotImport, StoreError, StoreOutcome, StoredBlocks, WRITE_SLICE_BLOCKS,
 };
 
 pub use ledger::{

@@ -1,4 +1,5 @@
-//! Applying one decoded [`EventBatch`] to the prefix index for one worker rank.
+//! Applying one decoded [`EventBatch`] to the prefix index for one worker rank, and a
+//! peer's snapshot of one ([`import_snapshot`]).
 //!
 //! Owns the filtering rules (which events the router may index), the translation into
 //! [`PrefixIndex`] calls, and how long one write section lasts. It must not take locks,
@@ -21,7 +22,7 @@
 //!   it can never match base-model requests.
 
 use kvgate_core::index::StoreError;
-use kvgate_core::{PrefixIndex, StoredBlocks, Tier, WorkerRef, WRITE_SLICE_BLOCKS};
+use kvgate_core::{PrefixIndex, SnapshotImport, StoredBlocks, Tier, WorkerRef, WRITE_SLICE_BLOCKS};
 
 use crate::wire::{BlockRemoved, BlockStored, EventBatch, KvEvent};
 
@@ -132,6 +133,22 @@ pub fn apply_batch(
         }
     }
     out
+}
+
+/// Replaces what `at` holds with a peer's snapshot of it, prepared beforehand (off the
+/// lock: [`SnapshotImport::new`]), placed like a batch: [`WRITE_SLICE_BLOCKS`] blocks
+/// at a time, with waiting lookups let in between and the rank's engine-hash map grown
+/// once, for all it will hold, off the write lock. Returns the blocks held.
+pub fn import_snapshot(
+    index: &mut impl IndexWriter,
+    at: WorkerRef,
+    import: &mut SnapshotImport<'_>,
+) -> usize {
+    while !index.index().import_some(at, import, WRITE_SLICE_BLOCKS) {
+        index.make_room(at, import.remaining());
+        index.let_waiters_in();
+    }
+    import.held()
 }
 
 /// A batch's write section, cut into slices.

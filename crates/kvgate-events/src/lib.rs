@@ -21,7 +21,7 @@ pub mod shared;
 pub mod subscriber;
 pub mod wire;
 
-pub use apply::{apply_batch, ApplyOutcome, IndexWriter};
+pub use apply::{apply_batch, import_snapshot, ApplyOutcome, IndexWriter};
 pub use bootstrap::{Bootstrap, BootstrapFuture, RankSnapshot};
 pub use metrics::{
     DropReason, EventMetrics, EventMetricsSnapshot, WorkerCounters, WorkerEventStats,

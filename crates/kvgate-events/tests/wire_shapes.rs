@@ -395,6 +395,45 @@ fn a_waiting_lookup_gets_in_between_slices_of_a_large_batch() {
     );
 }
 
+/// A peer's snapshot is placed like a batch: a slice of `WRITE_SLICE_BLOCKS` blocks at
+/// a time, waiting lookups let in after each (here: what the index holds each time),
+/// and it ends with every block held.
+#[test]
+fn a_snapshot_is_placed_in_slices_with_lookups_let_in_between() {
+    use kvgate_core::{SnapshotImport, WRITE_SLICE_BLOCKS};
+    use kvgate_events::IndexWriter;
+
+    /// An index that records its size whenever waiting lookups would be let in.
+    struct Recording {
+        index: PrefixIndex,
+        seen: Vec<usize>,
+    }
+    impl IndexWriter for Recording {
+        fn index(&mut self) -> &mut PrefixIndex {
+            &mut self.index
+        }
+        fn let_waiters_in(&mut self) {
+            self.seen.push(self.index.len());
+        }
+    }
+
+    let blocks = 20 * WRITE_SLICE_BLOCKS;
+    let hashes: Vec<u64> = (1..=blocks as u64).collect();
+    let mut peer = index(4);
+    apply_batch(&mut peer, AT, &decoded(vec![stored_run(&hashes)]));
+    let (held, paths) = (peer.export_worker(AT), peer.hole_paths(AT));
+    let mut writer = Recording {
+        index: index(4),
+        seen: Vec::new(),
+    };
+    let mut import = SnapshotImport::new(&held, &paths);
+    let placed = kvgate_events::import_snapshot(&mut writer, AT, &mut import);
+    assert_eq!((placed, writer.index.len()), (blocks, blocks));
+    let slices: Vec<usize> = (1..20).map(|i| i * WRITE_SLICE_BLOCKS).collect();
+    assert_eq!(writer.seen, slices);
+    assert_eq!(writer.index.worker_blocks(AT), peer.worker_blocks(AT));
+}
+
 /// A read that finds a writer in is counted (`read_waits`, the gateway's
 /// `kvgate_index_lookup_waits_total`); one that takes the index at once is not.
 #[test]

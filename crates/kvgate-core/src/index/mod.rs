@@ -41,6 +41,7 @@
 mod engine_map;
 mod evict;
 mod query;
+mod snapshot;
 mod table_size;
 mod tree;
 
@@ -52,8 +53,9 @@ use smallvec::SmallVec;
 
 use engine_map::EngineMap;
 pub use query::{Overlap, OverlapScores};
+pub use snapshot::{HeldBlock, SnapshotImport};
 use table_size::TableSize;
-use tree::{Cover, Node, Pos, NO_NODE};
+use tree::{Cover, Node, Pos};
 
 use crate::hashing::{BlockHasher, BlockKey};
 use crate::ids::{Tier, WorkerId, WorkerRef};
@@ -74,16 +76,6 @@ impl Default for IndexConfig {
             max_blocks: 4_000_000,
         }
     }
-}
-
-/// One block a worker rank holds, as an index snapshot carries it: its key and parent
-/// (to rebuild the entry) and the engine's hash (to apply the engine's later events).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct HeldBlock {
-    pub key: BlockKey,
-    pub parent: Option<BlockKey>,
-    pub engine_hash: u64,
-    pub tier: Tier,
 }
 
 /// A run of blocks an engine reports as stored, as `BlockStored` delivers them.
@@ -468,164 +460,6 @@ impl PrefixIndex {
         out.sort();
         out.dedup();
         out
-    }
-
-    /// Every block one worker rank holds, for an index snapshot another router loads
-    /// ([`Self::import_worker`]): key, parent and engine hash per tier held, sorted by
-    /// key.
-    pub fn export_worker(&self, at: WorkerRef) -> Vec<HeldBlock> {
-        let Some(&slot) = self.slot_of.get(&at) else {
-            return Vec::new();
-        };
-        let mut out: Vec<HeldBlock> = self
-            .slot_holdings(slot)
-            .into_iter()
-            .map(|(pos, tier, engine_hash)| HeldBlock {
-                key: self.key_at(pos),
-                parent: self.parent_key(pos),
-                engine_hash,
-                tier,
-            })
-            .collect();
-        out.sort_by_key(|b| (b.key, b.tier));
-        out
-    }
-
-    /// For each block of the rank whose parent the rank does not hold (a hole), the
-    /// keys from the root to that parent: what [`Self::import_worker`] needs to put the
-    /// block where it belongs in an index that has never seen its ancestors. Empty
-    /// unless the engine removed a parent before its child.
-    pub fn hole_paths(&self, at: WorkerRef) -> Vec<Vec<BlockKey>> {
-        let Some(&slot) = self.slot_of.get(&at) else {
-            return Vec::new();
-        };
-        let mut parents: Vec<Pos> = Vec::new();
-        for (pos, _, _) in self.slot_holdings(slot) {
-            if let Some(parent) = self.parent_pos(pos) {
-                let n = self.node(parent.node);
-                if !n.slot_holds(slot, n.index(parent.abs)) {
-                    parents.push(parent);
-                }
-            }
-        }
-        parents.sort_by_key(|p| (p.node, p.abs));
-        parents.dedup();
-        parents.into_iter().map(|p| self.path_to(p)).collect()
-    }
-
-    /// The keys from the root to `pos`, inclusive.
-    fn path_to(&self, pos: Pos) -> Vec<BlockKey> {
-        let mut segments: Vec<&[BlockKey]> = Vec::new();
-        let n = self.node(pos.node);
-        segments.push(&n.keys[..=n.index(pos.abs)]);
-        let mut id = n.parent;
-        while id != NO_NODE {
-            let n = self.node(id);
-            segments.push(&n.keys);
-            id = n.parent;
-        }
-        segments
-            .iter()
-            .rev()
-            .flat_map(|s| s.iter().copied())
-            .collect()
-    }
-
-    /// Replaces what one worker rank holds with a snapshot of it (from
-    /// [`Self::export_worker`] and [`Self::hole_paths`], usually another router's): the
-    /// rank's entries are cleared, then each block is held as if its `BlockStored` had
-    /// been applied, so the engine's later events (removals by engine hash, stores
-    /// naming a parent) apply as they would have. A block after a hole whose path is
-    /// not given is skipped. Returns the blocks now held; the cap is enforced.
-    pub fn import_worker(
-        &mut self,
-        at: WorkerRef,
-        blocks: &[HeldBlock],
-        hole_paths: &[Vec<BlockKey>],
-    ) -> usize {
-        self.clear(at);
-        let Some(slot) = self.slot_for(at) else {
-            return 0;
-        };
-        // Where each key's holders are in `blocks`, and each parent's children.
-        let mut holders: FxHashMap<BlockKey, SmallVec<[usize; 2]>> = FxHashMap::default();
-        for (i, b) in blocks.iter().enumerate() {
-            holders.entry(b.key).or_default().push(i);
-        }
-        let mut children: FxHashMap<BlockKey, Vec<BlockKey>> = FxHashMap::default();
-        let mut roots: Vec<BlockKey> = Vec::new();
-        for (key, idx) in &holders {
-            match blocks[idx[0]].parent {
-                Some(p) if holders.contains_key(&p) => children.entry(p).or_default().push(*key),
-                _ => roots.push(*key),
-            }
-        }
-        roots.sort();
-        let paths: FxHashMap<BlockKey, &Vec<BlockKey>> = hole_paths
-            .iter()
-            .filter_map(|p| Some((*p.last()?, p)))
-            .collect();
-        let mut held = 0;
-        let mut stack: Vec<BlockKey> = roots;
-        let mut path_ends: Vec<Pos> = Vec::new();
-        while let Some(key) = stack.pop() {
-            let Some(idx) = holders.get(&key) else {
-                continue;
-            };
-            let first = &blocks[idx[0]];
-            let parent = match first.parent {
-                None => None,
-                Some(p) => match holders.get(&p) {
-                    // The parent was placed already: find it through its engine hash.
-                    Some(pidx) => {
-                        let eh = blocks[pidx[0]].engine_hash;
-                        match self.lookup(slot, eh) {
-                            Some(pos) => Some(pos),
-                            None => continue,
-                        }
-                    }
-                    None => match paths.get(&p) {
-                        Some(path) => match self.ensure_path(path) {
-                            Some(end) => {
-                                path_ends.push(end);
-                                Some(end)
-                            }
-                            None => continue,
-                        },
-                        None => continue,
-                    },
-                },
-            };
-            let mut pos = self.ensure_child(parent, key, 0);
-            for &i in idx {
-                let b = &blocks[i];
-                let (new, at_pos) = self.hold(slot, b.tier, pos, b.engine_hash, 0);
-                pos = at_pos;
-                held += usize::from(new);
-            }
-            if let Some(kids) = children.get(&key) {
-                stack.extend(kids.iter().copied());
-            }
-        }
-        // Path nodes no block was attached to go again.
-        for end in path_ends {
-            if self.node(end.node).is_live() {
-                self.prune(end.node);
-            }
-        }
-        self.stats.stored_blocks += held as u64;
-        self.enforce_cap();
-        held
-    }
-
-    /// The position of the last key of `path` (from the root), creating the missing
-    /// nodes; `None` for an empty path.
-    fn ensure_path(&mut self, path: &[BlockKey]) -> Option<Pos> {
-        let mut pos = None;
-        for key in path {
-            pos = Some(self.ensure_child(pos, *key, 0));
-        }
-        pos
     }
 
     /// Records that a worker rank's entries reflect its engine's events through

@@ -1141,11 +1141,13 @@ proptest! {
     /// A router that loads another's snapshot of every worker rank, then applies the
     /// same later events, ends up with the same index: the snapshot carries what the
     /// events need (engine hashes, parents), and rebuilding keeps the bookkeeping
-    /// (child counts, orphans) consistent.
+    /// (child counts, orphans) consistent, also between the slices of an import placed
+    /// a few blocks at a time (a shared index's writer letting lookups in between).
     #[test]
     fn a_loaded_snapshot_continues_like_the_original(
         before in prop::collection::vec(op_strategy(), 1..40),
         after in prop::collection::vec(op_strategy(), 0..40),
+        slice in prop::sample::select(vec![1usize, 2, 5, usize::MAX]),
     ) {
         let mut original = index(1_000_000);
         let mut model = Model::default();
@@ -1157,7 +1159,11 @@ proptest! {
             for r in 0..2 {
                 let blocks = original.export_worker(at(w, r));
                 let paths = original.hole_paths(at(w, r));
-                loaded.import_worker(at(w, r), &blocks, &paths);
+                let mut import = SnapshotImport::new(&blocks, &paths);
+                while !loaded.import_some(at(w, r), &mut import, slice) {
+                    assert_bookkeeping(&loaded);
+                }
+                prop_assert_eq!(import.held(), original.worker_blocks(at(w, r)).len());
             }
         }
         assert_bookkeeping(&loaded);
