@@ -1067,10 +1067,24 @@ impl PrefixIndex {
             }
             None => return 0,
         };
-        let mut nodes: Vec<u32> = map.positions().map(|p| p.node).collect();
+        // The nodes holding the rank's blocks, each once, in id order: a bit per node
+        // (a quarter of a million blocks lie in a few hundred nodes, and sorting their
+        // positions took 3 of a 4 ms clear).
+        let mut marked = vec![0u64; self.nodes.len().div_ceil(64)];
+        for p in map.positions() {
+            marked[p.node as usize / 64] |= 1 << (p.node % 64);
+        }
         drop(map);
-        nodes.sort_unstable();
-        nodes.dedup();
+        let nodes = marked.iter().enumerate().flat_map(|(word, &bits)| {
+            let mut bits = bits;
+            std::iter::from_fn(move || {
+                (bits != 0).then(|| {
+                    let bit = bits.trailing_zeros();
+                    bits &= bits - 1;
+                    (word * 64) as u32 + bit
+                })
+            })
+        });
         let mut removed = 0;
         for id in nodes {
             let n = self.node_mut(id);
