@@ -419,32 +419,46 @@ impl PrefixIndex {
         out
     }
 
-    /// The (tier, engine hash) holders of `slot` at block `pos`.
-    fn holders_at(&self, slot: u16, pos: Pos) -> impl Iterator<Item = (Tier, u64)> + '_ {
-        let n = self.node(pos.node);
-        let i = n.index(pos.abs);
-        n.slot_covers(slot)
-            .iter()
-            .filter(move |c| c.len() > i)
-            .map(move |c| (c.tier, c.engine_hashes[i]))
-    }
-
-    /// Every (block, tier, engine hash) the slot holds, unordered.
+    /// Every (block, tier, engine hash) the slot holds, unordered: its covers, node by
+    /// node.
     fn slot_holdings(&self, slot: u16) -> Vec<(Pos, Tier, u64)> {
         let Some(state) = self.slot(slot) else {
             return Vec::new();
         };
-        let mut positions: Vec<Pos> = state.engine_map.positions().collect();
-        positions.sort_unstable_by_key(|p| (p.node, p.abs));
-        positions.dedup();
         let mut out = Vec::with_capacity(state.entries);
-        for pos in positions {
-            out.extend(
-                self.holders_at(slot, pos)
-                    .map(move |(tier, engine_hash)| (pos, tier, engine_hash)),
-            );
+        for id in self.nodes_holding(&state.engine_map) {
+            let n = self.node(id);
+            for c in n.slot_covers(slot) {
+                out.extend(c.engine_hashes.iter().enumerate().map(|(i, &engine_hash)| {
+                    let pos = Pos {
+                        node: id,
+                        abs: n.base + i as u32,
+                    };
+                    (pos, c.tier, engine_hash)
+                }));
+            }
         }
         out
+    }
+
+    /// The nodes a rank's engine-hash map points into (those holding its blocks), each
+    /// once, in id order: a bit per node, as a quarter of a million blocks lie in a few
+    /// hundred nodes (sorting their positions took 3 of a 4 ms clear, and most of a
+    /// snapshot's export).
+    fn nodes_holding(&self, map: &EngineMap) -> Vec<u32> {
+        let mut marked = vec![0u64; self.nodes.len().div_ceil(64)];
+        for p in map.positions() {
+            marked[p.node as usize / 64] |= 1 << (p.node % 64);
+        }
+        let mut nodes = Vec::new();
+        for (word, &bits) in marked.iter().enumerate() {
+            let mut bits = bits;
+            while bits != 0 {
+                nodes.push((word * 64) as u32 + bits.trailing_zeros());
+                bits &= bits - 1;
+            }
+        }
+        nodes
     }
 
     /// Every (key, tier) one worker rank holds, sorted; for accuracy checks and debugging.
@@ -1067,24 +1081,8 @@ impl PrefixIndex {
             }
             None => return 0,
         };
-        // The nodes holding the rank's blocks, each once, in id order: a bit per node
-        // (a quarter of a million blocks lie in a few hundred nodes, and sorting their
-        // positions took 3 of a 4 ms clear).
-        let mut marked = vec![0u64; self.nodes.len().div_ceil(64)];
-        for p in map.positions() {
-            marked[p.node as usize / 64] |= 1 << (p.node % 64);
-        }
+        let nodes = self.nodes_holding(&map);
         drop(map);
-        let nodes = marked.iter().enumerate().flat_map(|(word, &bits)| {
-            let mut bits = bits;
-            std::iter::from_fn(move || {
-                (bits != 0).then(|| {
-                    let bit = bits.trailing_zeros();
-                    bits &= bits - 1;
-                    (word * 64) as u32 + bit
-                })
-            })
-        });
         let mut removed = 0;
         for id in nodes {
             let n = self.node_mut(id);
