@@ -299,12 +299,12 @@ impl Ingest {
     /// On connecting: learns what the engine cached before from its replay buffer (from
     /// sequence 0), so a router that starts after the engines routes to their cached
     /// prefixes from its first request, before any new event arrives.
-    async fn warm_start(&mut self, config: &SubscriberConfig) {
+    async fn warm_start(&mut self, config: &SubscriberConfig, stop: &watch::Receiver<bool>) {
         if !config.warm_start || self.cursor.last().is_some() {
             return;
         }
         // A peer's snapshot first: it reaches back further than the engine's buffer.
-        let from = match self.load_snapshot().await {
+        let from = match self.load_snapshot(stop).await {
             Some(last_seq) => last_seq.wrapping_add(1),
             None => 0,
         };
@@ -320,7 +320,7 @@ impl Ingest {
 
     /// Loads a peer router's snapshot of this worker rank, if a bootstrap is set and a
     /// peer has one; returns the last sequence number it reflects.
-    async fn load_snapshot(&mut self) -> Option<u64> {
+    async fn load_snapshot(&mut self, stop: &watch::Receiver<bool>) -> Option<u64> {
         // Only the first connection: after a reconnect (an engine restart, a lost
         // link) the engine's own buffer is the truth, and a peer may not know yet.
         let bootstrap = self.bootstrap.take()?;
@@ -328,20 +328,26 @@ impl Ingest {
         let snapshot = bootstrap(self.source.name.clone(), rank).await?;
         let at = WorkerRef::new(self.source.worker, rank);
         let last_seq = snapshot.last_seq;
-        let index = self.index.clone();
+        let (index, stop) = (self.index.clone(), stop.clone());
         // A rank of a quarter of a million blocks takes about 0.2 s to prepare and
         // place: on the blocking pool, not a runtime thread, and in slices under the
-        // write lock, so lookups go on in between.
+        // write lock, so lookups go on in between. A subscriber told to stop by then
+        // (its worker removed, and purged after that) places nothing: this task may
+        // be aborted while the import runs on.
         let placed = tokio::task::spawn_blocking(move || {
             let mut import = SnapshotImport::new(&snapshot.blocks, &snapshot.hole_paths);
             let mut index = index.write();
+            if *stop.borrow() {
+                return None;
+            }
             let held = import_snapshot(&mut index, at, &mut import);
             index.set_applied_seq(at, last_seq);
-            (held, index.len())
+            Some((held, index.len()))
         })
         .await;
         let (held, entries) = match placed {
-            Ok(placed) => placed,
+            Ok(Some(placed)) => placed,
+            Ok(None) => return None,
             Err(e) => {
                 tracing::error!(worker = %self.source.worker, rank, error = %e, "loading a peer router's index snapshot failed");
                 return None;
@@ -567,7 +573,7 @@ async fn run(mut ingest: Ingest, config: SubscriberConfig, mut stop: watch::Rece
         connected_before = true;
         ingest.counters.connected.store(1, relaxed());
         tracing::info!(%worker, endpoint = %ingest.source.endpoint, "subscribed to KV events");
-        ingest.warm_start(&config).await;
+        ingest.warm_start(&config, &stop).await;
         let stopping = loop {
             tokio::select! {
                 _ = stop.changed() => break true,

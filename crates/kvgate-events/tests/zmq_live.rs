@@ -382,3 +382,54 @@ async fn a_batch_after_the_sequence_wraps_is_applied() {
     assert_eq!((s.stale_messages, s.restarts), (0, 1), "{s:?}");
     sub.shutdown_and_wait().await;
 }
+
+/// A subscriber told to stop (its worker removed, and purged after that) while its
+/// peer's snapshot waits to be placed places nothing: the import runs on the blocking
+/// pool, where it outlives the subscriber's task, and would put back what the purge
+/// removed.
+#[tokio::test]
+async fn a_snapshot_placed_after_its_subscriber_stopped_is_dropped() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use kvgate_core::HeldBlock;
+    use kvgate_events::{Bootstrap, RankSnapshot};
+
+    let engine = FakeEngine::start(false).await;
+    let (index, metrics) = (new_index(), EventMetrics::new());
+    let snapshot = RankSnapshot {
+        blocks: vec![HeldBlock {
+            key: BlockKey(7),
+            parent: None,
+            engine_hash: 70,
+            tier: Tier::Device,
+        }],
+        hole_paths: Vec::new(),
+        last_seq: 5,
+    };
+    let asked = Arc::new(AtomicBool::new(false));
+    let bootstrap: Bootstrap = {
+        let asked = asked.clone();
+        Arc::new(move |_, _| {
+            asked.store(true, Ordering::SeqCst);
+            let snapshot = snapshot.clone();
+            Box::pin(async move { Some(snapshot) })
+        })
+    };
+    let source = EventSource {
+        worker: WORKER,
+        name: "engine".into(),
+        endpoint: engine.endpoint.clone(),
+        replay_endpoint: None,
+        topic: "kv".into(),
+        dp_rank: 0,
+    };
+    // The index is busy: the snapshot waits for it.
+    let writer = index.write();
+    let sub = spawn_subscriber_with(source, config(), index.clone(), metrics, Some(bootstrap));
+    wait_until("the peer was asked", || asked.load(Ordering::SeqCst)).await;
+    sub.shutdown();
+    drop(writer);
+    // Its task ends once the import on the blocking pool has returned.
+    wait_until("the subscriber ended", || sub.is_finished()).await;
+    assert_eq!(index.read().worker_len(AT), 0);
+}

@@ -82,7 +82,9 @@ impl<'a> SnapshotImport<'a> {
         // key numbered in key order: its group is `by_key[starts[g]..starts[g + 1]]`.
         // Working by number keeps to one hash table, looked up once per key: an import
         // is mostly cache misses (0.33-0.43 s for 250k blocks with a table per relation).
-        let mut sorted: Vec<(BlockKey, u32)> = (blocks.iter().enumerate())
+        let mut sorted: Vec<(BlockKey, u32)> = blocks
+            .iter()
+            .enumerate()
             .map(|(i, b)| (b.key, i as u32))
             .collect();
         sorted.sort_unstable();
