@@ -293,7 +293,7 @@ impl Metrics {
             ledger_booked: igauge(&r, "kvgate_ledger_booked_total", "Bookings made since start", &["model"])?,
             ledger_swept: igauge(&r, "kvgate_ledger_swept_total", "Bookings freed by the TTL sweep (leaks caught)", &["model"])?,
             index_entries: igauge(&r, "kvgate_index_entries", "Prefix index entries per model", &["model"])?,
-            index_lookup_waits: igauge(&r, "kvgate_index_lookup_waits_total", "Routing lookups that found the prefix index being written and waited for the writer (at most a slice of its batch)", &["model"])?,
+            index_lookup_waits: igauge(&r, "kvgate_index_lookup_waits_total", "Reads of the prefix index (routing lookups, also scrapes and peer snapshots) that found it being written and waited for the writer (at most a slice of its batch)", &["model"])?,
             tokenize_cache_hits: igauge(&r, "kvgate_tokenize_cache_hits_total", "Text segments (a message between special tokens) whose ids local tokenization took from its cache", &["model"])?,
             tokenize_cache_misses: igauge(&r, "kvgate_tokenize_cache_misses_total", "Text segments long enough for the cache that local tokenization encoded", &["model"])?,
             tokenize_cache_bytes: igauge(&r, "kvgate_tokenize_cache_bytes", "Bytes the tokenization cache holds (at most --tokenize-cache-mib)", &["model"])?,
