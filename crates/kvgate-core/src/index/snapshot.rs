@@ -215,9 +215,18 @@ impl PrefixIndex {
         let Some(&slot) = self.slot_of.get(&at) else {
             return Vec::new();
         };
+        let Some(state) = self.slot(slot) else {
+            return Vec::new();
+        };
+        // A cover holds a prefix of its node, so inside a node every held block's parent
+        // is held too: only a node's first block can follow a hole.
         let mut parents: Vec<Pos> = Vec::new();
-        for (pos, _, _) in self.slot_holdings(slot) {
-            if let Some(parent) = self.parent_pos(pos) {
+        for id in self.nodes_holding(&state.engine_map) {
+            let first = Pos {
+                node: id,
+                abs: self.node(id).base,
+            };
+            if let Some(parent) = self.parent_pos(first) {
                 let n = self.node(parent.node);
                 if !n.slot_holds(slot, n.index(parent.abs)) {
                     parents.push(parent);
