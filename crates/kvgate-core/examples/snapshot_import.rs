@@ -1,8 +1,9 @@
 //! What loading a peer's snapshot of one worker rank costs, and how long it holds the
 //! index: the Mooncake trace served by 16 workers until the index holds 4M entries
 //! (its default cap; a quarter of a million per rank), then, for three ranks, the
-//! export (blocks and hole paths: what a peer holds its read lock for), the preparation (`SnapshotImport::new`, off the lock), the placing in one
-//! piece, clearing the rank, and placing it again into the empty rank in slices of
+//! export (blocks and hole paths: what a peer holds its read lock for), the
+//! preparation (`SnapshotImport::new`, off the lock), the placing in one piece,
+//! clearing the rank, and placing it again into the empty rank in slices of
 //! `WRITE_SLICE_BLOCKS` blocks (the longest slice is the longest a lookup waits; the
 //! rank's engine-hash map is grown ahead as the gateway's writer does, off the lock).
 //! `cargo run --release -p kvgate-core --example snapshot_import [entries]`.

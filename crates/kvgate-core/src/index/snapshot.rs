@@ -257,8 +257,8 @@ impl PrefixIndex {
     }
 
     /// Replaces what one worker rank holds with a snapshot of it (usually another
-    /// router's), a part per call (`usize::MAX` blocks: all of it): the first call clears the rank's entries; each call then
-    /// holds the next keys' blocks (at least one key, stopping once `max_blocks` blocks
+    /// router's), a part per call (`usize::MAX` blocks: all of it): the first call
+    /// clears the rank's entries; each call then holds the next keys' blocks (at least one key, stopping once `max_blocks` blocks
     /// were placed) as if their `BlockStored` had been applied, so the engine's later
     /// events (removals by engine hash, stores naming a parent) apply as they would
     /// have. Returns true once every block is placed; the last call prunes hole paths
@@ -277,42 +277,15 @@ impl PrefixIndex {
             self.clear(at);
             import.cleared = true;
         }
-        let slot = self.slot_for(at);
-        let mut placed_blocks = 0;
-        while import.next < import.steps.len() && placed_blocks < max_blocks.max(1) {
-            let Some(slot) = slot else {
-                break;
-            };
-            let step = import.steps[import.next];
-            let blocks = &import.order[import.next_block..step.end as usize];
-            import.next_block = step.end as usize;
-            placed_blocks += blocks.len();
-            let parent = match step.parent {
-                Parent::Root => Some(None),
-                Parent::Held { step, engine_hash } => import.placed[step as usize]
-                    .then(|| self.lookup(slot, engine_hash).map(Some))
-                    .flatten(),
-                Parent::Path(i) => {
-                    let end = self.ensure_path(&import.hole_paths[i as usize]);
-                    import.path_ends.extend(end);
-                    end.map(Some)
-                }
-            };
-            if let Some(parent) = parent {
-                let key = import.blocks[blocks[0] as usize].key;
-                let mut pos = self.ensure_child(parent, key, 0);
-                for &i in blocks {
-                    let b = &import.blocks[i as usize];
-                    let (new, at_pos) = self.hold(slot, b.tier, pos, b.engine_hash, 0);
-                    pos = at_pos;
-                    import.held += usize::from(new);
-                }
-                import.placed[import.next] = true;
+        // Without a slot (more ranks than the index numbers) nothing can be placed.
+        if let Some(slot) = self.slot_for(at) {
+            let mut placed_blocks = 0;
+            while import.next < import.steps.len() && placed_blocks < max_blocks.max(1) {
+                placed_blocks += self.place_next(slot, import);
             }
-            import.next += 1;
-        }
-        if slot.is_some() && import.next < import.steps.len() {
-            return false;
+            if import.next < import.steps.len() {
+                return false;
+            }
         }
         import.next = import.steps.len();
         // Path nodes no block was attached to go again.
@@ -324,6 +297,38 @@ impl PrefixIndex {
         self.stats.stored_blocks += import.held as u64;
         self.enforce_cap();
         true
+    }
+
+    /// Holds the import's next key's blocks for `slot`, under its parent (skipped when
+    /// the parent was not placed); returns how many blocks the key has.
+    fn place_next(&mut self, slot: u16, import: &mut SnapshotImport<'_>) -> usize {
+        let step = import.steps[import.next];
+        let blocks = &import.order[import.next_block..step.end as usize];
+        import.next_block = step.end as usize;
+        let parent = match step.parent {
+            Parent::Root => Some(None),
+            Parent::Held { step, engine_hash } => import.placed[step as usize]
+                .then(|| self.lookup(slot, engine_hash).map(Some))
+                .flatten(),
+            Parent::Path(i) => {
+                let end = self.ensure_path(&import.hole_paths[i as usize]);
+                import.path_ends.extend(end);
+                end.map(Some)
+            }
+        };
+        if let Some(parent) = parent {
+            let key = import.blocks[blocks[0] as usize].key;
+            let mut pos = self.ensure_child(parent, key, 0);
+            for &i in blocks {
+                let b = &import.blocks[i as usize];
+                let (new, at_pos) = self.hold(slot, b.tier, pos, b.engine_hash, 0);
+                pos = at_pos;
+                import.held += usize::from(new);
+            }
+            import.placed[import.next] = true;
+        }
+        import.next += 1;
+        blocks.len()
     }
 
     /// The position of the last key of `path` (from the root), creating the missing
