@@ -1,7 +1,8 @@
 //! The chat-template engine: HF-compatible Jinja rendering with minijinja.
 //!
 //! Owns the minijinja environment configured like transformers' sandbox
-//! (`trim_blocks`, `lstrip_blocks`, Python string/dict methods via pycompat, and the
+//! (`trim_blocks`, `lstrip_blocks`, `{% break %}`/`{% continue %}` as its
+//! `loopcontrols` extension allows, Python string/dict methods via pycompat, and the
 //! globals/filters HF templates rely on: `raise_exception`, `strftime_now`, a
 //! Python-formatted `tojson`), the choice between named templates (`default`,
 //! `tool_use`), and vLLM's detection of the content format a template expects.
@@ -350,6 +351,32 @@ mod tests {
             raising.render(e, Value::from(())),
             Err(TokenizeError::Invalid("roles must alternate".into()))
         );
+    }
+
+    /// transformers' sandbox loads `jinja2.ext.loopcontrols`, so a chat template may
+    /// `{% break %}` and `{% continue %}` (expected output from jinja2 3.1 with it).
+    #[test]
+    fn loop_controls_as_in_transformers() {
+        let set = TemplateSet::new(vec![(
+            "default".into(),
+            "{% for m in messages %}{% if m.role == 'tool' %}{% continue %}{% endif %}\
+             {% if loop.index > 3 %}{% break %}{% endif %}[{{ m.role }}:{{ m.content }}]{% endfor %}"
+                .into(),
+        )])
+        .unwrap();
+        let roles = ["system", "tool", "user", "assistant", "user"];
+        let messages: Vec<_> = roles
+            .iter()
+            .map(|r| serde_json::json!({"role": r, "content": &r[..1]}))
+            .collect();
+        let e = set.select(false).unwrap();
+        let out = set
+            .render(
+                e,
+                Value::from_serialize(serde_json::json!({ "messages": messages })),
+            )
+            .unwrap();
+        assert_eq!(out, "[system:s][user:u]");
     }
 
     #[test]
