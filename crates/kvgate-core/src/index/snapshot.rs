@@ -196,15 +196,33 @@ impl PrefixIndex {
         let Some(&slot) = self.slot_of.get(&at) else {
             return Vec::new();
         };
-        self.slot_holdings(slot)
-            .into_iter()
-            .map(|(pos, tier, engine_hash)| HeldBlock {
-                key: self.key_at(pos),
-                parent: self.parent_key(pos),
-                engine_hash,
-                tier,
-            })
-            .collect()
+        let Some(state) = self.slot(slot) else {
+            return Vec::new();
+        };
+        let mut out = Vec::with_capacity(state.entries);
+        for id in self.nodes_holding(&state.engine_map) {
+            let n = self.node(id);
+            // The key before the node's first block: its parent node's last.
+            let before = (n.parent != NO_NODE).then(|| {
+                let p = self.node(n.parent);
+                p.keys[p.len() - 1]
+            });
+            // A cover holds a prefix of its node: its i-th block is the node's i-th.
+            for c in n.slot_covers(slot) {
+                out.extend(
+                    c.engine_hashes
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &engine_hash)| HeldBlock {
+                            key: n.keys[i],
+                            parent: i.checked_sub(1).map(|j| n.keys[j]).or(before),
+                            engine_hash,
+                            tier: c.tier,
+                        }),
+                );
+            }
+        }
+        out
     }
 
     /// For each block of the rank whose parent the rank does not hold (a hole), the

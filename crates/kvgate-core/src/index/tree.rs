@@ -190,11 +190,6 @@ impl PrefixIndex {
         n.keys[n.index(p.abs)]
     }
 
-    /// The key of the block before `p`, if `p` is not a root block.
-    pub(super) fn parent_key(&self, p: Pos) -> Option<BlockKey> {
-        self.parent_pos(p).map(|q| self.key_at(q))
-    }
-
     /// The position of the block before `pos`, if `pos` is not a root block.
     pub(super) fn parent_pos(&self, pos: Pos) -> Option<Pos> {
         let n = self.node(pos.node);
