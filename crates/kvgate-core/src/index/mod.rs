@@ -419,28 +419,6 @@ impl PrefixIndex {
         out
     }
 
-    /// Every (block, tier, engine hash) the slot holds, unordered: its covers, node by
-    /// node.
-    fn slot_holdings(&self, slot: u16) -> Vec<(Pos, Tier, u64)> {
-        let Some(state) = self.slot(slot) else {
-            return Vec::new();
-        };
-        let mut out = Vec::with_capacity(state.entries);
-        for id in self.nodes_holding(&state.engine_map) {
-            let n = self.node(id);
-            for c in n.slot_covers(slot) {
-                out.extend(c.engine_hashes.iter().enumerate().map(|(i, &engine_hash)| {
-                    let pos = Pos {
-                        node: id,
-                        abs: n.base + i as u32,
-                    };
-                    (pos, c.tier, engine_hash)
-                }));
-            }
-        }
-        out
-    }
-
     /// The nodes a rank's engine-hash map points into (those holding its blocks), each
     /// once, in id order: a bit per node, as a quarter of a million blocks lie in a few
     /// hundred nodes (sorting their positions took 3 of a 4 ms clear, and most of a
@@ -463,13 +441,10 @@ impl PrefixIndex {
 
     /// Every (key, tier) one worker rank holds, sorted; for accuracy checks and debugging.
     pub fn worker_blocks(&self, at: WorkerRef) -> Vec<(BlockKey, Tier)> {
-        let Some(&slot) = self.slot_of.get(&at) else {
-            return Vec::new();
-        };
         let mut out: Vec<(BlockKey, Tier)> = self
-            .slot_holdings(slot)
+            .export_worker(at)
             .into_iter()
-            .map(|(pos, tier, _)| (self.key_at(pos), tier))
+            .map(|b| (b.key, b.tier))
             .collect();
         out.sort();
         out.dedup();
