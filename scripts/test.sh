@@ -14,6 +14,11 @@ VENV="$(realpath -m "${KVGATE_PY_VENV:-$TARGET/py-venv}")"
 echo "== cargo test --workspace"
 cargo test --workspace
 
+echo "== cargo test --release -p kvgate-core --lib: the pure routing logic built optimized too"
+# Undefined behaviour shows only there (gxhash reading past a short block's tokens
+# miscompiled a chain of keys in a release build while the debug build was right).
+cargo test --release -p kvgate-core --lib
+
 echo "== cargo test: engines found through the Kubernetes API (--features kubernetes)"
 cargo test -p kvgate-gateway --features kubernetes --test kubernetes
 

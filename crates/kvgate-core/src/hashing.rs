@@ -195,8 +195,22 @@ impl BlockHasher {
 /// the chain, whose first parent is the root seed).
 #[inline(always)]
 fn content_hash(block_tokens: &[u32]) -> u64 {
-    gxhash::gxhash64(bytemuck::cast_slice::<u32, u8>(block_tokens), 0)
+    let bytes = bytemuck::cast_slice::<u32, u8>(block_tokens);
+    if bytes.len() >= SHORT_INPUT {
+        return gxhash::gxhash64(bytes, 0);
+    }
+    // Blocks of one to three tokens (SGLang's pages can be one token): gxhash loads a
+    // whole 16-byte vector from an input this short and masks off the bytes past its
+    // end, a read out of bounds that an optimized build may turn into anything (a
+    // release build hashed such a block differently from a stack array than from a
+    // heap one). Hash a zero-padded copy instead: the same value, read within bounds.
+    let mut padded = [0u8; SHORT_INPUT];
+    padded[..bytes.len()].copy_from_slice(bytes);
+    gxhash::gxhash64(&padded[..bytes.len()], 0)
 }
+
+/// Inputs shorter than this are read by gxhash as one 16-byte vector, past their end.
+const SHORT_INPUT: usize = 16;
 
 /// Chains `blocks` after `last` into `out`, one key per element, as many as both have;
 /// returns the last key. The content hashes do not depend on the chain, so the CPU
@@ -314,6 +328,38 @@ mod tests {
     #[test]
     fn this_cpu_can_hash_blocks() {
         assert!(cpu_can_hash_blocks());
+    }
+
+    /// Blocks under 16 bytes are hashed from a padded copy (gxhash would read past
+    /// them): the keys are the ones gxhash gives such a block in place, pinned here, and
+    /// a block hashes alike from a stack array and from the heap (an optimized build
+    /// hashed the last block of a stack array wrongly before; see
+    /// `write_keys_continues_a_chain`, which `scripts/test.sh` also runs optimized).
+    #[test]
+    fn short_blocks_keep_their_keys() {
+        let pinned: [(u32, [u64; 3]); 3] = [
+            (
+                1,
+                [0xde33b24408617b29, 0xf6abf24fa49dcbdd, 0x2ce4f23d8c638d76],
+            ),
+            (
+                2,
+                [0x211a1e00838ccb95, 0xd8582ecc5f52b2b0, 0xfc54512a5b2ebf26],
+            ),
+            (
+                3,
+                [0x39073e8143b97d1f, 0x3268b9494440c693, 0x1bdaa9d20a462800],
+            ),
+        ];
+        let stack: [u32; 9] = [1, 2, 3, 4, 5, 6, 7, 8, 9];
+        for (block_size, keys) in pinned {
+            let h = BlockHasher::new(block_size).unwrap();
+            let tokens = &stack[..3 * block_size as usize];
+            let expected: Vec<BlockKey> = keys.into_iter().map(BlockKey).collect();
+            assert_eq!(h.block_keys(tokens), expected, "block size {block_size}");
+            let heap: Vec<u32> = tokens.to_vec();
+            assert_eq!(h.block_keys(&heap), expected);
+        }
     }
 
     #[test]
