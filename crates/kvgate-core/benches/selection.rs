@@ -2,7 +2,8 @@
 //! (a) selection (hash an 8,192-token prompt + index lookup + kv_aware cost) with
 //! ~1,000,000 indexed blocks over 16 workers; (b) applying BlockStored/BlockRemoved;
 //! (c) kv_aware's decision for a prompt cached nowhere when every worker's cache is full,
-//! after 10,000 other prompts were routed.
+//! after 10,000 other prompts were routed; (d) the lookup alone when 256 workers share a
+//! prompt's first 2,048 tokens (each of them a match to name).
 //! Commands and results: docs/BENCHMARKS.md.
 
 mod support;
@@ -197,5 +198,47 @@ fn cold_benches(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(core, benches, cold_benches);
+/// The lookup alone (keys hashed once) when every one of 256 workers holds the same
+/// 2,048-token prompt (a fleet's system prompt) and 512 tokens of its own after it: one
+/// node with 256 covers to read and 256 overlaps to report.
+fn shared_prompt_benches(c: &mut Criterion) {
+    const SHARING: u32 = 256;
+    let mut index = PrefixIndex::new(
+        BlockHasher::new(BLOCK_SIZE as u32).expect("block size"),
+        IndexConfig::default(),
+    );
+    let shared = own_prompt(0);
+    for w in 0..SHARING {
+        let mut tokens = shared.clone();
+        tokens.extend(own_tokens(w + 1, 512));
+        let hashes: Vec<u64> = (0..tokens.len() / BLOCK_SIZE)
+            .map(|b| (u64::from(w) << 32) | b as u64)
+            .collect();
+        index
+            .apply_stored(
+                WorkerRef::new(WorkerId(w), 0),
+                &StoredBlocks {
+                    engine_hashes: &hashes,
+                    parent_engine_hash: None,
+                    token_ids: &tokens,
+                    block_size: BLOCK_SIZE as u32,
+                    tier: Tier::Device,
+                    lora_name: None,
+                    blocks_after: 0,
+                },
+            )
+            .expect("stored");
+    }
+    let mut query = shared;
+    query.extend(own_tokens(SHARING + 1, 6144));
+    let keys = index.hasher().block_keys(&query);
+    assert_eq!(index.overlaps(&keys).per_ref.len(), SHARING as usize);
+    let mut g = c.benchmark_group("core");
+    g.bench_function("lookup_8k_tokens_256_workers_sharing_2k", |b| {
+        b.iter(|| black_box(index.overlaps(&keys)))
+    });
+    g.finish();
+}
+
+criterion_group!(core, benches, cold_benches, shared_prompt_benches);
 criterion_main!(core);

@@ -244,7 +244,6 @@ pub struct IndexStats {
 
 #[derive(Debug)]
 struct SlotState {
-    at: WorkerRef,
     /// The engine's hash of every block the slot holds → where the block is.
     engine_map: EngineMap,
     entries: usize,
@@ -254,9 +253,8 @@ struct SlotState {
 }
 
 impl SlotState {
-    fn new(at: WorkerRef) -> Self {
+    fn new() -> Self {
         Self {
-            at,
             engine_map: EngineMap::default(),
             entries: 0,
             applied_seq: None,
@@ -315,6 +313,10 @@ pub struct PrefixIndex {
     starts: FxHashMap<BlockKey, u32>,
     starts_size: TableSize,
     slots: Vec<Option<SlotState>>,
+    /// Each slot's rank (`None` for a free slot), apart from `slots`: a lookup names the
+    /// rank of every slot that matched (hundreds share a system prompt) and reads 12
+    /// bytes a slot here instead of a cache line or two of its `SlotState`.
+    slot_refs: Vec<Option<WorkerRef>>,
     slot_of: FxHashMap<WorkerRef, u16>,
     free_slots: Vec<u16>,
     queue: VecDeque<QueueItem>,
@@ -337,6 +339,7 @@ impl PrefixIndex {
             starts: FxHashMap::default(),
             starts_size: TableSize::default(),
             slots: Vec::new(),
+            slot_refs: Vec::new(),
             slot_of: FxHashMap::default(),
             free_slots: Vec::new(),
             queue: VecDeque::new(),
@@ -411,8 +414,11 @@ impl PrefixIndex {
         add: impl Fn(&mut T, &SlotState),
     ) -> Vec<T> {
         let mut out = vec![T::default(); workers.len()];
-        for state in self.slots.iter().flatten() {
-            if let Some(i) = workers.iter().position(|w| *w == state.at.worker) {
+        for (state, at) in self.slots.iter().zip(&self.slot_refs) {
+            let (Some(state), Some(at)) = (state, at) else {
+                continue;
+            };
+            if let Some(i) = workers.iter().position(|w| *w == at.worker) {
                 add(&mut out[i], state);
             }
         }
@@ -664,6 +670,9 @@ impl PrefixIndex {
             if let Some(s) = self.slots.get_mut(slot as usize) {
                 *s = None;
             }
+            if let Some(r) = self.slot_refs.get_mut(slot as usize) {
+                *r = None;
+            }
             self.free_slots.push(slot);
         }
         self.stats.workers_removed += 1;
@@ -718,11 +727,13 @@ impl PrefixIndex {
             Some(slot) => slot,
             None if self.slots.len() < MAX_SLOTS => {
                 self.slots.push(None);
+                self.slot_refs.push(None);
                 (self.slots.len() - 1) as u16
             }
             None => return None,
         };
-        self.slots[slot as usize] = Some(SlotState::new(at));
+        self.slots[slot as usize] = Some(SlotState::new());
+        self.slot_refs[slot as usize] = Some(at);
         self.slot_of.insert(at, slot);
         Some(slot)
     }
@@ -1089,7 +1100,7 @@ impl PrefixIndex {
     }
 
     fn slot_ref(&self, slot: u16) -> Option<WorkerRef> {
-        self.slot(slot).map(|s| s.at)
+        self.slot_refs.get(slot as usize).copied().flatten()
     }
 }
 

@@ -5,7 +5,7 @@
 use serde::Serialize;
 use smallvec::SmallVec;
 
-use super::tree::NO_NODE;
+use super::tree::{Cover, NO_NODE};
 use super::PrefixIndex;
 use crate::hashing::BlockKey;
 use crate::ids::{Tier, WorkerId, WorkerRef};
@@ -49,6 +49,7 @@ impl OverlapScores {
     }
 }
 
+/// One slot's run so far.
 #[derive(Clone, Copy)]
 struct Acc {
     slot: u16,
@@ -57,6 +58,30 @@ struct Acc {
     run: u32,
     host: u32,
     disk: u32,
+}
+
+/// Of a node's first `matched` blocks, how many one slot's covers (its group of `covers`,
+/// one per tier) hold in a row, and how many of those only on host and only on disk.
+#[inline]
+fn held(group: &[Cover], matched: usize) -> (usize, usize, usize) {
+    let (mut device, mut host, mut disk) = (0, 0, 0);
+    for c in group {
+        match c.tier {
+            Tier::Device => device = c.len(),
+            Tier::Host => host = c.len(),
+            Tier::Disk => disk = c.len(),
+        }
+    }
+    let held = device.max(host).max(disk).min(matched);
+    let on_device = device.min(held);
+    let on_host = host.min(held).max(on_device) - on_device;
+    (held, on_host, held - on_device - on_host)
+}
+
+/// The covers of one node, a group per slot (they are sorted by slot).
+#[inline]
+fn by_slot(covers: &[Cover]) -> impl Iterator<Item = &[Cover]> {
+    covers.chunk_by(|a, b| a.slot == b.slot)
 }
 
 impl PrefixIndex {
@@ -76,9 +101,10 @@ impl PrefixIndex {
         else {
             return scores;
         };
+        // The first node's slots are the only ones that can have a run: one
+        // accumulator each, in slot order like every node's covers.
         let mut accs: SmallVec<[Acc; 16]> = SmallVec::new();
         let mut pos = 0usize;
-        let mut first = true;
         loop {
             let n = self.node(id);
             let len = n.len();
@@ -99,63 +125,23 @@ impl PrefixIndex {
                 lo
             };
             n.touch();
-            let mut any_alive = false;
-            // Covers are sorted by slot, and so are the accumulators (made from the
-            // first node's covers): one merge pass pairs them.
-            let mut a = 0;
-            let mut c = 0;
-            while c < n.covers.len() {
-                let slot = n.covers[c].slot;
-                let mut on = [0usize; 3];
-                while c < n.covers.len() && n.covers[c].slot == slot {
-                    on[n.covers[c].tier.index()] = n.covers[c].len();
-                    c += 1;
-                }
-                let acc = if first {
+            let covers: &[Cover] = &n.covers;
+            let any_alive = if pos == 0 {
+                accs.reserve_exact(covers.len());
+                for group in by_slot(covers) {
+                    let (held, host, disk) = held(group, matched);
                     accs.push(Acc {
-                        slot,
-                        alive: true,
-                        run: 0,
-                        host: 0,
-                        disk: 0,
+                        slot: group[0].slot,
+                        alive: held == len,
+                        run: held as u32,
+                        host: host as u32,
+                        disk: disk as u32,
                     });
-                    accs.last_mut()
-                } else {
-                    // Accumulators this node has no cover for end their run here.
-                    while a < accs.len() && accs[a].slot < slot {
-                        accs[a].alive = false;
-                        a += 1;
-                    }
-                    match accs.get_mut(a) {
-                        Some(acc) if acc.slot == slot && acc.alive => {
-                            a += 1;
-                            Some(acc)
-                        }
-                        _ => None,
-                    }
-                };
-                let Some(acc) = acc else {
-                    continue;
-                };
-                let [device, host, disk] = on;
-                let held = device.max(host).max(disk).min(matched);
-                let on_device = device.min(held);
-                let on_host = host.min(held).max(on_device) - on_device;
-                acc.run += held as u32;
-                acc.host += on_host as u32;
-                acc.disk += (held - on_device - on_host) as u32;
-                if held == len {
-                    any_alive = true;
-                } else {
-                    acc.alive = false;
                 }
-            }
-            if !first {
-                for acc in &mut accs[a..] {
-                    acc.alive = false;
-                }
-            }
-            first = false;
+                accs.iter().any(|acc| acc.alive)
+            } else {
+                extend_runs(&mut accs, covers, matched, len)
+            };
             pos += len;
             if !any_alive || matched < len || pos >= keys.len() {
                 break;
@@ -181,4 +167,26 @@ impl PrefixIndex {
         }
         scores
     }
+}
+
+/// Extends the runs still alive in `accs` by what each slot holds of a later node's first
+/// `matched` blocks (of `len`); ends those that do not hold all of it. Returns whether
+/// any run is still alive. Covers and accumulators are both sorted by slot: one merge.
+fn extend_runs(accs: &mut [Acc], covers: &[Cover], matched: usize, len: usize) -> bool {
+    let mut any_alive = false;
+    let mut groups = by_slot(covers).peekable();
+    for acc in accs.iter_mut().filter(|acc| acc.alive) {
+        while groups.next_if(|g| g[0].slot < acc.slot).is_some() {}
+        let Some(group) = groups.next_if(|g| g[0].slot == acc.slot) else {
+            acc.alive = false;
+            continue;
+        };
+        let (held, host, disk) = held(group, matched);
+        acc.run += held as u32;
+        acc.host += host as u32;
+        acc.disk += disk as u32;
+        acc.alive = held == len;
+        any_alive |= acc.alive;
+    }
+    any_alive
 }
