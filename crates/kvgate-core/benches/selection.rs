@@ -136,6 +136,29 @@ fn own_tokens(n: u32, len: u32) -> Vec<u32> {
         .collect()
 }
 
+/// Stores `tokens`' full blocks on `worker`'s device, as one event whose engine hashes
+/// are the worker's own; returns them.
+fn store_on_device(index: &mut PrefixIndex, worker: WorkerId, tokens: &[u32]) -> Vec<u64> {
+    let hashes: Vec<u64> = (0..tokens.len() / BLOCK_SIZE)
+        .map(|b| (u64::from(worker.0) << 32) | b as u64)
+        .collect();
+    index
+        .apply_stored(
+            WorkerRef::new(worker, 0),
+            &StoredBlocks {
+                engine_hashes: &hashes,
+                parent_engine_hash: None,
+                token_ids: tokens,
+                block_size: BLOCK_SIZE as u32,
+                tier: Tier::Device,
+                lora_name: None,
+                blocks_after: 0,
+            },
+        )
+        .expect("stored");
+    hashes
+}
+
 /// A prompt of 2,048 tokens of its own (128 blocks).
 fn own_prompt(n: u32) -> Vec<u32> {
     own_tokens(n, 2048)
@@ -151,27 +174,9 @@ fn cold_benches(c: &mut Criterion) {
     );
     let candidates: Vec<WorkerId> = (0..WORKERS).map(WorkerId).collect();
     for &w in &candidates {
-        let tokens = own_tokens(u32::MAX - w.0, 8192);
-        let hashes: Vec<u64> = (0..tokens.len() / BLOCK_SIZE)
-            .map(|b| (u64::from(w.0) << 32) | b as u64)
-            .collect();
-        let at = WorkerRef::new(w, 0);
-        index
-            .apply_stored(
-                at,
-                &StoredBlocks {
-                    engine_hashes: &hashes,
-                    parent_engine_hash: None,
-                    token_ids: &tokens,
-                    block_size: BLOCK_SIZE as u32,
-                    tier: Tier::Device,
-                    lora_name: None,
-                    blocks_after: 0,
-                },
-            )
-            .expect("stored");
+        let hashes = store_on_device(&mut index, w, &own_tokens(u32::MAX - w.0, 8192));
         let last = hashes.len() - 1;
-        index.apply_removed(at, &hashes[last..], Some(Tier::Device));
+        index.apply_removed(WorkerRef::new(w, 0), &hashes[last..], Some(Tier::Device));
     }
     let ledger = Ledger::new(BLOCK_SIZE as u32);
     let decide = |policy: &KvAwarePolicy, tokens: &[u32]| {
@@ -211,23 +216,7 @@ fn shared_prompt_benches(c: &mut Criterion) {
     for w in 0..SHARING {
         let mut tokens = shared.clone();
         tokens.extend(own_tokens(w + 1, 512));
-        let hashes: Vec<u64> = (0..tokens.len() / BLOCK_SIZE)
-            .map(|b| (u64::from(w) << 32) | b as u64)
-            .collect();
-        index
-            .apply_stored(
-                WorkerRef::new(WorkerId(w), 0),
-                &StoredBlocks {
-                    engine_hashes: &hashes,
-                    parent_engine_hash: None,
-                    token_ids: &tokens,
-                    block_size: BLOCK_SIZE as u32,
-                    tier: Tier::Device,
-                    lora_name: None,
-                    blocks_after: 0,
-                },
-            )
-            .expect("stored");
+        store_on_device(&mut index, WorkerId(w), &tokens);
     }
     let mut query = shared;
     query.extend(own_tokens(SHARING + 1, 6144));
