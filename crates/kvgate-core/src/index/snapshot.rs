@@ -277,11 +277,12 @@ impl PrefixIndex {
     /// Replaces what one worker rank holds with a snapshot of it (usually another
     /// router's), a part per call (`usize::MAX` blocks: all of it): the first call
     /// clears the rank's entries; each call then holds the next keys' blocks (at least
-    /// one key, stopping once `max_blocks` blocks were placed) as if their
-    /// `BlockStored` had been applied, so the engine's later events (removals by engine
-    /// hash, stores naming a parent) apply as they would have. Returns true once every block is placed; the last call prunes hole paths
-    /// no block stayed under and enforces the cap. Between calls the index is whole:
-    /// the rank holds a prefix-closed part of its snapshot.
+    /// one key, stopping once `max_blocks` blocks were placed) as if their `BlockStored`
+    /// had been applied, so the engine's later events (removals by engine hash, stores
+    /// naming a parent) apply as they would have. Returns true once every block is
+    /// placed; the last call prunes hole paths no block stayed under and enforces the
+    /// cap. Between calls the index is whole: the rank holds a prefix-closed part of its
+    /// snapshot.
     pub fn import_some(
         &mut self,
         at: WorkerRef,
