@@ -2,9 +2,10 @@
 //! streams of 64 and 256 workers applied at a steady rate while another thread routes
 //! (hashes an 8,192-token prompt and finds each worker's overlap) once a millisecond
 //! (`MIXED_LOOKUP_EVERY_US`, default 1000).
-//! Per index: lookup latency p50 / p99 / max, the event rate it sustained, and (kvgate's)
-//! the share of lookups that found a writer in and waited for it, each the median over
-//! `MIXED_REPEATS` runs (default 3; the two indexes' runs alternate).
+//! Per index: lookup latency p50 / p99 / max, the part of it spent hashing the prompt
+//! (p50 / p99, and its share of the slowest 1% of lookups), the event rate it sustained,
+//! and (kvgate's) the share of lookups that found a writer in and waited for it, each the
+//! median over `MIXED_REPEATS` runs (default 3; the two indexes' runs alternate).
 //!
 //! The workload: the Mooncake conversation trace as tokens, block size 16, ~1M (block,
 //! worker) entries to start with; then each worker serves more of the trace (its new
@@ -145,7 +146,8 @@ trait Mixed: Sync {
     fn receive(&self, w: &Workload, i: usize);
     /// Returns once every op received is applied.
     fn settle(&self);
-    fn lookup(&self, tokens: &[u32]);
+    /// Routes `tokens`; returns the part of the time spent hashing them.
+    fn lookup(&self, tokens: &[u32]) -> Duration;
     /// Lookups so far that waited for a writer, where the index counts them.
     fn lookup_waits(&self) -> Option<u64>;
 }
@@ -163,9 +165,12 @@ impl Mixed for Kvgate {
 
     fn settle(&self) {}
 
-    fn lookup(&self, tokens: &[u32]) {
+    fn lookup(&self, tokens: &[u32]) -> Duration {
+        let start = Instant::now();
         let keys = self.hasher.block_keys(tokens);
+        let hashing = start.elapsed();
         black_box(self.index.read().overlaps(&keys));
+        hashing
     }
 
     fn lookup_waits(&self) -> Option<u64> {
@@ -186,8 +191,12 @@ impl Mixed for Flash {
         self.flush();
     }
 
-    fn lookup(&self, tokens: &[u32]) {
-        black_box(Flash::lookup(self, tokens));
+    fn lookup(&self, tokens: &[u32]) -> Duration {
+        let start = Instant::now();
+        let local = self.hash(tokens);
+        let hashing = start.elapsed();
+        black_box(self.find_matches(&local));
+        hashing
     }
 
     fn lookup_waits(&self) -> Option<u64> {
@@ -196,7 +205,10 @@ impl Mixed for Flash {
 }
 
 struct Outcome {
+    /// Lookup latencies, sorted.
     lookups_us: Vec<f64>,
+    /// The time of each lookup (in `lookups_us`' order) spent hashing the prompt.
+    hashing_us: Vec<f64>,
     blocks_per_s: f64,
     behind_ms: f64,
     /// Share of the lookups that found a writer in and waited (kvgate's only).
@@ -207,7 +219,7 @@ struct Outcome {
 /// of the workers), a lookup every `lookup_every` on another thread meanwhile.
 fn run(index: &dyn Mixed, w: &Workload, receivers: u32, lookup_every: Duration) -> Outcome {
     let start = Instant::now();
-    let mut lookups_us = Vec::new();
+    let mut lookups = Vec::new();
     let mut behind = Duration::ZERO;
     thread::scope(|s| {
         let senders: Vec<_> = (0..receivers)
@@ -239,8 +251,8 @@ fn run(index: &dyn Mixed, w: &Workload, receivers: u32, lookup_every: Duration) 
             }
             q = (q + 1) % w.queries.len();
             let t = Instant::now();
-            index.lookup(&w.queries[q]);
-            lookups_us.push(t.elapsed().as_secs_f64() * 1e6);
+            let hashing = index.lookup(&w.queries[q]);
+            lookups.push((t.elapsed().as_secs_f64() * 1e6, hashing.as_secs_f64() * 1e6));
         }
         for h in senders {
             behind = behind.max(h.join().expect("sender"));
@@ -249,13 +261,15 @@ fn run(index: &dyn Mixed, w: &Workload, receivers: u32, lookup_every: Duration) 
     index.settle();
     let took = start.elapsed().as_secs_f64();
     let blocks: usize = w.ops.iter().map(|(_, op)| op.blocks()).sum();
-    lookups_us.sort_by(f64::total_cmp);
+    lookups.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let (lookups_us, hashing_us): (Vec<f64>, Vec<f64>) = lookups.into_iter().unzip();
     let waited = index
         .lookup_waits()
         .map(|n| n as f64 / lookups_us.len().max(1) as f64);
     Outcome {
         waited,
         lookups_us,
+        hashing_us,
         blocks_per_s: blocks as f64 / took,
         behind_ms: behind.as_secs_f64() * 1e3,
     }
@@ -268,9 +282,9 @@ fn main() {
     let repeats = env_or("MIXED_REPEATS", 3) as usize;
     let lookup_every = Duration::from_micros(env_or("MIXED_LOOKUP_EVERY_US", 1000));
     println!(
-        "| workers | index | event threads | offered / sustained block events/s | latest event behind, ms | lookups | lookup p50 / p99 / max µs | lookups that waited for a writer |"
+        "| workers | index | event threads | offered / sustained block events/s | latest event behind, ms | lookups | lookup p50 / p99 / max µs | hashing p50 / p99 µs | hashing's share of the slowest 1% | lookups that waited for a writer |"
     );
-    println!("|---:|---|---:|---:|---:|---:|---:|---:|");
+    println!("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     eprintln!("each cell: the median over {repeats} runs (each index's runs alternating with the other's)");
     for workers in [64u32, 256] {
         let w = workload(workers, per_worker, seconds);
@@ -320,19 +334,33 @@ fn main() {
                 let pct = |o: &Outcome, q: f64| {
                     o.lookups_us[((o.lookups_us.len() - 1) as f64 * q) as usize]
                 };
+                let hashing_pct = |o: &Outcome, q: f64| {
+                    let mut v = o.hashing_us.clone();
+                    v.sort_by(f64::total_cmp);
+                    v[((v.len() - 1) as f64 * q) as usize]
+                };
+                // The slowest 1% of lookups: what part of their time went to hashing.
+                let slowest_hashing_share = |o: &Outcome| {
+                    let from = o.lookups_us.len() * 99 / 100;
+                    let total: f64 = o.lookups_us[from..].iter().sum();
+                    o.hashing_us[from..].iter().sum::<f64>() / total.max(f64::MIN_POSITIVE)
+                };
                 let waited = if outcomes.iter().all(|o| o.waited.is_some()) {
                     format!("{:.2}%", 100.0 * median(&|o| o.waited.unwrap_or(0.0)))
                 } else {
                     "not counted".to_owned()
                 };
                 println!(
-                    "| {workers} | {name} | {threads} | {offered:.0} / {:.0} | {:.1} | {:.0} | {:.1} / {:.1} / {:.1} | {waited} |",
+                    "| {workers} | {name} | {threads} | {offered:.0} / {:.0} | {:.1} | {:.0} | {:.1} / {:.1} / {:.1} | {:.1} / {:.1} | {:.0}% | {waited} |",
                     median(&|o| o.blocks_per_s),
                     median(&|o| o.behind_ms),
                     median(&|o| o.lookups_us.len() as f64),
                     median(&|o| pct(o, 0.5)),
                     median(&|o| pct(o, 0.99)),
                     median(&|o| o.lookups_us.last().copied().unwrap_or(0.0)),
+                    median(&|o| hashing_pct(o, 0.5)),
+                    median(&|o| hashing_pct(o, 0.99)),
+                    100.0 * median(&slowest_hashing_share),
                 );
             }
         }

@@ -10,8 +10,8 @@ use dynamo_kv_router::indexer::{
 };
 use dynamo_kv_router::protocols::{
     compute_block_hash_for_seq, BlockHashOptions, ExternalSequenceBlockHash, KvCacheEvent,
-    KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, KvCacheStoredBlockData, OverlapScores,
-    RouterEvent,
+    KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, KvCacheStoredBlockData, LocalBlockHash,
+    OverlapScores, RouterEvent,
 };
 
 /// A `BlockStored` of `engine_hashes` (whose tokens are `tokens`) under `parent`.
@@ -126,10 +126,19 @@ impl Flash {
 
     /// Hashes `tokens` into local block hashes and finds each worker's overlap, as its
     /// router does per request.
+    #[allow(dead_code)] // mixed_load calls the two steps itself, to time them apart
     pub fn lookup(&self, tokens: &[u32]) -> OverlapScores {
-        let local =
-            compute_block_hash_for_seq(tokens, self.block_size, BlockHashOptions::default());
-        self.index.backend().find_matches(&local, false)
+        self.find_matches(&self.hash(tokens))
+    }
+
+    /// A lookup's first step: `tokens`' local block hashes.
+    pub fn hash(&self, tokens: &[u32]) -> Vec<LocalBlockHash> {
+        compute_block_hash_for_seq(tokens, self.block_size, BlockHashOptions::default())
+    }
+
+    /// A lookup's second step: each worker's overlap with the blocks `local`.
+    pub fn find_matches(&self, local: &[LocalBlockHash]) -> OverlapScores {
+        self.index.backend().find_matches(local, false)
     }
 }
 
