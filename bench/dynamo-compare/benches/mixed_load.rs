@@ -331,13 +331,12 @@ fn main() {
                     v.sort_by(f64::total_cmp);
                     v[v.len() / 2]
                 };
-                let pct = |o: &Outcome, q: f64| {
-                    o.lookups_us[((o.lookups_us.len() - 1) as f64 * q) as usize]
-                };
-                let hashing_pct = |o: &Outcome, q: f64| {
-                    let mut v = o.hashing_us.clone();
+                // The `q` quantile of `sorted`.
+                let pct = |sorted: &[f64], q: f64| sorted[((sorted.len() - 1) as f64 * q) as usize];
+                let sorted = |v: &[f64]| {
+                    let mut v = v.to_vec();
                     v.sort_by(f64::total_cmp);
-                    v[((v.len() - 1) as f64 * q) as usize]
+                    v
                 };
                 // The slowest 1% of lookups: what part of their time went to hashing.
                 let slowest_hashing_share = |o: &Outcome| {
@@ -355,11 +354,11 @@ fn main() {
                     median(&|o| o.blocks_per_s),
                     median(&|o| o.behind_ms),
                     median(&|o| o.lookups_us.len() as f64),
-                    median(&|o| pct(o, 0.5)),
-                    median(&|o| pct(o, 0.99)),
+                    median(&|o| pct(&o.lookups_us, 0.5)),
+                    median(&|o| pct(&o.lookups_us, 0.99)),
                     median(&|o| o.lookups_us.last().copied().unwrap_or(0.0)),
-                    median(&|o| hashing_pct(o, 0.5)),
-                    median(&|o| hashing_pct(o, 0.99)),
+                    median(&|o| pct(&sorted(&o.hashing_us), 0.5)),
+                    median(&|o| pct(&sorted(&o.hashing_us), 0.99)),
                     100.0 * median(&slowest_hashing_share),
                 );
             }
