@@ -330,7 +330,8 @@ impl ApiError {
         out.into()
     }
 
-    fn json_body(&self) -> Vec<u8> {
+    /// The OpenAI-style JSON body: `{"error":{"message","type","code"}}`.
+    pub fn json_body(&self) -> Vec<u8> {
         let body = Body {
             error: Inner {
                 message: &self.message,

@@ -262,6 +262,40 @@ pub struct Admitted {
     pub record: Option<RequestRecord>,
 }
 
+/// Why a request was not admitted on its head alone.
+pub enum HeadRefused {
+    /// Its Content-Type or declared length (before any wait).
+    Head(ApiError),
+    /// Admission refused it (the queue is full or its wait timed out).
+    Admission(ApiError),
+}
+
+/// Admission on a request's head, before its body is read: the Content-Type, a
+/// declared length over the body limit, then the gateway-wide in-flight slot. Every
+/// front door admits through here (this one, and the Endpoint Picker's, whose body
+/// arrives from the gateway in front; it checks the body with [`check_body`]).
+pub async fn admit_head(gw: &Gateway, headers: &HeaderMap) -> Result<Arc<Admission>, HeadRefused> {
+    check_json_content_type(headers).map_err(HeadRefused::Head)?;
+    let max = gw.config.limits.max_body_bytes;
+    if declared_length(headers).is_some_and(|len| len > max) {
+        return Err(HeadRefused::Head(ApiError::body_too_large(max)));
+    }
+    gw.limiter
+        .acquire()
+        .await
+        .map(Arc::new)
+        .map_err(HeadRefused::Admission)
+}
+
+/// An admitted request's whole body: within the body limit, and a JSON object.
+pub fn check_body(gw: &Gateway, body: &[u8]) -> Result<(), ApiError> {
+    let max = gw.config.limits.max_body_bytes;
+    if body.len() > max {
+        return Err(ApiError::body_too_large(max));
+    }
+    check_json_object(body)
+}
+
 /// Checks the body's type and declared size, admits the request, reads its body.
 async fn admit(
     gw: &Gateway,
@@ -269,16 +303,17 @@ async fn admit(
     body: &mut Body,
     record: Option<RequestRecord>,
 ) -> Result<Admitted, ApiError> {
-    check_json_content_type(&headers)?;
     let max = gw.config.limits.max_body_bytes;
-    if declared_length(&headers).is_some_and(|len| len > max) {
-        // Read (and drop) what the client is sending so it can read the 413.
-        discard(body, max.saturating_mul(4), DISCARD_BODY_FOR).await;
-        return Err(ApiError::body_too_large(max));
-    }
-    let admission = match gw.limiter.acquire().await {
-        Ok(a) => Arc::new(a),
-        Err(refused) => {
+    let admission = match admit_head(gw, &headers).await {
+        Ok(a) => a,
+        Err(HeadRefused::Head(e)) => {
+            if e.status == http::StatusCode::PAYLOAD_TOO_LARGE {
+                // Read (and drop) what the client is sending so it can read the 413.
+                discard(body, max.saturating_mul(4), DISCARD_BODY_FOR).await;
+            }
+            return Err(e);
+        }
+        Err(HeadRefused::Admission(refused)) => {
             // A client still sending its body would see a reset, not the 429.
             discard(body, max, DISCARD_BODY_FOR).await;
             return Err(refused);

@@ -217,6 +217,13 @@ impl Gateway {
     }
 
     /// Health-check based recovery is the probe unless active checks are off.
+    /// Index snapshots still being loaded from peer replicas: a replica that picks
+    /// before they are in picks blind, so readiness waits for none (`/ready`, and the
+    /// Endpoint Picker's gRPC readiness).
+    pub fn index_bootstraps(&self) -> usize {
+        self.peers.bootstrapping()
+    }
+
     pub(crate) fn passive_open_ms(&self) -> Option<u64> {
         (self.config.health.interval_ms == 0).then_some(self.config.health.open_ms)
     }

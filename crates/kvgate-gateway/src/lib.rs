@@ -46,6 +46,7 @@ pub mod metrics;
 pub mod observe;
 pub mod peer_link;
 pub mod peers;
+pub mod picking;
 pub mod pipeline;
 pub mod prepare;
 pub mod progress;

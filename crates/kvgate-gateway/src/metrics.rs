@@ -359,6 +359,12 @@ impl Metrics {
         self.worker_stalls.with_label_values(&[model, worker]);
     }
 
+    /// The registry, for a front door that adds metrics of its own (the Endpoint
+    /// Picker's, crate kvgate-epp); they render with the gateway's at `/metrics`.
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
     /// Renders every metric in the Prometheus text format. `fill` sets the
     /// scrape-time gauges; `events` adds KV-event ingestion counters by worker URL.
     pub fn render(

@@ -70,6 +70,16 @@ pub struct Lifecycle {
 }
 
 impl Lifecycle {
+    /// A request holding `lease`, whose engine is predicted to serve
+    /// `predicted_cached` prompt tokens from its cache.
+    pub fn new(lease: Lease, gw: Arc<Gateway>, predicted_cached: u32) -> Self {
+        Self {
+            lease: Some(lease),
+            gw,
+            predicted_cached,
+        }
+    }
+
     fn booking(&self) -> Option<&BookingGuard> {
         self.lease.as_ref().and_then(Lease::booking)
     }
@@ -79,7 +89,14 @@ impl Lifecycle {
     }
 }
 
-struct Observer {
+/// A routed request's response watched as it passes: the first token marks prefill
+/// done, output progress and the final `usage` go to the booking, and [`finish`] ends
+/// the lease (dropped unfinished, it counts as the client leaving). The HTTP path's
+/// [`ObservedBody`] feeds it the frames it proxies; a front door whose gateway proxies
+/// (the Endpoint Picker, crate kvgate-epp) feeds it the chunks the gateway shows it.
+///
+/// [`finish`]: ResponseWatch::finish
+pub struct ResponseWatch {
     life: Lifecycle,
     sse: bool,
     first_seen: bool,
@@ -94,7 +111,7 @@ struct Observer {
 /// The body handed to the client.
 pub struct ObservedBody {
     inner: UpstreamBody,
-    obs: Observer,
+    obs: ResponseWatch,
     deadline: Option<Pin<Box<Sleep>>>,
     cut_off: Pin<Box<WaitForCancellationFutureOwned>>,
 }
@@ -112,17 +129,7 @@ impl ObservedBody {
     ) -> Self {
         Self {
             inner,
-            obs: Observer {
-                life,
-                sse,
-                first_seen: false,
-                events: 0,
-                reported: 0,
-                buf: Vec::new(),
-                overflow: false,
-                usage: None,
-                finished: false,
-            },
+            obs: ResponseWatch::new(life, sse),
             deadline,
             cut_off: Box::pin(cut_off.cancelled_owned()),
         }
@@ -217,12 +224,46 @@ impl Drop for ObservedBody {
     }
 }
 
-impl Observer {
+impl ResponseWatch {
+    /// Watches the response of the request `life` holds; `sse`: an event stream.
+    pub fn new(life: Lifecycle, sse: bool) -> Self {
+        Self {
+            life,
+            sse,
+            first_seen: false,
+            events: 0,
+            reported: 0,
+            buf: Vec::new(),
+            overflow: false,
+            usage: None,
+            finished: false,
+        }
+    }
+
+    /// Whether the response is an event stream (known only from its head, which a
+    /// front door that picks sees after the choice).
+    pub fn set_event_stream(&mut self, sse: bool) {
+        self.sse = sse;
+    }
+
+    /// The lease the request holds (`None` once finished).
+    pub fn lease(&self) -> Option<&Lease> {
+        self.life.lease.as_ref()
+    }
+
+    /// Hands the request's hold to `lease` (the worker that serves it is not the one
+    /// chosen); the old lease ends.
+    pub fn replace_lease(&mut self, lease: Lease, predicted_cached: u32) {
+        self.life.lease = Some(lease);
+        self.life.predicted_cached = predicted_cached;
+    }
+
     fn worker_url(&self) -> &str {
         self.life.lease.as_ref().map_or("", |l| &*l.worker().url)
     }
 
-    fn observe(&mut self, data: &[u8]) {
+    /// One chunk of the response body, as it passes.
+    pub fn observe(&mut self, data: &[u8]) {
         if !self.sse {
             if !self.first_seen {
                 self.first_token();
@@ -317,7 +358,9 @@ impl Observer {
         }
     }
 
-    fn finish(&mut self, outcome: ResponseEnd) {
+    /// The response ended (`outcome` says how): counts it, reads the final `usage`,
+    /// and ends the lease. Later calls do nothing.
+    pub fn finish(&mut self, outcome: ResponseEnd) {
         if self.finished {
             return;
         }
@@ -364,6 +407,13 @@ impl Observer {
         // End the lease now (booking, worker slot, admission), not whenever the body
         // is dropped.
         self.life.lease = None;
+    }
+}
+
+impl Drop for ResponseWatch {
+    fn drop(&mut self) {
+        // Dropped unfinished: the response was cut (its stream broke, the client left).
+        self.finish(ResponseEnd::ClientDisconnect);
     }
 }
 

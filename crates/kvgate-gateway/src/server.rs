@@ -122,7 +122,7 @@ async fn ready(State(gw): State<Arc<Gateway>>) -> Response {
         })
         .collect();
     // A new replica asking its peers for the workers' index snapshots would route blind.
-    let bootstrapping = gw.peers.bootstrapping();
+    let bootstrapping = gw.index_bootstraps();
     all &= bootstrapping == 0;
     let status = if all {
         StatusCode::OK

@@ -35,6 +35,9 @@ struct Cli {
 enum Command {
     /// Run the OpenAI-compatible routing gateway in front of engine replicas.
     Serve(Box<kvgate_gateway::cli::ServeArgs>),
+    /// Run as the Endpoint Picker of a Kubernetes Gateway API Inference Extension
+    /// gateway (Envoy ext_proc): the gateway asks which endpoint serves each request.
+    Epp(Box<kvgate_epp::cli::EppArgs>),
     /// Run one simulated vLLM-compatible engine (paged prefix cache, batching, KV events).
     MockEngine(kvgate_mock_engine::cli::MockEngineArgs),
     /// Replay a trace against an endpoint, or compare routers side by side.
@@ -87,6 +90,7 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async move {
         match cli.command {
             Command::Serve(args) => kvgate_gateway::cli::run(*args).await,
+            Command::Epp(args) => kvgate_epp::cli::run(*args).await,
             Command::MockEngine(args) => kvgate_mock_engine::cli::run(args).await,
             Command::Bench(args) => kvgate_bench::cli::run_bench(args).await,
             Command::Demo(args) => kvgate_bench::cli::run_demo(args).await,

@@ -1281,12 +1281,16 @@ async fn a_slow_leader_is_passed_over_and_its_late_choices_are_released_at_once(
     // The leader's late choices reach it through the held link while b's requests are
     // already served: on a busy machine a counts them only after b's requests returned,
     // so wait for the count (bounded) rather than read it once.
-    poll(Duration::from_secs(10), Duration::from_millis(20), async || {
-        match labelled(&url(0), decisions, "outcome=\"served\"").await {
+    poll(
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        async || match labelled(&url(0), decisions, "outcome=\"served\"").await {
             n if n >= 1.0 => Ok(()),
-            n => Err(format!("the leader chose for b (too late) {n} times, not at least once")),
-        }
-    })
+            n => Err(format!(
+                "the leader chose for b (too late) {n} times, not at least once"
+            )),
+        },
+    )
     .await;
     // Released by b's reports (every 500 ms at the latest), well within the 30 s expiry;
     // the 10 s deadline only bounds a hang on a busy machine.
