@@ -182,7 +182,7 @@ async fn run_one(
         kvgate_extra_args: cfg.kvgate_extra_args.clone(),
     };
     let engines = fleet.addrs().to_vec();
-    let (mut fleet, router, url, more, launches) =
+    let (mut fleet, router, url, more, launches, sidecars) =
         start_router(spec, &ctx, fleet, &engines).await?;
     let mut urls = vec![url.clone()];
     urls.extend(more.iter().map(|(_, u)| u.clone()));
@@ -232,17 +232,24 @@ async fn run_one(
             report.set_per_worker(counts);
         }
     }
-    if matches!(spec, RouterSpec::Kvgate(_)) {
+    if spec.kvgate_routes() {
         // Policies that do not read the prompt predict nothing (0). Several replicas:
-        // the sum of their predictions.
+        // the sum of their predictions. Behind Envoy, the picker predicts.
+        let kvgate_urls: Vec<&String> = match spec {
+            RouterSpec::Envoy(_) => sidecars.iter().map(|(_, u)| u).collect(),
+            _ => urls.iter().collect(),
+        };
         let mut predicted = 0.0;
-        for u in &urls {
+        for u in kvgate_urls {
             predicted += kvgate_prediction(u).await.map_or(0.0, |(p, _)| p);
         }
         report.predicted_cached_tokens = Some(predicted.round() as u64).filter(|&p| p > 0);
     }
     let alive = fleet.check_alive();
     for child in replicas {
+        child.shutdown().await;
+    }
+    for (child, _) in sidecars {
         child.shutdown().await;
     }
     fleet.shutdown().await;
@@ -292,6 +299,7 @@ pub(crate) type RunningRouter = (
     String,
     Vec<(crate::process::ManagedChild, String)>,
     Vec<routers::Launch>,
+    Vec<(crate::process::ManagedChild, String)>,
 );
 
 /// Starts `spec` in front of `engines` (this row's fleet). When the router is skipped or
@@ -308,7 +316,8 @@ pub(crate) async fn start_router(
             url,
             more,
             launches,
-        }) => Ok((fleet, child, url, more, launches)),
+            sidecars,
+        }) => Ok((fleet, child, url, more, launches, sidecars)),
         Ok(Started::Skipped(why)) => {
             fleet.shutdown().await;
             Err(RunError::Skipped(why))

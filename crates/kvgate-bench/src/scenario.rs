@@ -472,11 +472,12 @@ async fn run_row(
         startup_timeout: cfg.router_startup_timeout,
         kvgate_extra_args: kvgate_args,
     };
-    let (mut fleet, router, url, more, _) =
+    let (mut fleet, router, url, more, _, sidecars) =
         start_router(spec, &ctx, fleet, &addrs[..shape.routed_at_start]).await?;
-    if !more.is_empty() {
+    if !more.is_empty() || !sidecars.is_empty() {
+        // An Envoy row's fleet is fixed in its configuration: no engine joins it.
         return Err(RunError::Failed(anyhow::anyhow!(
-            "scenarios run one router replica per row"
+            "scenarios run one router process per row (not envoy: rows)"
         )));
     }
     let workload = Arc::new(TenantWorkload::new(shape, cfg.engine.seed));
@@ -698,6 +699,7 @@ async fn add_worker(
                 .send()
                 .await?
         }
+        RouterSpec::Envoy(_) => anyhow::bail!("an Envoy row's fleet is fixed"),
         RouterSpec::VllmRouter(_) | RouterSpec::SglangRouter(_) => {
             let first = http
                 .post(format!("{router_url}/workers"))

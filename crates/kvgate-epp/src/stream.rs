@@ -77,6 +77,17 @@ pub struct RequestStream {
     pick: Option<EndpointPick>,
 }
 
+/// How a request's reading ended before its pick.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Ended {
+    /// With its head (no body, or one the gateway does not send).
+    WithHead,
+    /// With its body's last chunk.
+    WithBody,
+    /// With its trailers (the body's last chunk did not say it was the last).
+    ByTrailers,
+}
+
 /// The stream's end: `Err` when the client of the picker (the gateway) went away.
 type Step = Result<(), Gone>;
 
@@ -168,7 +179,7 @@ impl RequestStream {
             Msg::RequestBody(b) => self.on_request_body(b.body.into(), b.end_of_stream).await,
             Msg::RequestTrailers(_) => {
                 if matches!(self.phase, Phase::Body(_)) {
-                    self.pick_and_answer(false).await?;
+                    self.pick_and_answer(Ended::ByTrailers).await?;
                 }
                 self.send(wire::continue_trailers(true)).await
             }
@@ -237,7 +248,7 @@ impl RequestStream {
         );
         if end_of_stream || !(duplex || buffered) {
             // No body to wait for (none, or the gateway does not send it).
-            return self.pick_and_answer(true).await;
+            return self.pick_and_answer(Ended::WithHead).await;
         }
         if duplex {
             // The headers' answer carries the pick, once the body is read.
@@ -264,14 +275,14 @@ impl RequestStream {
         }
         pending.body.extend_from_slice(&chunk);
         if end_of_stream {
-            return self.pick_and_answer(true).await;
+            return self.pick_and_answer(Ended::WithBody).await;
         }
         Ok(())
     }
 
-    /// The body is complete (`end_of_stream`: it ended the request; otherwise trailers
-    /// follow): pick, and answer as the request's mode wants.
-    async fn pick_and_answer(&mut self, end_of_stream: bool) -> Step {
+    /// The request is read as far as the pick needs (`ended` says how it ended): pick,
+    /// and answer as the request's mode wants.
+    async fn pick_and_answer(&mut self, ended: Ended) -> Step {
         let Phase::Body(pending) = std::mem::replace(&mut self.phase, Phase::Picked) else {
             return Ok(());
         };
@@ -326,8 +337,9 @@ impl RequestStream {
         };
         self.pick = Some(pick);
         match self.request_mode {
-            Some(BodySendMode::FullDuplexStreamed) => {
+            Some(BodySendMode::FullDuplexStreamed) if ended != Ended::WithHead => {
                 self.send(message.headers_response()).await?;
+                let end_of_stream = ended == Ended::WithBody;
                 for chunk in wire::request_body_chunks(&body, end_of_stream) {
                     self.send(chunk).await?;
                 }
