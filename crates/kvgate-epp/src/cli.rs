@@ -13,6 +13,7 @@ use crate::server::{EppConfig, Tls};
 use crate::stream::PickerOptions;
 
 const EPP: &str = "Endpoint Picker (ext_proc)";
+const POOL: &str = "Endpoints from Kubernetes (--features kubernetes)";
 
 /// Run kvgate as the Endpoint Picker of a Gateway API Inference Extension gateway.
 #[derive(clap::Args, Debug, Clone)]
@@ -42,9 +43,58 @@ pub struct EppArgs {
     /// pick is echoed for the suite's echo server. Never in production.
     #[arg(long, help_heading = EPP)]
     pub conformance_hooks: bool,
+    /// The InferencePool (`inference.networking.k8s.io/v1`) whose ready pods are the
+    /// endpoints: its selector and target ports, followed as they change.
+    #[arg(long, value_name = "NAME", help_heading = POOL)]
+    pub pool_name: Option<String>,
+    /// The pool's (and its pods') namespace [default: this pod's].
+    #[arg(long, value_name = "NS", help_heading = POOL)]
+    pub pool_namespace: Option<String>,
+    /// Without an InferencePool: the endpoints' pods by label selector (`app=vllm`).
+    #[arg(long, value_name = "SELECTOR", help_heading = POOL, conflicts_with = "pool_name")]
+    pub endpoint_selector: Option<String>,
+    /// With --endpoint-selector: the pods' ports, each an endpoint (data-parallel ranks).
+    #[arg(long, value_name = "PORT,...", value_delimiter = ',', default_value = "8000", help_heading = POOL)]
+    pub target_ports: Vec<u16>,
+    /// The pods' KV-event port (vLLM's default); the endpoint on the i-th target port
+    /// publishes on this + i. 0: the pods publish no events.
+    #[arg(long, value_name = "PORT", default_value_t = 5557, help_heading = POOL)]
+    pub pool_kv_events_port: u16,
+    /// The pods' KV-event replay port (+ i likewise), if they keep one.
+    #[arg(long, value_name = "PORT", help_heading = POOL)]
+    pub pool_kv_events_replay_port: Option<u16>,
+    /// The Kubernetes API server's URL [default: in cluster, else the kubeconfig's].
+    #[arg(long, value_name = "URL", help_heading = POOL)]
+    pub kubernetes_api_url: Option<String>,
 }
 
 impl EppArgs {
+    /// The model's workers from an InferencePool or a selector, when asked for (one
+    /// model only: several name theirs in the YAML's `workers_kubernetes`).
+    pub fn pool_discovery(&self, config: &mut kvgate_gateway::Config) -> anyhow::Result<()> {
+        if self.pool_name.is_none() && self.endpoint_selector.is_none() {
+            return Ok(());
+        }
+        let [model] = config.models.as_mut_slice() else {
+            anyhow::bail!(
+                "--pool-name and --endpoint-selector find one model's endpoints; with several models set workers_kubernetes per model in the YAML"
+            );
+        };
+        let events = |port: u16| (port != 0).then_some(port);
+        model.workers_kubernetes = Some(kvgate_gateway::WorkersKubernetesConfig {
+            namespace: self.pool_namespace.clone(),
+            inference_pool: self.pool_name.clone(),
+            label_selector: self.endpoint_selector.clone().unwrap_or_default(),
+            target_ports: self.target_ports.clone(),
+            kv_events_port: events(self.pool_kv_events_port),
+            kv_events_replay_port: self.pool_kv_events_replay_port,
+            api_url: self.kubernetes_api_url.clone(),
+            refresh_ms: 2_000,
+            ..kvgate_gateway::WorkersKubernetesConfig::default()
+        });
+        config.validate()
+    }
+
     /// The picker's listeners, on `serve`'s `--host`.
     pub fn epp_config(&self, host: &str) -> anyhow::Result<EppConfig> {
         let addr = |port: u16| -> anyhow::Result<SocketAddr> {
@@ -75,7 +125,8 @@ impl EppArgs {
 
 /// Runs the gateway (its HTTP port) and the picker until SIGTERM or ctrl-c.
 pub async fn run(args: EppArgs) -> anyhow::Result<()> {
-    let config = args.serve.to_config()?;
+    let mut config = args.serve.to_config()?;
+    args.pool_discovery(&mut config)?;
     let epp = args.epp_config(&config.host)?;
     let grace = Duration::from_secs(config.shutdown_grace_secs);
     let gateway = kvgate_gateway::start(config).await?;

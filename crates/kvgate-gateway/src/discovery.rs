@@ -69,16 +69,10 @@ impl Source {
         match self {
             Source::Dns(d) => format!("dns {}", d.name),
             #[cfg(feature = "kubernetes")]
-            Source::Kubernetes(k, _) => format!("pods {}", k.label_selector),
-        }
-    }
-
-    /// The ports and ranks a resolved address is given.
-    fn ports(&self) -> DiscoveredPorts {
-        match self {
-            Source::Dns(d) => d.ports(),
-            #[cfg(feature = "kubernetes")]
-            Source::Kubernetes(k, _) => k.ports(),
+            Source::Kubernetes(k, _) => match &k.inference_pool {
+                Some(pool) => format!("inference pool {pool}"),
+                None => format!("pods {}", k.label_selector),
+            },
         }
     }
 
@@ -90,10 +84,13 @@ impl Source {
         })
     }
 
-    /// The addresses of the workers now.
-    async fn resolve(&mut self) -> anyhow::Result<Vec<SocketAddr>> {
+    /// The addresses of the workers now, and the ports and ranks each is given.
+    async fn resolve(&mut self) -> anyhow::Result<(Vec<SocketAddr>, DiscoveredPorts)> {
         match self {
-            Source::Dns(d) => Ok(tokio::net::lookup_host(d.name.as_str()).await?.collect()),
+            Source::Dns(d) => Ok((
+                tokio::net::lookup_host(d.name.as_str()).await?.collect(),
+                d.ports(),
+            )),
             #[cfg(feature = "kubernetes")]
             Source::Kubernetes(cfg, client) => {
                 let c = match client {
@@ -104,7 +101,12 @@ impl Source {
                         c
                     }
                 };
-                kubernetes::ready_pod_addrs(&c, cfg).await
+                let pods = match &cfg.inference_pool {
+                    // The pool's selector and ports as they are now.
+                    Some(pool) => kubernetes::inference_pool(&c, cfg, pool).await?,
+                    None => cfg.clone(),
+                };
+                Ok((kubernetes::ready_pod_addrs(&c, &pods).await?, pods.ports()))
             }
         }
     }
@@ -149,11 +151,10 @@ pub async fn run_worker_discovery(gw: Arc<Gateway>) {
 async fn discover(gw: Arc<Gateway>, model: String, pool: &'static str, mut source: Source) {
     let mut known: BTreeSet<String> = BTreeSet::new();
     let mut ticks = gw.ticks(source.refresh());
-    let ports = source.ports();
     let what = source.describe();
     let mut last_error = String::new();
     while ticks.next().await {
-        let resolved = match source.resolve().await {
+        let (resolved, ports) = match source.resolve().await {
             Ok(addrs) => {
                 last_error.clear();
                 addrs
@@ -205,7 +206,7 @@ pub mod kubernetes {
     use std::net::{IpAddr, SocketAddr};
 
     use k8s_openapi::api::core::v1::Pod;
-    use kube::api::{Api, ListParams};
+    use kube::api::{Api, ApiResource, DynamicObject, ListParams};
 
     use crate::config::WorkersKubernetesConfig;
 
@@ -218,7 +219,8 @@ pub mod kubernetes {
         })
     }
 
-    /// The addresses of the running, ready pods the selector matches.
+    /// The addresses of the running, ready pods the selector matches: one per pod
+    /// and port.
     pub async fn ready_pod_addrs(
         client: &kube::Client,
         cfg: &WorkersKubernetesConfig,
@@ -230,12 +232,77 @@ pub mod kubernetes {
         let pods = api
             .list(&ListParams::default().labels(&cfg.label_selector))
             .await?;
+        let ports = cfg.pod_ports();
         Ok(pods
             .items
             .iter()
             .filter_map(ready_ip)
-            .map(|ip| SocketAddr::new(ip, cfg.port))
+            .flat_map(|ip| ports.iter().map(move |p| SocketAddr::new(ip, *p)))
             .collect())
+    }
+
+    /// `cfg` with the selector and ports of the InferencePool `name`
+    /// (`inference.networking.k8s.io/v1`) as the API server has it now.
+    pub async fn inference_pool(
+        client: &kube::Client,
+        cfg: &WorkersKubernetesConfig,
+        name: &str,
+    ) -> anyhow::Result<WorkersKubernetesConfig> {
+        let resource = ApiResource {
+            group: "inference.networking.k8s.io".into(),
+            version: "v1".into(),
+            api_version: "inference.networking.k8s.io/v1".into(),
+            kind: "InferencePool".into(),
+            plural: "inferencepools".into(),
+        };
+        let api: Api<DynamicObject> = match &cfg.namespace {
+            Some(ns) => Api::namespaced_with(client.clone(), ns, &resource),
+            None => Api::default_namespaced_with(client.clone(), &resource),
+        };
+        let pool = api.get(name).await?;
+        let (label_selector, target_ports) = pool_spec(&pool.data["spec"])
+            .map_err(|e| anyhow::anyhow!("InferencePool {name}: {e}"))?;
+        Ok(WorkersKubernetesConfig {
+            label_selector,
+            target_ports,
+            ..cfg.clone()
+        })
+    }
+
+    /// An InferencePool's `spec`: its pods' label selector (`spec.selector.matchLabels`
+    /// as `k=v,...`) and `spec.targetPorts` (1 to 8 `{number}`).
+    pub fn pool_spec(spec: &serde_json::Value) -> Result<(String, Vec<u16>), String> {
+        let labels = spec["selector"]["matchLabels"]
+            .as_object()
+            .filter(|l| !l.is_empty())
+            .ok_or("spec.selector.matchLabels names no label")?;
+        let mut selector: Vec<String> = labels
+            .iter()
+            .map(|(k, v)| match v.as_str() {
+                Some(v) => Ok(format!("{k}={v}")),
+                None => Err(format!("label {k} is not a string")),
+            })
+            .collect::<Result<_, _>>()?;
+        selector.sort();
+        let ports: Vec<u16> = spec["targetPorts"]
+            .as_array()
+            .ok_or("spec.targetPorts is missing")?
+            .iter()
+            .map(|p| {
+                p["number"]
+                    .as_u64()
+                    .and_then(|n| u16::try_from(n).ok())
+                    .filter(|n| *n > 0)
+                    .ok_or_else(|| format!("target port {p} is not a port number"))
+            })
+            .collect::<Result<_, _>>()?;
+        if ports.is_empty() || ports.len() > 8 {
+            return Err(format!(
+                "spec.targetPorts has {} ports (1 to 8)",
+                ports.len()
+            ));
+        }
+        Ok((selector.join(","), ports))
     }
 
     /// A pod's IP when it can take requests: running, ready, not being deleted.

@@ -120,3 +120,213 @@ async fn ready_pods_become_workers_and_a_deleted_pod_leaves() {
     assert_eq!(worker_urls(&gw), ready[..1]);
     gw.shutdown_within(Duration::from_secs(1)).await;
 }
+
+/// A fake API server holding pods (filtered by the list's label selector, as the real
+/// one does) and one InferencePool.
+#[derive(Clone, Default)]
+struct FakeCluster {
+    pods: Arc<Mutex<Vec<serde_json::Value>>>,
+    pool: Arc<Mutex<serde_json::Value>>,
+}
+
+fn pod(name: &str, ip: &str, labels: &[(&str, &str)], ready: bool) -> serde_json::Value {
+    let labels: serde_json::Map<String, serde_json::Value> = labels
+        .iter()
+        .map(|(k, v)| (k.to_string(), serde_json::Value::from(*v)))
+        .collect();
+    serde_json::json!({
+        "metadata": {"name": name, "namespace": "llm", "labels": labels},
+        "status": {
+            "phase": "Running",
+            "podIP": ip,
+            "conditions": [{"type": "Ready", "status": if ready { "True" } else { "False" }}]
+        }
+    })
+}
+
+fn inference_pool(labels: &[(&str, &str)], ports: &[u16]) -> serde_json::Value {
+    let labels: serde_json::Map<String, serde_json::Value> = labels
+        .iter()
+        .map(|(k, v)| (k.to_string(), serde_json::Value::from(*v)))
+        .collect();
+    let ports: Vec<serde_json::Value> = ports
+        .iter()
+        .map(|p| serde_json::json!({"number": p}))
+        .collect();
+    serde_json::json!({
+        "apiVersion": "inference.networking.k8s.io/v1",
+        "kind": "InferencePool",
+        "metadata": {"name": "qwen3", "namespace": "llm"},
+        "spec": {
+            "selector": {"matchLabels": labels},
+            "targetPorts": ports,
+            "endpointPickerRef": {"name": "kvgate-epp", "port": {"number": 9002}}
+        }
+    })
+}
+
+async fn fake_cluster(cluster: FakeCluster) -> String {
+    use axum::extract::Query;
+    use std::collections::HashMap;
+    async fn pods(
+        State(c): State<FakeCluster>,
+        Query(q): Query<HashMap<String, String>>,
+    ) -> axum::Json<serde_json::Value> {
+        let selector: Vec<(String, String)> = q
+            .get("labelSelector")
+            .map(|s| {
+                s.split(',')
+                    .filter_map(|kv| kv.split_once('='))
+                    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let items: Vec<serde_json::Value> = c
+            .pods
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|p| {
+                selector
+                    .iter()
+                    .all(|(k, v)| p["metadata"]["labels"][k].as_str() == Some(v.as_str()))
+            })
+            .cloned()
+            .collect();
+        axum::Json(serde_json::json!({
+            "kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": "1"}, "items": items
+        }))
+    }
+    async fn pool(State(c): State<FakeCluster>) -> axum::Json<serde_json::Value> {
+        axum::Json(c.pool.lock().unwrap().clone())
+    }
+    let app = Router::new()
+        .route("/api/v1/namespaces/llm/pods", get(pods))
+        .route(
+            "/apis/inference.networking.k8s.io/v1/namespaces/llm/inferencepools/qwen3",
+            get(pool),
+        )
+        .with_state(cluster);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    url
+}
+
+/// Workers and their KV-event endpoints, sorted.
+fn workers_with_events(gw: &kvgate_gateway::RunningGateway) -> Vec<(String, String)> {
+    let mut w: Vec<(String, String)> = gw
+        .gateway()
+        .model("m")
+        .unwrap()
+        .workers()
+        .iter()
+        .map(|w| {
+            (
+                w.url.to_string(),
+                w.config.kv_events.clone().unwrap_or_default(),
+            )
+        })
+        .collect();
+    w.sort();
+    w
+}
+
+/// An InferencePool's pods, one endpoint per target port (KV events at 5557 + the
+/// port's index), followed as pods become ready, go away or are relabelled, and as the
+/// pool's own selector and ports change.
+#[tokio::test]
+async fn an_inference_pools_ready_pods_are_its_endpoints() {
+    let cluster = FakeCluster::default();
+    let vllm = [("app", "vllm"), ("model", "qwen3")];
+    *cluster.pods.lock().unwrap() = vec![
+        pod("a", "10.0.0.1", &vllm, true),
+        pod("b", "10.0.0.2", &vllm, false),
+        pod("c", "10.0.0.3", &[("app", "other")], true),
+    ];
+    *cluster.pool.lock().unwrap() = inference_pool(&vllm, &[8000, 8001]);
+    let api_url = fake_cluster(cluster.clone()).await;
+    let mut config = config(&[], PolicyKind::RoundRobin);
+    config.models[0].workers_kubernetes = Some(WorkersKubernetesConfig {
+        namespace: Some("llm".into()),
+        inference_pool: Some("qwen3".into()),
+        kv_events_port: Some(5557),
+        refresh_ms: 50,
+        api_url: Some(api_url),
+        ..WorkersKubernetesConfig::default()
+    });
+    let gw = start(config).await.unwrap();
+    let endpoint = |ip: &str, port: u16, events: u16| {
+        (
+            format!("http://{ip}:{port}"),
+            format!("tcp://{ip}:{events}"),
+        )
+    };
+    eventually("the ready pod's two ports join", || {
+        workers_with_events(&gw)
+            == [
+                endpoint("10.0.0.1", 8000, 5557),
+                endpoint("10.0.0.1", 8001, 5558),
+            ]
+    })
+    .await;
+
+    // b becomes ready: it joins; a goes away: it leaves.
+    cluster.pods.lock().unwrap()[1] = pod("b", "10.0.0.2", &vllm, true);
+    cluster.pods.lock().unwrap().remove(0);
+    eventually("b replaces a", || {
+        workers_with_events(&gw)
+            == [
+                endpoint("10.0.0.2", 8000, 5557),
+                endpoint("10.0.0.2", 8001, 5558),
+            ]
+    })
+    .await;
+
+    // b relabelled out of the pool, c into it: c's endpoints replace b's.
+    *cluster.pods.lock().unwrap() = vec![
+        pod("b", "10.0.0.2", &[("app", "vllm"), ("model", "old")], true),
+        pod("c", "10.0.0.3", &vllm, true),
+    ];
+    eventually("relabelled pods follow", || {
+        workers_with_events(&gw)
+            == [
+                endpoint("10.0.0.3", 8000, 5557),
+                endpoint("10.0.0.3", 8001, 5558),
+            ]
+    })
+    .await;
+
+    // The pool itself changes: another selector, one port.
+    *cluster.pool.lock().unwrap() = inference_pool(&[("model", "old")], &[9000]);
+    eventually("the pool's new selector and port", || {
+        workers_with_events(&gw) == [endpoint("10.0.0.2", 9000, 5557)]
+    })
+    .await;
+
+    // A pool the API server cannot serve removes nothing.
+    *cluster.pool.lock().unwrap() = serde_json::json!({"kind": "Status", "code": 404});
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(workers_with_events(&gw), [endpoint("10.0.0.2", 9000, 5557)]);
+    gw.shutdown_within(Duration::from_secs(1)).await;
+}
+
+#[test]
+fn an_inference_pool_spec_is_read_strictly() {
+    use kvgate_gateway::discovery::kubernetes::pool_spec;
+    let ok = serde_json::json!({"selector": {"matchLabels": {"model": "q", "app": "vllm"}}, "targetPorts": [{"number": 8000}]});
+    assert_eq!(
+        pool_spec(&ok).unwrap(),
+        ("app=vllm,model=q".to_owned(), vec![8000])
+    );
+    for bad in [
+        serde_json::json!({"selector": {"matchLabels": {}}, "targetPorts": [{"number": 8000}]}),
+        serde_json::json!({"selector": {"matchLabels": {"a": "b"}}, "targetPorts": []}),
+        serde_json::json!({"selector": {"matchLabels": {"a": "b"}}, "targetPorts": [{"number": 70000}]}),
+        serde_json::json!({"selector": {"matchLabels": {"a": "b"}}}),
+    ] {
+        assert!(pool_spec(&bad).is_err(), "{bad}");
+    }
+}

@@ -30,6 +30,15 @@ pub struct WorkersKubernetesConfig {
     /// The API server's URL instead of the in-cluster or kubeconfig one (e.g.
     /// `http://127.0.0.1:8001` behind `kubectl proxy`).
     pub api_url: Option<String>,
+    /// An InferencePool (`inference.networking.k8s.io/v1`) to follow: its
+    /// `spec.selector.matchLabels` and `spec.targetPorts` stand for `label_selector`
+    /// and the ports, read again at every refresh (a changed selector or port list is
+    /// followed).
+    pub inference_pool: Option<String>,
+    /// Several ports per pod, each an endpoint (data-parallel ranks behind an HTTP
+    /// server each): the endpoint on the i-th port publishes KV events on
+    /// `kv_events_port + i` (and replays on `kv_events_replay_port + i`). Empty: `port`.
+    pub target_ports: Vec<u16>,
 }
 
 impl Default for WorkersKubernetesConfig {
@@ -44,6 +53,8 @@ impl Default for WorkersKubernetesConfig {
             refresh_ms: 5_000,
             bootstrap_port: None,
             api_url: None,
+            inference_pool: None,
+            target_ports: Vec::new(),
         }
     }
 }
@@ -53,13 +64,27 @@ impl WorkersKubernetesConfig {
         if !cfg!(feature = "kubernetes") {
             bail!("workers_kubernetes needs kvgate built with `--features kubernetes`");
         }
-        if self.label_selector.trim().is_empty() {
-            bail!("workers_kubernetes.label_selector must name the engines' pods");
+        if self.label_selector.trim().is_empty() && self.inference_pool.is_none() {
+            bail!(
+                "workers_kubernetes.label_selector (or inference_pool) must name the engines' pods"
+            );
         }
-        if self.refresh_ms == 0 || self.port == 0 {
-            bail!("workers_kubernetes.refresh_ms and port must be positive");
+        if self.refresh_ms == 0 || self.port == 0 || self.target_ports.contains(&0) {
+            bail!("workers_kubernetes.refresh_ms and the ports must be positive");
+        }
+        if self.target_ports.len() > 1 && self.dp_size > 1 {
+            bail!("workers_kubernetes: several target_ports are the ranks; dp_size must be 1");
         }
         self.ports().validate("workers_kubernetes")
+    }
+
+    /// The pods' ports (each an endpoint): `target_ports`, else `port`.
+    pub fn pod_ports(&self) -> Vec<u16> {
+        if self.target_ports.is_empty() {
+            vec![self.port]
+        } else {
+            self.target_ports.clone()
+        }
     }
 
     /// What each pod found is given.
@@ -69,6 +94,7 @@ impl WorkersKubernetesConfig {
             kv_events_replay_port: self.kv_events_replay_port,
             dp_size: self.dp_size,
             bootstrap_port: self.bootstrap_port,
+            target_ports: self.pod_ports(),
         }
     }
 }
@@ -123,18 +149,22 @@ impl WorkersDnsConfig {
             kv_events_replay_port: self.kv_events_replay_port,
             dp_size: self.dp_size,
             bootstrap_port: self.bootstrap_port,
+            target_ports: Vec::new(),
         }
     }
 }
 
 /// What a discovered worker is given besides its address (from `workers_dns` or
 /// `workers_kubernetes`): the engines' KV-event and replay ports and their ranks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DiscoveredPorts {
     pub kv_events_port: Option<u16>,
     pub kv_events_replay_port: Option<u16>,
     pub dp_size: u32,
     pub bootstrap_port: Option<u16>,
+    /// A pod's HTTP ports when it has several (an InferencePool's `targetPorts`): the
+    /// endpoint on the i-th publishes its KV events on the events port + i.
+    pub target_ports: Vec<u16>,
 }
 
 impl DiscoveredPorts {
@@ -154,12 +184,17 @@ impl DiscoveredPorts {
             std::net::IpAddr::V6(v6) => format!("[{v6}]"),
             v4 => v4.to_string(),
         };
+        // The i-th target port's rank publishes on the events ports + i.
+        let rank = self
+            .target_ports
+            .iter()
+            .position(|p| *p == addr.port())
+            .unwrap_or(0) as u16;
+        let at = |port: Option<u16>| port.map(|p| format!("tcp://{ip}:{}", p.saturating_add(rank)));
         WorkerConfig {
             url: format!("http://{ip}:{}", addr.port()),
-            kv_events: self.kv_events_port.map(|p| format!("tcp://{ip}:{p}")),
-            kv_events_replay: self
-                .kv_events_replay_port
-                .map(|p| format!("tcp://{ip}:{p}")),
+            kv_events: at(self.kv_events_port),
+            kv_events_replay: at(self.kv_events_replay_port),
             dp_size: self.dp_size,
             bootstrap_port: self.bootstrap_port,
         }
