@@ -53,3 +53,128 @@ fn kubernetes_manifest_config_validates() {
     let name = headless["metadata"]["name"].as_str().unwrap();
     assert!(dns.starts_with(&format!("{name}.")), "{dns} names {name}");
 }
+
+/// The Envoy configuration docs/operations.md shows (`deploy/envoy/envoy.yaml`) is the
+/// one the Endpoint Picker's tests and benchmarks run (kvgate-bench's envoy.rs), for
+/// the placeholder addresses its header names. Regenerate it with
+/// `KVGATE_WRITE_ENVOY_EXAMPLE=1 cargo test -p kvgate --test config_example`.
+#[test]
+fn the_documented_envoy_config_is_the_tested_one() {
+    use kvgate_bench::envoy::{config, EnvoyConfig, PickerAddr};
+    let header = "# deploy/envoy/envoy.yaml: Envoy in front of two vLLM pods (10.0.0.11:8000, 10.0.0.12:8000)\n\
+# following the picks of kvgate epp at 10.0.0.5:9002 (TLS). Written by kvgate-bench's envoy.rs,\n\
+# the configuration tests/epp_envoy_e2e.rs runs and validates with a real Envoy.\n";
+    let text = format!(
+        "{header}{}",
+        config(&EnvoyConfig {
+            port: 8080,
+            admin_port: 9901,
+            endpoints: vec!["10.0.0.11:8000".into(), "10.0.0.12:8000".into()],
+            picker: Some(PickerAddr {
+                addr: "10.0.0.5:9002".into(),
+                tls: true,
+            }),
+            subset_hint: None,
+        })
+    );
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/envoy/envoy.yaml");
+    if std::env::var_os("KVGATE_WRITE_ENVOY_EXAMPLE").is_some() {
+        std::fs::write(path, &text).unwrap();
+    }
+    assert_eq!(
+        std::fs::read_to_string(path).unwrap(),
+        text,
+        "deploy/envoy/envoy.yaml is not what envoy.rs writes (regenerate it: see this test)"
+    );
+}
+
+/// The Endpoint Picker's manifest: the InferencePool names the picker's Service and its
+/// ext_proc port, the HTTPRoute routes to the pool, the Deployment's arguments are a
+/// valid `kvgate epp` command line naming the pool and those ports, its probes ask the
+/// gRPC health services on the health port, and its Role reads the pool and its pods.
+#[test]
+fn the_endpoint_picker_manifest_holds_together() {
+    use clap::Parser;
+    use serde::Deserialize;
+    #[derive(Parser)]
+    struct Epp {
+        #[command(flatten)]
+        args: kvgate_epp::cli::EppArgs,
+    }
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../deploy/kubernetes/kvgate-epp.yaml"
+    );
+    let text = std::fs::read_to_string(path).unwrap();
+    let docs: Vec<serde_json::Value> = serde_norway::Deserializer::from_str(&text)
+        .map(|d| serde_json::Value::deserialize(d).unwrap())
+        .collect();
+    let one = |k: &str| {
+        let found: Vec<&serde_json::Value> = docs.iter().filter(|d| d["kind"] == k).collect();
+        assert_eq!(found.len(), 1, "one {k}");
+        found[0]
+    };
+    let pool = one("InferencePool");
+    assert_eq!(pool["apiVersion"], "inference.networking.k8s.io/v1");
+    let pool_name = pool["metadata"]["name"].as_str().unwrap();
+    assert!(!pool["spec"]["selector"]["matchLabels"]
+        .as_object()
+        .unwrap()
+        .is_empty());
+    let route = one("HTTPRoute");
+    let backend = &route["spec"]["rules"][0]["backendRefs"][0];
+    assert_eq!(
+        (&backend["kind"], &backend["name"]),
+        (&"InferencePool".into(), &pool_name.into())
+    );
+
+    let container = &one("Deployment")["spec"]["template"]["spec"]["containers"][0];
+    let args: Vec<&str> = container["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    assert_eq!(args[0], "epp");
+    let epp = Epp::try_parse_from(std::iter::once("kvgate epp").chain(args[1..].iter().copied()))
+        .expect("the Deployment's arguments are a kvgate epp command line")
+        .args;
+    assert_eq!(epp.pool_name.as_deref(), Some(pool_name));
+    let picker_ref = &pool["spec"]["endpointPickerRef"];
+    let service = one("Service");
+    assert_eq!(picker_ref["name"], service["metadata"]["name"]);
+    assert_eq!(picker_ref["port"]["number"], epp.grpc_port);
+    assert!(service["spec"]["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|p| p["port"] == epp.grpc_port));
+    for (probe, service) in [
+        ("livenessProbe", "liveness"),
+        ("readinessProbe", "readiness"),
+    ] {
+        assert_eq!(
+            container[probe]["grpc"]["port"], epp.grpc_health_port,
+            "{probe}"
+        );
+        assert_eq!(container[probe]["grpc"]["service"], service, "{probe}");
+    }
+    let rules = one("Role")["rules"].as_array().unwrap().clone();
+    let grants = |resource: &str, verb: &str| {
+        rules.iter().any(|r| {
+            r["resources"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|x| x == resource)
+                && r["verbs"].as_array().unwrap().iter().any(|x| x == verb)
+        })
+    };
+    assert!(grants("inferencepools", "get") && grants("pods", "list"));
+    let account = &one("ServiceAccount")["metadata"]["name"];
+    assert_eq!(&one("RoleBinding")["subjects"][0]["name"], account);
+    assert_eq!(
+        &one("Deployment")["spec"]["template"]["spec"]["serviceAccountName"],
+        account
+    );
+}

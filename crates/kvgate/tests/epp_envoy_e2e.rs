@@ -428,3 +428,22 @@ async fn a_subset_hint_from_envoy_bounds_every_pick() {
         assert_eq!((&picked, &served), (&only, &only));
     }
 }
+
+/// The Envoy configuration docs/operations.md shows (deploy/envoy/envoy.yaml) is one a
+/// real Envoy accepts.
+#[test]
+#[ignore = "needs Envoy: scripts/test.sh installs it and runs this"]
+fn the_documented_envoy_config_validates() {
+    let bin = envoy::binary().expect("Envoy (scripts/envoy.sh)");
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/envoy/envoy.yaml");
+    let out = std::process::Command::new(bin)
+        .args(["--mode", "validate", "-c", path])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
