@@ -633,3 +633,85 @@ async fn health_services_serve_on_both_ports() {
         }
     }
 }
+
+/// With ranked fallbacks on, the destination lists the pick then the others by cost,
+/// in the header and the metadata alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fallbacks_follow_the_pick_in_cost_order() {
+    let p = picker_with(
+        config(PolicyKind::LeastLoaded),
+        PickerOptions {
+            fallbacks: 2,
+            ..PickerOptions::default()
+        },
+    )
+    .await;
+    let mut c = p.open().await;
+    c.send(request_headers("/v1/completions", &[], false)).await;
+    c.send(body(&completion("q", false), true)).await;
+    let pick = pick_of(&c.recv_whole().await);
+    assert_eq!(pick.header, pick.metadata);
+    let listed: Vec<&str> = pick.header.split(',').collect();
+    assert_eq!(listed.len(), 3, "{}", pick.header);
+    let mut sorted: Vec<String> = listed.iter().map(|s| s.to_string()).collect();
+    sorted.sort();
+    assert_eq!(sorted, endpoints());
+}
+
+/// The conformance suite's hooks, on by flag: `test-epp-endpoint-selection` names the
+/// endpoint to pick, and the pick is echoed as `x-echo-set-header` for its echo server.
+/// Off (the default), the header is an ordinary one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_hooks_steer_and_echo_the_pick_only_when_on() {
+    let eps = endpoints();
+    for on in [true, false] {
+        let p = picker_with(
+            config(PolicyKind::RoundRobin),
+            PickerOptions {
+                conformance_hooks: on,
+                ..PickerOptions::default()
+            },
+        )
+        .await;
+        let mut picks = std::collections::BTreeSet::new();
+        for _ in 0..3 {
+            let mut c = p.open().await;
+            c.send(request_headers(
+                "/v1/completions",
+                &[(wire::CONFORMANCE_SELECTION_HEADER, &eps[2])],
+                false,
+            ))
+            .await;
+            c.send(body(&completion("q", false), true)).await;
+            let msg = c.recv_whole().await;
+            let Some(processing_response::Response::RequestHeaders(h)) = &msg.response else {
+                panic!("{msg:?}")
+            };
+            let echo = h
+                .response
+                .as_ref()
+                .and_then(|r| r.header_mutation.as_ref())
+                .and_then(|m| {
+                    m.set_headers
+                        .iter()
+                        .filter_map(|o| o.header.as_ref())
+                        .find(|h| h.key == wire::CONFORMANCE_ECHO_HEADER)
+                        .map(wire::header_value)
+                });
+            let pick = pick_of(&msg).header;
+            if on {
+                assert_eq!(pick, eps[2]);
+                assert_eq!(
+                    echo.as_deref(),
+                    Some(format!("{}:{}", wire::CONFORMANCE_RESULT_HEADER, eps[2]).as_str())
+                );
+            } else {
+                assert_eq!(echo, None);
+            }
+            picks.insert(pick);
+        }
+        if !on {
+            assert_eq!(picks.len(), 3, "round robin ignores the test header");
+        }
+    }
+}
