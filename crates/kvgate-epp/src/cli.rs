@@ -21,11 +21,11 @@ pub struct EppArgs {
     #[command(flatten)]
     pub serve: ServeArgs,
     /// The ext_proc gRPC port the gateway dials (gRPC health answers there too).
-    #[arg(long, default_value_t = 9002, help_heading = EPP)]
+    #[arg(long, value_name = "PORT", default_value_t = 9002, help_heading = EPP)]
     pub grpc_port: u16,
     /// The plaintext gRPC health port (`liveness`, `readiness`, the ext_proc service);
     /// 0 for none.
-    #[arg(long, default_value_t = 9003, help_heading = EPP)]
+    #[arg(long, value_name = "PORT", default_value_t = 9003, help_heading = EPP)]
     pub grpc_health_port: u16,
     /// Serve ext_proc without TLS (gateways dial with TLS by default; kgateway needs it).
     #[arg(long, help_heading = EPP)]

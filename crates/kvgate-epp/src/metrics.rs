@@ -56,7 +56,7 @@ impl EppMetrics {
         registry.register(Box::new(m.picks.clone()))?;
         registry.register(Box::new(m.immediate.clone()))?;
         registry.register(Box::new(m.served_elsewhere.clone()))?;
-        for status in ["400", "413", "429", "503"] {
+        for status in ["400", "404", "413", "429", "503"] {
             m.immediate.with_label_values(&[status]);
         }
         Ok(m)

@@ -14,12 +14,12 @@ fn page() -> String {
     std::fs::read_to_string(path).expect("docs/configuration.md")
 }
 
-/// The long flags `kvgate serve --help` lists (`--help` and `--version` aside).
-fn help_flags() -> BTreeSet<String> {
+/// The long flags `kvgate SUBCOMMAND --help` lists (`--help` and `--version` aside).
+fn help_flags(subcommand: &str) -> BTreeSet<String> {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvgate"))
-        .args(["serve", "--help"])
+        .args([subcommand, "--help"])
         .output()
-        .expect("kvgate serve --help");
+        .expect("kvgate SUBCOMMAND --help");
     assert!(out.status.success());
     String::from_utf8(out.stdout)
         .unwrap()
@@ -115,12 +115,27 @@ fn assert_same(what: &str, real: &BTreeSet<String>, doc: &BTreeSet<String>) {
 
 #[test]
 fn every_serve_flag_is_documented_and_every_documented_flag_exists() {
-    let flags = help_flags();
+    let flags = help_flags("serve");
     assert!(
         flags.contains("--overlap-weight") && flags.len() > 40,
         "{flags:?}"
     );
     assert_same("flags", &flags, &documented("Flags"));
+}
+
+/// `kvgate epp` takes `serve`'s flags and its own, documented in their own section.
+#[test]
+fn every_epp_flag_is_documented_and_every_documented_flag_exists() {
+    let serve = help_flags("serve");
+    let epp = help_flags("epp");
+    assert!(serve.is_subset(&epp), "kvgate epp takes every serve flag");
+    let own: BTreeSet<String> = epp.difference(&serve).cloned().collect();
+    assert!(own.contains("--grpc-port"), "{own:?}");
+    assert_same(
+        "kvgate epp's flags",
+        &own,
+        &documented("Endpoint Picker flags"),
+    );
 }
 
 #[test]
