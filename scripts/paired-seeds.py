@@ -15,6 +15,13 @@ error on the wrong side (docs/BENCHMARKS.md's rule).
     scripts/paired-seeds.py --seeds 8 --policies kv_aware,prefix_affinity \
         --workload "window=--trace traces/mooncake/conversation_trace.jsonl --max-requests 1000 --speedup 4 --engines 4"
 
+With --real, each workload runs in real time instead (`kvgate bench compare FLAGS
+--routers ROWS --seed S`: simulated engines, real routers, peers and Envoy rows too),
+one seed after another; minutes a seed, so a few seeds:
+
+    scripts/paired-seeds.py --real --seeds 3 --policies kv_aware,envoy:kv_aware,envoy:round_robin \
+        --workload "demo=--workload shared-prefix --max-requests 240 --rate 8 --engines 4"
+
 Markdown goes to stdout; --json also writes every seed's numbers.
 """
 
@@ -48,8 +55,13 @@ def report_numbers(r):
 
 def one_workload(args, seed, name, flags):
     with tempfile.TemporaryDirectory() as out:
-        cmd = [args.kvgate, "simulate", *shlex.split(flags), "--seed", str(seed),
-               "--policies", args.policies, "--out-dir", out, "--log", "error"]
+        if args.real:
+            cmd = [args.kvgate, "bench", "compare", *shlex.split(flags), "--seed", str(seed),
+                   "--routers", args.policies, "--out-dir", out, "--no-progress",
+                   "--log", "error"]
+        else:
+            cmd = [args.kvgate, "simulate", *shlex.split(flags), "--seed", str(seed),
+                   "--policies", args.policies, "--out-dir", out, "--log", "error"]
         for a in args.kvgate_arg:
             cmd.append(f"--kvgate-arg={a}")
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -133,7 +145,13 @@ def main():
                    "(PREFIX `before` unless given; repeatable)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--json", help="also write every seed's numbers here")
+    p.add_argument("--real", action="store_true",
+                   help="each --workload in real time (kvgate bench compare), one seed at a time")
     args = p.parse_args()
+    if args.real:
+        if not args.workload:
+            p.error("--real runs --workload rows")
+        args.jobs = 1
 
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     with ThreadPoolExecutor(args.jobs) as pool:

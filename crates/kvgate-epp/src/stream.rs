@@ -66,7 +66,9 @@ pub struct RequestStream {
     opts: PickerOptions,
     metrics: Arc<EppMetrics>,
     out: mpsc::Sender<Result<ProcessingResponse, Status>>,
-    record: RequestRecord,
+    /// The request's line in `kvgate_requests_total` (chat and completions only, as
+    /// `kvgate serve` counts).
+    record: Option<RequestRecord>,
     phase: Phase,
     /// The request body's mode, from the first message (`None`: not told; then the
     /// headers are answered at once and the pick rides on the body's answer).
@@ -103,13 +105,12 @@ impl RequestStream {
         metrics: Arc<EppMetrics>,
         out: mpsc::Sender<Result<ProcessingResponse, Status>>,
     ) -> Self {
-        let record = RequestRecord::new(&gw.metrics);
         Self {
             gw,
             opts,
             metrics,
             out,
-            record,
+            record: None,
             phase: Phase::Start,
             request_mode: None,
             response_duplex: false,
@@ -151,7 +152,9 @@ impl RequestStream {
             .immediate
             .with_label_values(&[err.status.as_str()])
             .inc();
-        self.record.answered(err.status, None);
+        if let Some(record) = &self.record {
+            record.answered(err.status, None);
+        }
         self.phase = Phase::Picked;
         self.pick = None;
         self.send(wire::immediate(&err)).await
@@ -234,6 +237,9 @@ impl RequestStream {
                     "a second request head on one ext_proc stream",
                 ))
                 .await;
+        }
+        if kvgate_gateway::picking::routed_kind(&head.path).is_some() {
+            self.record = Some(RequestRecord::new(&self.gw.metrics));
         }
         if allowed.as_ref().is_some_and(Vec::is_empty) {
             return self.refuse(no_endpoint_allowed()).await;
@@ -386,7 +392,9 @@ impl RequestStream {
             .as_ref()
             .and_then(|w| w.lease())
             .map(|l| l.worker().url.to_string());
-        self.record.answered(status, worker.as_deref());
+        if let Some(record) = &self.record {
+            record.answered(status, worker.as_deref());
+        }
     }
 
     fn finish(&mut self, outcome: ResponseEnd) {

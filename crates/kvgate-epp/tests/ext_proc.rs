@@ -588,6 +588,27 @@ async fn a_request_that_is_not_routed_is_picked_in_rotation() {
         assert_eq!(p.booked(), 0);
     }
     assert_eq!(seen.len(), 3);
+    // Counted in kvgate_requests_total as `kvgate serve` counts: chat and completions.
+    let counted = |p: &Picker| {
+        let text =
+            p.gw.gateway()
+                .metrics
+                .render(|_| {}, &Default::default(), |_| None);
+        text.lines()
+            .filter(|l| l.starts_with("kvgate_requests_total{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    assert_eq!(counted(&p), 0.0);
+    let mut c = p.open().await;
+    c.send(request_headers("/v1/completions", &[], false)).await;
+    c.send(body(&completion("q", false), true)).await;
+    let _ = pick_of(&c.recv_whole().await);
+    let _ = c.recv().await;
+    c.send(response_headers(200, "application/json", None))
+        .await;
+    let _ = c.recv().await;
+    assert_eq!(counted(&p), 1.0);
 }
 
 /// gRPC health on the ext_proc port and the health port: liveness, readiness and the

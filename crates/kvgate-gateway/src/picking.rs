@@ -39,7 +39,9 @@ pub struct PickRequest {
     pub body: Bytes,
     /// Its admission (front_door::admit_head), held until its response ends.
     pub admission: Arc<Admission>,
-    pub record: RequestRecord,
+    /// Its line in `kvgate_requests_total`: chat and completions only, as the HTTP
+    /// front door counts them (`None` for any other request).
+    pub record: Option<RequestRecord>,
     /// The endpoints (`host:port`) the pick must come from (the gateway's subset
     /// hint); `None`: any of the pool's.
     pub allowed: Option<Vec<String>>,
@@ -94,8 +96,12 @@ pub async fn pick_endpoint(gw: &Arc<Gateway>, req: PickRequest) -> Result<Endpoi
     let Some(kind) = routed_kind(&req.path) else {
         return pick_unrouted(gw, req);
     };
+    let record = req
+        .record
+        .as_ref()
+        .ok_or_else(|| ApiError::internal("a routed pick that is not counted"))?;
     let p = prepare(gw, Some(kind), &req.body, TokenUse::ForPolicy).await?;
-    req.record.model(&p.model.name, p.model.kind().as_str());
+    record.model(&p.model.name, p.model.kind().as_str());
     let workers = p.model.workers();
     let excluded = outside(&workers, req.allowed.as_deref());
     if excluded.len() == workers.len() {
@@ -105,7 +111,7 @@ pub async fn pick_endpoint(gw: &Arc<Gateway>, req: PickRequest) -> Result<Endpoi
         p: &p,
         headers: &req.headers,
         admission: &req.admission,
-        record: &req.record,
+        record,
     };
     let picked = routed.pick(gw, &excluded).await?;
     let Some((decision, lease)) = picked.held else {
@@ -245,7 +251,6 @@ fn pick_unrouted(gw: &Arc<Gateway>, req: PickRequest) -> Result<EndpointPick, Ap
         return Err(no_eligible_endpoint("any"));
     }
     let worker = &healthy[NEXT.fetch_add(1, Ordering::Relaxed) % healthy.len()];
-    req.record.worker(&worker.url);
     Ok(EndpointPick {
         endpoint: endpoint_of(&worker.url),
         fallbacks: Vec::new(),
