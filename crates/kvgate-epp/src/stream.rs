@@ -30,7 +30,7 @@ use tokio::sync::mpsc;
 use tonic::Status;
 
 use crate::metrics::EppMetrics;
-use crate::wire::{self, Head, PickMessage};
+use crate::wire::{self, Half, Head, PickMessage};
 
 /// How the picker answers; the same for every stream.
 #[derive(Clone, Debug, Default)]
@@ -187,7 +187,7 @@ impl RequestStream {
                 if matches!(self.phase, Phase::Body(_)) {
                     self.pick_and_answer(Ended::ByTrailers).await?;
                 }
-                self.send(wire::continue_trailers(true)).await
+                self.send(wire::continue_trailers(Half::Request)).await
             }
             Msg::ResponseHeaders(h) => {
                 let attributes = [&msg.attributes, &h.attributes];
@@ -199,7 +199,7 @@ impl RequestStream {
                 }
                 let answer = match &self.picked {
                     Some(picked) => wire::response_headers_naming(picked),
-                    None => wire::continue_headers(false),
+                    None => wire::continue_headers(Half::Response),
                 };
                 self.send(answer).await
             }
@@ -214,12 +214,12 @@ impl RequestStream {
                     self.send(wire::response_chunk(b.body, b.end_of_stream))
                         .await
                 } else {
-                    self.send(wire::continue_body(false)).await
+                    self.send(wire::continue_body(Half::Response)).await
                 }
             }
             Msg::ResponseTrailers(_) => {
                 self.finish(ResponseEnd::Complete);
-                self.send(wire::continue_trailers(false)).await
+                self.send(wire::continue_trailers(Half::Response)).await
             }
         }
     }
@@ -270,7 +270,7 @@ impl RequestStream {
         // Buffered: the gateway waits for this answer before it sends the body; the
         // pick rides on the body's answer.
         self.headers_answered = true;
-        self.send(wire::continue_headers(true)).await
+        self.send(wire::continue_headers(Half::Request)).await
     }
 
     async fn on_request_body(&mut self, chunk: Bytes, end_of_stream: bool) -> Step {
@@ -279,7 +279,7 @@ impl RequestStream {
             // Picked on the head alone: a streamed body's chunks pass unchanged (after
             // an immediate response, or with no head, nothing is sent).
             if self.pick.is_some() && self.request_mode == Some(BodySendMode::Streamed) {
-                return self.send(wire::continue_body(true)).await;
+                return self.send(wire::continue_body(Half::Request)).await;
             }
             return Ok(());
         };

@@ -201,13 +201,13 @@ impl PickMessage<'_> {
     /// has been read).
     pub fn headers_response(&self) -> ProcessingResponse {
         ProcessingResponse {
-            response: Some(processing_response::Response::RequestHeaders(
+            dynamic_metadata: Some(self.metadata()),
+            ..headers_answer(
+                Half::Request,
                 HeadersResponse {
                     response: Some(self.common()),
                 },
-            )),
-            dynamic_metadata: Some(self.metadata()),
-            ..Default::default()
+            )
         }
     }
 
@@ -215,11 +215,13 @@ impl PickMessage<'_> {
     /// before the body came).
     pub fn body_response(&self) -> ProcessingResponse {
         ProcessingResponse {
-            response: Some(processing_response::Response::RequestBody(BodyResponse {
-                response: Some(self.common()),
-            })),
             dynamic_metadata: Some(self.metadata()),
-            ..Default::default()
+            ..body_answer(
+                Half::Request,
+                BodyResponse {
+                    response: Some(self.common()),
+                },
+            )
         }
     }
 }
@@ -228,86 +230,88 @@ impl PickMessage<'_> {
 /// the one its gateway says served).
 pub const PICKED_HEADER: &str = "x-kvgate-picked";
 
-/// The response's headers, with the endpoint picked named in [`PICKED_HEADER`].
-pub fn response_headers_naming(picked: &str) -> ProcessingResponse {
+/// Which half of the exchange a message answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Half {
+    Request,
+    Response,
+}
+
+fn message(response: processing_response::Response) -> ProcessingResponse {
     ProcessingResponse {
-        response: Some(processing_response::Response::ResponseHeaders(
-            HeadersResponse {
-                response: Some(CommonResponse {
-                    header_mutation: Some(HeaderMutation {
-                        set_headers: vec![set_header(PICKED_HEADER, picked)],
-                        remove_headers: Vec::new(),
-                    }),
-                    ..Default::default()
-                }),
-            },
-        )),
+        response: Some(response),
         ..Default::default()
     }
 }
 
-/// The headers of a request or response let through unchanged.
-pub fn continue_headers(request: bool) -> ProcessingResponse {
-    let r = HeadersResponse { response: None };
-    ProcessingResponse {
-        response: Some(if request {
-            processing_response::Response::RequestHeaders(r)
-        } else {
-            processing_response::Response::ResponseHeaders(r)
-        }),
-        ..Default::default()
-    }
+fn headers_answer(half: Half, r: HeadersResponse) -> ProcessingResponse {
+    message(match half {
+        Half::Request => processing_response::Response::RequestHeaders(r),
+        Half::Response => processing_response::Response::ResponseHeaders(r),
+    })
+}
+
+fn body_answer(half: Half, r: BodyResponse) -> ProcessingResponse {
+    message(match half {
+        Half::Request => processing_response::Response::RequestBody(r),
+        Half::Response => processing_response::Response::ResponseBody(r),
+    })
+}
+
+/// The response's headers, with the endpoint picked named in [`PICKED_HEADER`].
+pub fn response_headers_naming(picked: &str) -> ProcessingResponse {
+    headers_answer(
+        Half::Response,
+        HeadersResponse {
+            response: Some(CommonResponse {
+                header_mutation: Some(HeaderMutation {
+                    set_headers: vec![set_header(PICKED_HEADER, picked)],
+                    remove_headers: Vec::new(),
+                }),
+                ..Default::default()
+            }),
+        },
+    )
+}
+
+/// Headers let through unchanged.
+pub fn continue_headers(half: Half) -> ProcessingResponse {
+    headers_answer(half, HeadersResponse { response: None })
 }
 
 /// A body message let through unchanged (modes other than duplex).
-pub fn continue_body(request: bool) -> ProcessingResponse {
-    let r = BodyResponse { response: None };
-    ProcessingResponse {
-        response: Some(if request {
-            processing_response::Response::RequestBody(r)
-        } else {
-            processing_response::Response::ResponseBody(r)
-        }),
-        ..Default::default()
-    }
+pub fn continue_body(half: Half) -> ProcessingResponse {
+    body_answer(half, BodyResponse { response: None })
 }
 
 /// Trailers let through unchanged.
-pub fn continue_trailers(request: bool) -> ProcessingResponse {
+pub fn continue_trailers(half: Half) -> ProcessingResponse {
     let r = TrailersResponse::default();
-    ProcessingResponse {
-        response: Some(if request {
-            processing_response::Response::RequestTrailers(r)
-        } else {
-            processing_response::Response::ResponseTrailers(r)
-        }),
-        ..Default::default()
-    }
+    message(match half {
+        Half::Request => processing_response::Response::RequestTrailers(r),
+        Half::Response => processing_response::Response::ResponseTrailers(r),
+    })
 }
 
-fn streamed(request: bool, body: Vec<u8>, end_of_stream: bool) -> ProcessingResponse {
-    let r = BodyResponse {
-        response: Some(CommonResponse {
-            body_mutation: Some(BodyMutation {
-                mutation: Some(body_mutation::Mutation::StreamedResponse(
-                    StreamedBodyResponse {
-                        body,
-                        end_of_stream,
-                        ..Default::default()
-                    },
-                )),
+/// A body chunk sent as the gateway's body in duplex mode.
+fn streamed(half: Half, body: Vec<u8>, end_of_stream: bool) -> ProcessingResponse {
+    body_answer(
+        half,
+        BodyResponse {
+            response: Some(CommonResponse {
+                body_mutation: Some(BodyMutation {
+                    mutation: Some(body_mutation::Mutation::StreamedResponse(
+                        StreamedBodyResponse {
+                            body,
+                            end_of_stream,
+                            ..Default::default()
+                        },
+                    )),
+                }),
+                ..Default::default()
             }),
-            ..Default::default()
-        }),
-    };
-    ProcessingResponse {
-        response: Some(if request {
-            processing_response::Response::RequestBody(r)
-        } else {
-            processing_response::Response::ResponseBody(r)
-        }),
-        ..Default::default()
-    }
+        },
+    )
 }
 
 /// A buffered request body sent back in duplex mode: chunks of at most
@@ -315,20 +319,20 @@ fn streamed(request: bool, body: Vec<u8>, end_of_stream: bool) -> ProcessingResp
 /// an empty body is one empty chunk.
 pub fn request_body_chunks(body: &[u8], end_of_stream: bool) -> Vec<ProcessingResponse> {
     if body.is_empty() {
-        return vec![streamed(true, Vec::new(), end_of_stream)];
+        return vec![streamed(Half::Request, Vec::new(), end_of_stream)];
     }
     let chunks: Vec<&[u8]> = body.chunks(BODY_CHUNK_LIMIT).collect();
     let last = chunks.len() - 1;
     chunks
         .into_iter()
         .enumerate()
-        .map(|(i, c)| streamed(true, c.to_vec(), end_of_stream && i == last))
+        .map(|(i, c)| streamed(Half::Request, c.to_vec(), end_of_stream && i == last))
         .collect()
 }
 
 /// A response chunk echoed back unchanged in duplex mode.
 pub fn response_chunk(body: Vec<u8>, end_of_stream: bool) -> ProcessingResponse {
-    streamed(false, body, end_of_stream)
+    streamed(Half::Response, body, end_of_stream)
 }
 
 /// An error answered to the client by the gateway: the status, OpenAI-style JSON,
