@@ -25,7 +25,6 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, Processin
 use futures::Stream;
 use kvgate_gateway::Gateway;
 use tokio::task::JoinHandle;
-use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Identity, Server, ServerTlsConfig};
@@ -77,12 +76,10 @@ impl ExternalProcessor for Picker {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
-        // Room for a large body's chunks and the pick without waiting on the gateway.
-        let (tx, rx) = tokio::sync::mpsc::channel(64);
-        let stream =
-            RequestStream::new(self.gw.clone(), self.opts.clone(), self.metrics.clone(), tx);
-        tokio::spawn(stream.run(request.into_inner()));
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        let stream = RequestStream::new(self.gw.clone(), self.opts.clone(), self.metrics.clone());
+        Ok(Response::new(Box::pin(
+            stream.answers(request.into_inner()),
+        )))
     }
 }
 

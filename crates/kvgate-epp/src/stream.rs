@@ -19,6 +19,7 @@ use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     processing_request::Request as Msg, ProcessingRequest, ProcessingResponse,
 };
+use futures::{Stream, StreamExt};
 use kvgate_gateway::errors::ApiError;
 use kvgate_gateway::front_door::{admit_head, check_body, HeadRefused};
 use kvgate_gateway::limits::Admission;
@@ -26,8 +27,7 @@ use kvgate_gateway::metrics::{RequestRecord, ResponseEnd};
 use kvgate_gateway::picking::{pick_endpoint, EndpointPick, PickRequest};
 use kvgate_gateway::proxy::is_event_stream;
 use kvgate_gateway::Gateway;
-use tokio::sync::mpsc;
-use tonic::Status;
+use tonic::{Status, Streaming};
 
 use crate::metrics::EppMetrics;
 use crate::wire::{self, Half, Head, PickMessage};
@@ -65,7 +65,8 @@ pub struct RequestStream {
     gw: Arc<Gateway>,
     opts: PickerOptions,
     metrics: Arc<EppMetrics>,
-    out: mpsc::Sender<Result<ProcessingResponse, Status>>,
+    /// The answers to the message being handled, sent once it is.
+    outbox: Vec<ProcessingResponse>,
     /// The request's line in `kvgate_requests_total` (chat and completions only, as
     /// `kvgate serve` counts).
     record: Option<RequestRecord>,
@@ -92,24 +93,20 @@ enum Ended {
     ByTrailers,
 }
 
-/// The stream's end: `Err` when the client of the picker (the gateway) went away.
-type Step = Result<(), Gone>;
+/// What handling a message came to (`Err`: nothing more to do for this request).
+type Step = Result<(), Done>;
 
-/// The gateway closed the stream (or stopped reading it).
-pub struct Gone;
+/// The request needs nothing more from this stream.
+pub struct Done;
 
 impl RequestStream {
-    pub fn new(
-        gw: Arc<Gateway>,
-        opts: PickerOptions,
-        metrics: Arc<EppMetrics>,
-        out: mpsc::Sender<Result<ProcessingResponse, Status>>,
-    ) -> Self {
+    pub fn new(gw: Arc<Gateway>, opts: PickerOptions, metrics: Arc<EppMetrics>) -> Self {
+        metrics.streams_open.inc();
         Self {
             gw,
             opts,
             metrics,
-            out,
+            outbox: Vec::new(),
             record: None,
             phase: Phase::Start,
             request_mode: None,
@@ -120,30 +117,39 @@ impl RequestStream {
         }
     }
 
-    /// Handles every message of the stream until it ends. Dropping `self` at the end
-    /// ends whatever it still holds: an unfinished response's booking ends as the client
+    /// The stream's answers: every message of `inbound` handled in order, on the task
+    /// that polls the answers (no task or channel between: each hop between threads
+    /// costs a wake-up, and a request's messages are a few round trips). When the
+    /// gateway ends the stream, or it breaks, `self` is dropped, and with it whatever
+    /// the request still holds: an unfinished response's booking ends as the client
     /// leaving.
-    pub async fn run(mut self, mut inbound: tonic::Streaming<ProcessingRequest>) {
-        self.metrics.streams_open.inc();
-        loop {
-            let msg = match inbound.message().await {
-                Ok(Some(m)) => m,
-                Ok(None) => break,
-                Err(status) => {
-                    tracing::debug!(%status, "ext_proc stream broke");
-                    break;
+    pub fn answers(
+        self,
+        inbound: Streaming<ProcessingRequest>,
+    ) -> impl Stream<Item = Result<ProcessingResponse, Status>> + Send {
+        futures::stream::unfold((self, inbound), |(mut this, mut inbound)| async move {
+            loop {
+                let msg = match inbound.message().await {
+                    Ok(Some(m)) => m,
+                    Ok(None) => return None,
+                    Err(status) => {
+                        tracing::debug!(%status, "ext_proc stream broke");
+                        return None;
+                    }
+                };
+                let _ = this.handle(msg).await;
+                if !this.outbox.is_empty() {
+                    let answers = std::mem::take(&mut this.outbox);
+                    return Some((answers, (this, inbound)));
                 }
-            };
-            if self.handle(msg).await.is_err() {
-                break;
             }
-        }
-        self.metrics.streams_open.dec();
-        self.metrics.streams.inc();
+        })
+        .flat_map(|answers| futures::stream::iter(answers.into_iter().map(Ok)))
     }
 
-    async fn send(&self, msg: ProcessingResponse) -> Step {
-        self.out.send(Ok(msg)).await.map_err(|_| Gone)
+    fn send(&mut self, msg: ProcessingResponse) -> Step {
+        self.outbox.push(msg);
+        Ok(())
     }
 
     /// Answers the client with `err` (an immediate response) and ends the request.
@@ -157,7 +163,7 @@ impl RequestStream {
         }
         self.phase = Phase::Picked;
         self.pick = None;
-        self.send(wire::immediate(&err)).await
+        self.send(wire::immediate(&err))
     }
 
     async fn handle(&mut self, msg: ProcessingRequest) -> Step {
@@ -187,7 +193,7 @@ impl RequestStream {
                 if matches!(self.phase, Phase::Body(_)) {
                     self.pick_and_answer(Ended::ByTrailers).await?;
                 }
-                self.send(wire::continue_trailers(Half::Request)).await
+                self.send(wire::continue_trailers(Half::Request))
             }
             Msg::ResponseHeaders(h) => {
                 let attributes = [&msg.attributes, &h.attributes];
@@ -201,7 +207,7 @@ impl RequestStream {
                     Some(picked) => wire::response_headers_naming(picked),
                     None => wire::continue_headers(Half::Response),
                 };
-                self.send(answer).await
+                self.send(answer)
             }
             Msg::ResponseBody(b) => {
                 if let Some(watch) = self.pick.as_mut().and_then(|p| p.watch.as_mut()) {
@@ -212,14 +218,13 @@ impl RequestStream {
                 }
                 if self.response_duplex {
                     self.send(wire::response_chunk(b.body, b.end_of_stream))
-                        .await
                 } else {
-                    self.send(wire::continue_body(Half::Response)).await
+                    self.send(wire::continue_body(Half::Response))
                 }
             }
             Msg::ResponseTrailers(_) => {
                 self.finish(ResponseEnd::Complete);
-                self.send(wire::continue_trailers(Half::Response)).await
+                self.send(wire::continue_trailers(Half::Response))
             }
         }
     }
@@ -270,7 +275,7 @@ impl RequestStream {
         // Buffered: the gateway waits for this answer before it sends the body; the
         // pick rides on the body's answer.
         self.headers_answered = true;
-        self.send(wire::continue_headers(Half::Request)).await
+        self.send(wire::continue_headers(Half::Request))
     }
 
     async fn on_request_body(&mut self, chunk: Bytes, end_of_stream: bool) -> Step {
@@ -279,7 +284,7 @@ impl RequestStream {
             // Picked on the head alone: a streamed body's chunks pass unchanged (after
             // an immediate response, or with no head, nothing is sent).
             if self.pick.is_some() && self.request_mode == Some(BodySendMode::Streamed) {
-                return self.send(wire::continue_body(Half::Request)).await;
+                return self.send(wire::continue_body(Half::Request));
             }
             return Ok(());
         };
@@ -352,17 +357,17 @@ impl RequestStream {
         self.pick = Some(pick);
         match self.request_mode {
             Some(BodySendMode::FullDuplexStreamed) if ended != Ended::WithHead => {
-                self.send(message.headers_response()).await?;
+                self.send(message.headers_response())?;
                 let end_of_stream = ended == Ended::WithBody;
                 for chunk in wire::request_body_chunks(&body, end_of_stream) {
-                    self.send(chunk).await?;
+                    self.send(chunk)?;
                 }
                 Ok(())
             }
             // Buffered: the headers were answered; the pick rides on the body's answer.
-            _ if self.headers_answered => self.send(message.body_response()).await,
+            _ if self.headers_answered => self.send(message.body_response()),
             // Picked on the head: its answer carries the pick.
-            _ => self.send(message.headers_response()).await,
+            _ => self.send(message.headers_response()),
         }
     }
 
@@ -401,6 +406,13 @@ impl RequestStream {
         if let Some(watch) = self.pick.as_mut().and_then(|p| p.watch.as_mut()) {
             watch.finish(outcome);
         }
+    }
+}
+
+impl Drop for RequestStream {
+    fn drop(&mut self) {
+        self.metrics.streams_open.dec();
+        self.metrics.streams.inc();
     }
 }
 
