@@ -93,12 +93,6 @@ enum Ended {
     ByTrailers,
 }
 
-/// What handling a message came to (`Err`: nothing more to do for this request).
-type Step = Result<(), Done>;
-
-/// The request needs nothing more from this stream.
-pub struct Done;
-
 impl RequestStream {
     pub fn new(gw: Arc<Gateway>, opts: PickerOptions, metrics: Arc<EppMetrics>) -> Self {
         metrics.streams_open.inc();
@@ -137,7 +131,7 @@ impl RequestStream {
                         return None;
                     }
                 };
-                let _ = this.handle(msg).await;
+                this.handle(msg).await;
                 if !this.outbox.is_empty() {
                     let answers = std::mem::take(&mut this.outbox);
                     return Some((answers, (this, inbound)));
@@ -147,13 +141,12 @@ impl RequestStream {
         .flat_map(|answers| futures::stream::iter(answers.into_iter().map(Ok)))
     }
 
-    fn send(&mut self, msg: ProcessingResponse) -> Step {
+    fn send(&mut self, msg: ProcessingResponse) {
         self.outbox.push(msg);
-        Ok(())
     }
 
     /// Answers the client with `err` (an immediate response) and ends the request.
-    async fn refuse(&mut self, err: ApiError) -> Step {
+    async fn refuse(&mut self, err: ApiError) {
         self.metrics
             .immediate
             .with_label_values(&[err.status.as_str()])
@@ -166,14 +159,14 @@ impl RequestStream {
         self.send(wire::immediate(&err))
     }
 
-    async fn handle(&mut self, msg: ProcessingRequest) -> Step {
+    async fn handle(&mut self, msg: ProcessingRequest) {
         if let Some(pc) = &msg.protocol_config {
             self.request_mode = BodySendMode::try_from(pc.request_body_mode).ok();
             self.response_duplex = BodySendMode::try_from(pc.response_body_mode)
                 .is_ok_and(|m| m == BodySendMode::FullDuplexStreamed);
         }
         let Some(request) = msg.request else {
-            return Ok(());
+            return;
         };
         match request {
             Msg::RequestHeaders(h) => {
@@ -191,7 +184,7 @@ impl RequestStream {
             Msg::RequestBody(b) => self.on_request_body(b.body.into(), b.end_of_stream).await,
             Msg::RequestTrailers(_) => {
                 if matches!(self.phase, Phase::Body(_)) {
-                    self.pick_and_answer(Ended::ByTrailers).await?;
+                    self.pick_and_answer(Ended::ByTrailers).await;
                 }
                 self.send(wire::continue_trailers(Half::Request))
             }
@@ -234,7 +227,7 @@ impl RequestStream {
         head: Head,
         allowed: Option<Vec<String>>,
         end_of_stream: bool,
-    ) -> Step {
+    ) {
         if !matches!(self.phase, Phase::Start) {
             return self
                 .refuse(ApiError::bad_request(
@@ -270,7 +263,7 @@ impl RequestStream {
         }
         if duplex {
             // The headers' answer carries the pick, once the body is read.
-            return Ok(());
+            return;
         }
         // Buffered: the gateway waits for this answer before it sends the body; the
         // pick rides on the body's answer.
@@ -278,7 +271,7 @@ impl RequestStream {
         self.send(wire::continue_headers(Half::Request))
     }
 
-    async fn on_request_body(&mut self, chunk: Bytes, end_of_stream: bool) -> Step {
+    async fn on_request_body(&mut self, chunk: Bytes, end_of_stream: bool) {
         let max = self.gw.config.limits.max_body_bytes;
         let Phase::Body(pending) = &mut self.phase else {
             // Picked on the head alone: a streamed body's chunks pass unchanged (after
@@ -286,23 +279,22 @@ impl RequestStream {
             if self.pick.is_some() && self.request_mode == Some(BodySendMode::Streamed) {
                 return self.send(wire::continue_body(Half::Request));
             }
-            return Ok(());
+            return;
         };
         if pending.body.len() + chunk.len() > max {
             return self.refuse(ApiError::body_too_large(max)).await;
         }
         pending.body.extend_from_slice(&chunk);
         if end_of_stream {
-            return self.pick_and_answer(Ended::WithBody).await;
+            self.pick_and_answer(Ended::WithBody).await;
         }
-        Ok(())
     }
 
     /// The request is read as far as the pick needs (`ended` says how it ended): pick,
     /// and answer as the request's mode wants.
-    async fn pick_and_answer(&mut self, ended: Ended) -> Step {
+    async fn pick_and_answer(&mut self, ended: Ended) {
         let Phase::Body(pending) = std::mem::replace(&mut self.phase, Phase::Picked) else {
-            return Ok(());
+            return;
         };
         let Pending {
             head,
@@ -357,12 +349,11 @@ impl RequestStream {
         self.pick = Some(pick);
         match self.request_mode {
             Some(BodySendMode::FullDuplexStreamed) if ended != Ended::WithHead => {
-                self.send(message.headers_response())?;
+                self.send(message.headers_response());
                 let end_of_stream = ended == Ended::WithBody;
                 for chunk in wire::request_body_chunks(&body, end_of_stream) {
-                    self.send(chunk)?;
+                    self.send(chunk);
                 }
-                Ok(())
             }
             // Buffered: the headers were answered; the pick rides on the body's answer.
             _ if self.headers_answered => self.send(message.body_response()),
