@@ -378,6 +378,11 @@ impl RequestStream {
         }
         if let Some(watch) = &mut pick.watch {
             watch.set_event_stream(is_event_stream(&head.headers));
+            // The worker answered (the stall watcher reads this, as it does a proxied
+            // response's first byte).
+            if let Some(lease) = watch.lease() {
+                lease.worker().progress.touch();
+            }
         }
         let status = head
             .status

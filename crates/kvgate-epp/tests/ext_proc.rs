@@ -385,6 +385,20 @@ async fn a_pick_resends_the_body_byte_exact_and_echoes_the_response() {
     }
     assert_eq!(resent, whole, "the body comes back byte-exact");
     assert_eq!(p.booked(), 1);
+    // The picked worker's progress clock (what the stall watcher reads) moves with its
+    // answer, as it does for a proxied response.
+    let worker_of = |endpoint: &str| {
+        p.gw.gateway()
+            .model("m")
+            .unwrap()
+            .workers()
+            .iter()
+            .find(|w| w.url.ends_with(endpoint))
+            .cloned()
+            .unwrap()
+    };
+    let untouched = worker_of(&pick.header).progress.last();
+    tokio::time::sleep(Duration::from_millis(5)).await;
 
     c.send(response_headers(200, "text/event-stream", None))
         .await;
@@ -408,6 +422,7 @@ async fn a_pick_resends_the_body_byte_exact_and_echoes_the_response() {
             assert_eq!(p.booked(), 1, "held while the response streams");
         }
     }
+    assert!(worker_of(&pick.header).progress.last() > untouched);
     p.until_booked(0).await;
 }
 

@@ -186,9 +186,6 @@ impl Body for ObservedBody {
             }
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some(data) = frame.data_ref() {
-                    if let Some(lease) = &this.obs.life.lease {
-                        lease.worker().progress.touch();
-                    }
                     this.obs.observe(data);
                 }
                 if this.inner.is_end_stream() {
@@ -262,8 +259,12 @@ impl ResponseWatch {
         self.life.lease.as_ref().map_or("", |l| &*l.worker().url)
     }
 
-    /// One chunk of the response body, as it passes.
+    /// One chunk of the response body, as it passes: the worker answered (the stall
+    /// watcher reads that), and the booking hears of its first token and progress.
     pub fn observe(&mut self, data: &[u8]) {
+        if let Some(lease) = &self.life.lease {
+            lease.worker().progress.touch();
+        }
         if !self.sse {
             if !self.first_seen {
                 self.first_token();

@@ -40,7 +40,8 @@ impl Progress {
         self.last_ms.fetch_max(ms, Ordering::Relaxed);
     }
 
-    pub(crate) fn last(&self) -> Instant {
+    /// When the engine last showed progress (the clock's start if never).
+    pub fn last(&self) -> Instant {
         self.epoch + Duration::from_millis(self.last_ms.load(Ordering::Relaxed))
     }
 
