@@ -146,7 +146,7 @@ impl RequestStream {
     }
 
     /// Answers the client with `err` (an immediate response) and ends the request.
-    async fn refuse(&mut self, err: ApiError) {
+    fn refuse(&mut self, err: ApiError) {
         self.metrics
             .immediate
             .with_label_values(&[err.status.as_str()])
@@ -229,22 +229,20 @@ impl RequestStream {
         end_of_stream: bool,
     ) {
         if !matches!(self.phase, Phase::Start) {
-            return self
-                .refuse(ApiError::bad_request(
-                    "invalid_stream",
-                    "a second request head on one ext_proc stream",
-                ))
-                .await;
+            return self.refuse(ApiError::bad_request(
+                "invalid_stream",
+                "a second request head on one ext_proc stream",
+            ));
         }
         if kvgate_gateway::picking::routed_kind(&head.path).is_some() {
             self.record = Some(RequestRecord::new(&self.gw.metrics));
         }
         if allowed.as_ref().is_some_and(Vec::is_empty) {
-            return self.refuse(no_endpoint_allowed()).await;
+            return self.refuse(no_endpoint_allowed());
         }
         let admission = match admit_head(&self.gw, &head.headers).await {
             Ok(a) => a,
-            Err(HeadRefused::Head(e) | HeadRefused::Admission(e)) => return self.refuse(e).await,
+            Err(HeadRefused::Head(e) | HeadRefused::Admission(e)) => return self.refuse(e),
         };
         self.phase = Phase::Body(Box::new(Pending {
             head,
@@ -282,7 +280,7 @@ impl RequestStream {
             return;
         };
         if pending.body.len() + chunk.len() > max {
-            return self.refuse(ApiError::body_too_large(max)).await;
+            return self.refuse(ApiError::body_too_large(max));
         }
         pending.body.extend_from_slice(&chunk);
         if end_of_stream {
@@ -306,7 +304,7 @@ impl RequestStream {
         let routed = kvgate_gateway::picking::routed_kind(&head.path).is_some();
         if routed {
             if let Err(e) = check_body(&self.gw, &body) {
-                return self.refuse(e).await;
+                return self.refuse(e);
             }
         }
         let remove: Vec<String> = head
@@ -327,7 +325,7 @@ impl RequestStream {
         };
         let pick = match pick_endpoint(&self.gw, req).await {
             Ok(p) => p,
-            Err(e) => return self.refuse(e).await,
+            Err(e) => return self.refuse(e),
         };
         let model = pick.model.as_ref().map_or("", |m| &*m.name).to_owned();
         self.metrics
