@@ -452,6 +452,12 @@ async fn run_row(
     shape: &Shape,
     spec: &RouterSpec,
 ) -> Result<ScenarioRow, RunError> {
+    if matches!(spec, RouterSpec::Envoy(_)) {
+        // An Envoy row's fleet is fixed in its configuration: no engine could join it.
+        return Err(RunError::Failed(anyhow::anyhow!(
+            "scenarios change the fleet; an envoy: row's fleet is fixed in Envoy's configuration"
+        )));
+    }
     let log_dir = row_log_dir(&cfg.out_dir, kind, &spec.file_stem());
     let engine_cfg = EngineConfig {
         engines: shape.engines,
@@ -472,12 +478,11 @@ async fn run_row(
         startup_timeout: cfg.router_startup_timeout,
         kvgate_extra_args: kvgate_args,
     };
-    let (mut fleet, router, url, more, _, sidecars) =
+    let (mut fleet, router, url, more, _, _) =
         start_router(spec, &ctx, fleet, &addrs[..shape.routed_at_start]).await?;
-    if !more.is_empty() || !sidecars.is_empty() {
-        // An Envoy row's fleet is fixed in its configuration: no engine joins it.
+    if !more.is_empty() {
         return Err(RunError::Failed(anyhow::anyhow!(
-            "scenarios run one router process per row (not envoy: rows)"
+            "scenarios run one router replica per row"
         )));
     }
     let workload = Arc::new(TenantWorkload::new(shape, cfg.engine.seed));
@@ -699,7 +704,7 @@ async fn add_worker(
                 .send()
                 .await?
         }
-        RouterSpec::Envoy(_) => anyhow::bail!("an Envoy row's fleet is fixed"),
+        RouterSpec::Envoy(_) => anyhow::bail!("an envoy: row's fleet is fixed"),
         RouterSpec::VllmRouter(_) | RouterSpec::SglangRouter(_) => {
             let first = http
                 .post(format!("{router_url}/workers"))
