@@ -127,6 +127,8 @@ async fn ready_pods_become_workers_and_a_deleted_pod_leaves() {
 struct FakeCluster {
     pods: Arc<Mutex<Vec<serde_json::Value>>>,
     pool: Arc<Mutex<serde_json::Value>>,
+    /// How often the pool was read (each refresh reads it once).
+    pool_reads: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 fn pod(name: &str, ip: &str, labels: &[(&str, &str)], ready: bool) -> serde_json::Value {
@@ -198,6 +200,8 @@ async fn fake_cluster(cluster: FakeCluster) -> String {
         }))
     }
     async fn pool(State(c): State<FakeCluster>) -> axum::Json<serde_json::Value> {
+        c.pool_reads
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         axum::Json(c.pool.lock().unwrap().clone())
     }
     let app = Router::new()
@@ -306,9 +310,14 @@ async fn an_inference_pools_ready_pods_are_its_endpoints() {
     })
     .await;
 
-    // A pool the API server cannot serve removes nothing.
+    // A pool the API server cannot serve removes nothing, however many refreshes read it.
     *cluster.pool.lock().unwrap() = serde_json::json!({"kind": "Status", "code": 404});
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let reads = || cluster.pool_reads.load(std::sync::atomic::Ordering::SeqCst);
+    let before = reads();
+    eventually("three refreshes read the broken pool", || {
+        reads() >= before + 3
+    })
+    .await;
     assert_eq!(workers_with_events(&gw), [endpoint("10.0.0.2", 9000, 5557)]);
     gw.shutdown_within(Duration::from_secs(1)).await;
 }
