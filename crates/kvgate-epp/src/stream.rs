@@ -78,8 +78,6 @@ pub struct RequestStream {
     /// The request headers were answered before the pick (buffered mode).
     headers_answered: bool,
     pick: Option<EndpointPick>,
-    /// The endpoint picked (the booking's may move; this stays).
-    picked: Option<String>,
 }
 
 /// How a request's reading ended before its pick.
@@ -107,7 +105,6 @@ impl RequestStream {
             response_duplex: false,
             headers_answered: false,
             pick: None,
-            picked: None,
         }
     }
 
@@ -196,8 +193,8 @@ impl RequestStream {
                 if h.end_of_stream {
                     self.finish(ResponseEnd::Complete);
                 }
-                let answer = match &self.picked {
-                    Some(picked) => wire::response_headers_naming(picked),
+                let answer = match &self.pick {
+                    Some(pick) => wire::response_headers_naming(&pick.endpoint),
                     None => wire::continue_headers(Half::Response),
                 };
                 self.send(answer)
@@ -343,7 +340,6 @@ impl RequestStream {
             remove,
             conformance_echo: self.opts.conformance_hooks,
         };
-        self.picked = Some(pick.endpoint.clone());
         self.pick = Some(pick);
         match self.request_mode {
             Some(BodySendMode::FullDuplexStreamed) if ended != Ended::WithHead => {

@@ -51,7 +51,7 @@ pub struct PickRequest {
 
 /// What was picked for a request, and its hold until its response ends.
 pub struct EndpointPick {
-    /// `host:port` of the worker picked.
+    /// `host:port` of the worker picked (it stays the pick when the booking moves).
     pub endpoint: String,
     /// Further endpoints, best first, for a gateway that retries down a list.
     pub fallbacks: Vec<String>,
@@ -170,7 +170,6 @@ impl EndpointPick {
             return false;
         };
         watch.replace_lease(lease, moved.predicted_cached_tokens);
-        self.endpoint = served.to_owned();
         true
     }
 }

@@ -6,7 +6,11 @@
 //! Ignored by a plain `cargo test`: it needs Envoy. scripts/test.sh (so .ci/run)
 //! installs it (scripts/envoy.sh) and runs these with `--ignored`.
 
+mod common;
+
 use std::time::{Duration, Instant};
+
+use common::bin;
 
 use futures::StreamExt;
 use kvgate_bench::envoy::{self, EnvoyConfig, PickerAddr};
@@ -15,10 +19,6 @@ use kvgate_bench::process::{free_ports, ManagedChild};
 use serde_json::{json, Value};
 
 const MODEL: &str = "mock-model";
-
-fn bin() -> std::path::PathBuf {
-    env!("CARGO_BIN_EXE_kvgate").into()
-}
 
 fn http() -> reqwest::Client {
     reqwest::Client::builder()
