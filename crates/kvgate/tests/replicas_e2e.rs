@@ -9,14 +9,18 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::bin;
+use common::{bin, ProcessLogs};
 
 use kvgate_bench::fleet::{EngineConfig, Fleet};
 use kvgate_bench::process::{free_ports, ManagedChild};
 use serde_json::{json, Value};
 
 const MODEL: &str = "mock-model";
-const EXPIRY_MS: u64 = 1000;
+/// Peer expiry: a peer silent this long loses its bookings. Short, so the tests that
+/// wait for it are quick, but four heartbeats (500 ms) as by default: at two, one late
+/// heartbeat on a busy machine drops a peer that is alive, and its stream is followed
+/// again only after a backoff.
+const EXPIRY_MS: u64 = 2000;
 
 async fn engines(n: usize, logs: &std::path::Path) -> Fleet {
     engines_with(n, &[], logs).await
@@ -238,7 +242,7 @@ async fn until_metric(url: &str, name: &str, want: f64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_replicas_share_their_bookings_and_drop_a_dead_or_silent_ones() {
-    let logs = tempfile::tempdir().unwrap();
+    let logs = ProcessLogs::new();
     let fleet = engines(2, logs.path()).await;
     let ports = free_ports(4).unwrap();
     let url = |i: usize| format!("http://127.0.0.1:{}", ports[i]);
@@ -353,7 +357,7 @@ async fn three_replicas_share_their_bookings_and_drop_a_dead_or_silent_ones() {
 /// stream closes), well before the expiry.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_replicas_found_through_dns_skip_themselves_and_drop_a_killed_one_at_once() {
-    let logs = tempfile::tempdir().unwrap();
+    let logs = ProcessLogs::new();
     let fleet = engines(2, logs.path()).await;
     let port = free_ports(1).unwrap()[0];
     // "localhost" resolves to 127.0.0.1 only; the second replica listens on
@@ -550,7 +554,7 @@ async fn until_indexed(url: &str, served: &[String]) {
 /// reports nothing missing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_replica_routes_to_cached_prefixes_from_the_engines_replay_buffers() {
-    let logs = tempfile::tempdir().unwrap();
+    let logs = ProcessLogs::new();
     let fleet = engines(2, logs.path()).await;
     let ports = free_ports(2).unwrap();
     let first = format!("http://127.0.0.1:{}", ports[0]);
@@ -583,7 +587,7 @@ async fn a_late_replica_routes_to_cached_prefixes_from_the_engines_replay_buffer
 /// its first request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_replica_loads_a_peers_index_snapshot_where_replay_buffers_fall_short() {
-    let logs = tempfile::tempdir().unwrap();
+    let logs = ProcessLogs::new();
     let fleet = engines_with(2, &["--replay-buffer", "2"], logs.path()).await;
     let ports = free_ports(4).unwrap();
     let url = |i: usize| format!("http://127.0.0.1:{}", ports[i]);
@@ -658,7 +662,7 @@ async fn a_late_replica_loads_a_peers_index_snapshot_where_replay_buffers_fall_s
 /// buffers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bootstrap_from_hung_peers_is_bounded_in_all_and_not_ready_meanwhile() {
-    let logs = tempfile::tempdir().unwrap();
+    let logs = ProcessLogs::new();
     let fleet = engines(2, logs.path()).await;
     let mut hung = Vec::new();
     let mut peers = Vec::new();
@@ -731,7 +735,7 @@ async fn a_bootstrap_from_hung_peers_is_bounded_in_all_and_not_ready_meanwhile()
 /// serves requests routed by kv_aware on its events.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_found_through_dns_join_with_their_kv_events() {
-    let logs = tempfile::tempdir().unwrap();
+    let logs = ProcessLogs::new();
     let fleet = engines(1, logs.path()).await;
     let engine = fleet.addrs()[0].clone();
     let port_of = |u: &str| u.rsplit(':').next().unwrap().to_owned();
@@ -823,7 +827,7 @@ fn per_worker(held: &[(reqwest::Response, String)]) -> std::collections::BTreeMa
 /// both of them, so a choice that sees every booking before it is exact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_choose_at_one_leader_and_carry_on_without_it() {
-    let logs = tempfile::tempdir().unwrap();
+    let logs = ProcessLogs::new();
     let fleet = engines(2, logs.path()).await;
     let ports = free_ports(3).unwrap();
     let url = |i: usize| format!("http://127.0.0.1:{}", ports[i]);
@@ -943,7 +947,7 @@ async fn replicas_choose_at_one_leader_and_carry_on_without_it() {
 /// keyed otherwise.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leader_chooses_only_for_replicas_that_key_prompts_as_it_does() {
-    let logs = tempfile::tempdir().unwrap();
+    let logs = ProcessLogs::new();
     let fleet = engines(2, logs.path()).await;
     let ports = free_ports(3).unwrap();
     let url = |i: usize| format!("http://127.0.0.1:{}", ports[i]);
@@ -987,7 +991,11 @@ impl Link {
     /// A link to the replica listening on `port`.
     async fn to(port: u16) -> Link {
         use std::sync::atomic::Ordering::Relaxed;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        // On an address of its own: the replicas' ports, reserved on 127.0.0.1 by
+        // `free_ports` and released before the replicas bind them, cannot be taken by
+        // a link meanwhile (a link on a replica's port would make the replica fail to
+        // start while the link answers its health checks for another one).
+        let listener = tokio::net::TcpListener::bind("127.0.0.99:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let cut = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let answer_delay_ms = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
@@ -1132,7 +1140,7 @@ async fn until_no_bookings(urls: &[String], within: Duration) {
 /// holds a choice. When the link heals they follow each other again and a leads all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partition_between_the_leader_and_a_replica_serves_every_request_and_leaks_nothing() {
-    let logs = tempfile::tempdir().unwrap();
+    let logs = ProcessLogs::new();
     let fleet = engines(2, logs.path()).await;
     let ports = free_ports(3).unwrap();
     let url = |i: usize| format!("http://127.0.0.1:{}", ports[i]);
@@ -1265,7 +1273,7 @@ async fn leader_and_follower(
 /// here).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_leader_is_passed_over_and_its_late_choices_are_released_at_once() {
-    let logs = tempfile::tempdir().unwrap();
+    let logs = ProcessLogs::new();
     let fleet = engines(2, logs.path()).await;
     let ports = free_ports(2).unwrap();
     let url = |i: usize| format!("http://127.0.0.1:{}", ports[i]);
@@ -1307,7 +1315,7 @@ async fn a_slow_leader_is_passed_over_and_its_late_choices_are_released_at_once(
 /// 30 s peer expiry.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lagging_follower_is_served_and_leaves_no_hold_behind() {
-    let logs = tempfile::tempdir().unwrap();
+    let logs = ProcessLogs::new();
     let fleet = engines(2, logs.path()).await;
     let ports = free_ports(2).unwrap();
     let url = |i: usize| format!("http://127.0.0.1:{}", ports[i]);

@@ -107,3 +107,46 @@ pub fn compare_config(routers: Vec<RouterSpec>, out: &Path) -> CompareConfig {
         baseline: "round_robin".into(),
     }
 }
+
+/// The folder a test's child processes log to (`ManagedChild::spawn`'s `log_dir`):
+/// removed when the test passes; when it fails, kept, and the tail of every child's
+/// stderr printed beside the panic, so a failure seen only in CI shows what the
+/// processes said.
+pub struct ProcessLogs(Option<tempfile::TempDir>);
+
+impl ProcessLogs {
+    pub fn new() -> Self {
+        Self(Some(tempfile::tempdir().unwrap()))
+    }
+
+    pub fn path(&self) -> &Path {
+        self.0.as_ref().map(|d| d.path()).unwrap_or(Path::new("."))
+    }
+}
+
+impl Drop for ProcessLogs {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        let Some(dir) = self.0.take() else { return };
+        let dir = dir.keep();
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            return;
+        };
+        let mut logs: Vec<PathBuf> = entries
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.to_string_lossy().ends_with(".err.log"))
+            .collect();
+        logs.sort();
+        for log in logs {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            eprintln!(
+                "--- {} (last 30 lines)\n{}",
+                log.display(),
+                lines[lines.len().saturating_sub(30)..].join("\n")
+            );
+        }
+    }
+}
