@@ -89,7 +89,6 @@ impl EppArgs {
             kv_events_port: events(self.pool_kv_events_port),
             kv_events_replay_port: self.pool_kv_events_replay_port,
             api_url: self.kubernetes_api_url.clone(),
-            refresh_ms: 2_000,
             ..kvgate_gateway::WorkersKubernetesConfig::default()
         });
         config.validate()

@@ -1,7 +1,7 @@
 //! Engines found without naming them: a model's `workers_dns` name (a Kubernetes
 //! headless Service of engine pods) re-resolved periodically, or its
-//! `workers_kubernetes` pods listed through the Kubernetes API by label selector
-//! (`--features kubernetes`); each address a worker. A disaggregated model's prefill
+//! `workers_kubernetes` pods (by label selector, or an InferencePool's) watched through
+//! the Kubernetes API (`--features kubernetes`); each address a worker. A disaggregated model's prefill
 //! pool has its own (`pd.prefill_workers_dns`, `pd.prefill_workers_kubernetes`).
 //!
 //! Owns the resolve-and-reconcile loop and the pure reconcile step ([`reconcile`]):
@@ -59,55 +59,48 @@ pub fn reconcile(
 
 /// Where a model's discovered workers come from.
 enum Source {
-    Dns(WorkersDnsConfig),
+    /// A name re-resolved on every tick.
+    Dns(WorkersDnsConfig, crate::gateway::Ticks),
+    /// Pods (of an InferencePool) watched through the Kubernetes API, until shutdown.
     #[cfg(feature = "kubernetes")]
-    Kubernetes(crate::config::WorkersKubernetesConfig, Option<kube::Client>),
+    Kubernetes(
+        Box<kubernetes::PoolWatch>,
+        tokio_util::sync::CancellationToken,
+    ),
 }
+
+/// The workers a source has now: their addresses, and the ports and ranks each is given.
+type Resolution = (Vec<SocketAddr>, DiscoveredPorts);
 
 impl Source {
     fn describe(&self) -> String {
         match self {
-            Source::Dns(d) => format!("dns {}", d.name),
+            Source::Dns(d, _) => format!("dns {}", d.name),
             #[cfg(feature = "kubernetes")]
-            Source::Kubernetes(k, _) => match &k.inference_pool {
-                Some(pool) => format!("inference pool {pool}"),
-                None => format!("pods {}", k.label_selector),
-            },
+            Source::Kubernetes(w, _) => w.describe(),
         }
     }
 
-    fn refresh(&self) -> Duration {
-        Duration::from_millis(match self {
-            Source::Dns(d) => d.refresh_ms,
-            #[cfg(feature = "kubernetes")]
-            Source::Kubernetes(k, _) => k.refresh_ms,
-        })
-    }
-
-    /// The addresses of the workers now, and the ports and ranks each is given.
-    async fn resolve(&mut self) -> anyhow::Result<(Vec<SocketAddr>, DiscoveredPorts)> {
+    /// The workers after the next change (a DNS name: at the next tick); `None` at
+    /// shutdown.
+    async fn next(&mut self) -> Option<anyhow::Result<Resolution>> {
         match self {
-            Source::Dns(d) => Ok((
-                tokio::net::lookup_host(d.name.as_str()).await?.collect(),
-                d.ports(),
-            )),
-            #[cfg(feature = "kubernetes")]
-            Source::Kubernetes(cfg, client) => {
-                let c = match client {
-                    Some(c) => c.clone(),
-                    None => {
-                        let c = kubernetes::client(cfg).await?;
-                        *client = Some(c.clone());
-                        c
-                    }
-                };
-                let pods = match &cfg.inference_pool {
-                    // The pool's selector and ports as they are now.
-                    Some(pool) => kubernetes::inference_pool(&c, cfg, pool).await?,
-                    None => cfg.clone(),
-                };
-                Ok((kubernetes::ready_pod_addrs(&c, &pods).await?, pods.ports()))
+            Source::Dns(d, ticks) => {
+                if !ticks.next().await {
+                    return None;
+                }
+                Some(
+                    tokio::net::lookup_host(d.name.as_str())
+                        .await
+                        .map(|addrs| (addrs.collect(), d.ports()))
+                        .map_err(Into::into),
+                )
             }
+            #[cfg(feature = "kubernetes")]
+            Source::Kubernetes(w, shutdown) => tokio::select! {
+                _ = shutdown.cancelled() => None,
+                r = w.next() => Some(r),
+            },
         }
     }
 }
@@ -129,11 +122,14 @@ pub async fn run_worker_discovery(gw: Arc<Gateway>) {
         ];
         for (pool, dns, kubernetes) in pools {
             if let Some(d) = dns {
-                sources.push((m.name.clone(), pool, Source::Dns(d.clone())));
+                let ticks = gw.ticks(Duration::from_millis(d.refresh_ms));
+                sources.push((m.name.clone(), pool, Source::Dns(d.clone(), ticks)));
             }
             #[cfg(feature = "kubernetes")]
             if let Some(k) = kubernetes {
-                sources.push((m.name.clone(), pool, Source::Kubernetes(k.clone(), None)));
+                let watch = kubernetes::PoolWatch::new(k.clone());
+                let source = Source::Kubernetes(Box::new(watch), gw.shutdown.clone());
+                sources.push((m.name.clone(), pool, source));
             }
             #[cfg(not(feature = "kubernetes"))]
             let _ = kubernetes;
@@ -150,11 +146,10 @@ pub async fn run_worker_discovery(gw: Arc<Gateway>) {
 
 async fn discover(gw: Arc<Gateway>, model: String, pool: &'static str, mut source: Source) {
     let mut known: BTreeSet<String> = BTreeSet::new();
-    let mut ticks = gw.ticks(source.refresh());
     let what = source.describe();
     let mut last_error = String::new();
-    while ticks.next().await {
-        let (resolved, ports) = match source.resolve().await {
+    while let Some(resolution) = source.next().await {
+        let (resolved, ports) = match resolution {
             Ok(addrs) => {
                 last_error.clear();
                 addrs
@@ -200,14 +195,24 @@ async fn discover(gw: Arc<Gateway>, model: String, pool: &'static str, mut sourc
     }
 }
 
-/// Engine pods through the Kubernetes API (`--features kubernetes`).
+/// Engine pods through the Kubernetes API (`--features kubernetes`): watched, not
+/// polled (one list, then the API server's change stream; a broken watch is resumed,
+/// or listed again, with the client-go backoff, keeping what was known).
 #[cfg(feature = "kubernetes")]
 pub mod kubernetes {
+    use std::collections::BTreeMap;
     use std::net::{IpAddr, SocketAddr};
+    use std::time::Duration;
 
+    use futures::stream::BoxStream;
+    use futures::StreamExt;
     use k8s_openapi::api::core::v1::Pod;
-    use kube::api::{Api, ApiResource, DynamicObject, ListParams};
+    use kube::api::{Api, ApiResource, DynamicObject};
+    use kube::runtime::watcher::{self, Event};
+    use kube::runtime::WatchStreamExt;
+    use kube::ResourceExt;
 
+    use super::Resolution;
     use crate::config::WorkersKubernetesConfig;
 
     /// A client for the configured API URL, else the in-cluster service account or
@@ -219,54 +224,190 @@ pub mod kubernetes {
         })
     }
 
-    /// The addresses of the running, ready pods the selector matches: one per pod
-    /// and port.
-    pub async fn ready_pod_addrs(
-        client: &kube::Client,
-        cfg: &WorkersKubernetesConfig,
-    ) -> anyhow::Result<Vec<SocketAddr>> {
-        let api: Api<Pod> = match &cfg.namespace {
-            Some(ns) => Api::namespaced(client.clone(), ns),
-            None => Api::default_namespaced(client.clone()),
-        };
-        let pods = api
-            .list(&ListParams::default().labels(&cfg.label_selector))
-            .await?;
-        let ports = cfg.pod_ports();
-        Ok(pods
-            .items
-            .iter()
-            .filter_map(ready_ip)
-            .flat_map(|ip| ports.iter().map(move |p| SocketAddr::new(ip, *p)))
-            .collect())
+    /// Wait before making a client again after it could not be made.
+    const CLIENT_RETRY: Duration = Duration::from_secs(5);
+
+    type Watch<K> = BoxStream<'static, Result<Event<K>, watcher::Error>>;
+
+    /// The ready pods of a label selector, or of an InferencePool (whose selector and
+    /// ports are watched too: a change restarts the pods' watch with the new ones).
+    pub struct PoolWatch {
+        cfg: WorkersKubernetesConfig,
+        client: Option<kube::Client>,
+        /// The InferencePool's watch, when one is followed.
+        pool: Option<Watch<DynamicObject>>,
+        /// The pods' watch, and the selector and ports it was made with.
+        pods: Option<(Watch<Pod>, WorkersKubernetesConfig)>,
+        /// Ready pods by name, as of the last complete list plus the changes since.
+        ready: BTreeMap<String, IpAddr>,
+        /// A list in progress (the watch started or restarted): replaces `ready` once
+        /// complete.
+        listing: Option<BTreeMap<String, IpAddr>>,
     }
 
-    /// `cfg` with the selector and ports of the InferencePool `name`
-    /// (`inference.networking.k8s.io/v1`) as the API server has it now.
-    pub async fn inference_pool(
-        client: &kube::Client,
-        cfg: &WorkersKubernetesConfig,
-        name: &str,
-    ) -> anyhow::Result<WorkersKubernetesConfig> {
-        let resource = ApiResource {
-            group: "inference.networking.k8s.io".into(),
-            version: "v1".into(),
-            api_version: "inference.networking.k8s.io/v1".into(),
-            kind: "InferencePool".into(),
-            plural: "inferencepools".into(),
-        };
-        let api: Api<DynamicObject> = match &cfg.namespace {
-            Some(ns) => Api::namespaced_with(client.clone(), ns, &resource),
-            None => Api::default_namespaced_with(client.clone(), &resource),
-        };
-        let pool = api.get(name).await?;
-        let (label_selector, target_ports) = pool_spec(&pool.data["spec"])
-            .map_err(|e| anyhow::anyhow!("InferencePool {name}: {e}"))?;
-        Ok(WorkersKubernetesConfig {
-            label_selector,
-            target_ports,
-            ..cfg.clone()
-        })
+    impl PoolWatch {
+        pub fn new(cfg: WorkersKubernetesConfig) -> Self {
+            Self {
+                cfg,
+                client: None,
+                pool: None,
+                pods: None,
+                ready: BTreeMap::new(),
+                listing: None,
+            }
+        }
+
+        pub fn describe(&self) -> String {
+            match &self.cfg.inference_pool {
+                Some(pool) => format!("inference pool {pool}"),
+                None => format!("pods {}", self.cfg.label_selector),
+            }
+        }
+
+        /// The pool's ready endpoints (one per pod and target port) after the next
+        /// change: a list completed, a pod became ready or stopped being so, or left.
+        /// An error (the API server unreachable, a pool it does not have or one whose
+        /// spec does not read) changes nothing; calling again resumes.
+        pub async fn next(&mut self) -> anyhow::Result<Resolution> {
+            let client = match &self.client {
+                Some(c) => c.clone(),
+                None => match client(&self.cfg).await {
+                    Ok(c) => self.client.insert(c).clone(),
+                    Err(e) => {
+                        tokio::time::sleep(CLIENT_RETRY).await;
+                        return Err(e);
+                    }
+                },
+            };
+            let ns = self.cfg.namespace.clone();
+            if let Some(name) = &self.cfg.inference_pool {
+                if self.pool.is_none() {
+                    let resource = ApiResource {
+                        group: "inference.networking.k8s.io".into(),
+                        version: "v1".into(),
+                        api_version: "inference.networking.k8s.io/v1".into(),
+                        kind: "InferencePool".into(),
+                        plural: "inferencepools".into(),
+                    };
+                    let api: Api<DynamicObject> = match &ns {
+                        Some(ns) => Api::namespaced_with(client.clone(), ns, &resource),
+                        None => Api::default_namespaced_with(client.clone(), &resource),
+                    };
+                    let config =
+                        watcher::Config::default().fields(&format!("metadata.name={name}"));
+                    self.pool = Some(watcher::watcher(api, config).default_backoff().boxed());
+                }
+            } else if self.pods.is_none() {
+                self.watch_pods(&client, self.cfg.clone());
+            }
+            loop {
+                let pool = async {
+                    match self.pool.as_mut() {
+                        Some(w) => w.next().await,
+                        None => std::future::pending().await,
+                    }
+                };
+                let pods = async {
+                    match self.pods.as_mut() {
+                        Some((w, _)) => w.next().await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    event = pool => match event {
+                        Some(Ok(Event::Apply(p) | Event::InitApply(p))) => {
+                            let name = p.name_any();
+                            let (label_selector, target_ports) = pool_spec(&p.data["spec"])
+                                .map_err(|e| anyhow::anyhow!("InferencePool {name}: {e}"))?;
+                            let pods = WorkersKubernetesConfig {
+                                label_selector,
+                                target_ports,
+                                ..self.cfg.clone()
+                            };
+                            let same = self.pods.as_ref().is_some_and(|(_, was)| {
+                                was.label_selector == pods.label_selector
+                                    && was.target_ports == pods.target_ports
+                            });
+                            if !same {
+                                tracing::info!(pool = %name, selector = %pods.label_selector, ports = ?pods.target_ports, "InferencePool: watching its pods");
+                                self.watch_pods(&client, pods);
+                            }
+                        }
+                        Some(Ok(Event::Delete(p))) => {
+                            anyhow::bail!("InferencePool {} was deleted; keeping its endpoints", p.name_any())
+                        }
+                        Some(Ok(Event::Init | Event::InitDone)) => {}
+                        Some(Err(e)) => return Err(e.into()),
+                        None => anyhow::bail!("the InferencePool's watch ended"),
+                    },
+                    event = pods => {
+                        let changed = match event {
+                            Some(Ok(event)) => self.apply(event),
+                            Some(Err(e)) => return Err(e.into()),
+                            None => anyhow::bail!("the pods' watch ended"),
+                        };
+                        if changed {
+                            return Ok(self.endpoints());
+                        }
+                    }
+                }
+            }
+        }
+
+        /// Watches the pods `pods` selects (and forgets the previous selection's: the
+        /// new watch's first list replaces them).
+        fn watch_pods(&mut self, client: &kube::Client, pods: WorkersKubernetesConfig) {
+            let api: Api<Pod> = match &pods.namespace {
+                Some(ns) => Api::namespaced(client.clone(), ns),
+                None => Api::default_namespaced(client.clone()),
+            };
+            let config = watcher::Config::default().labels(&pods.label_selector);
+            let watch = watcher::watcher(api, config).default_backoff().boxed();
+            self.pods = Some((watch, pods));
+            self.listing = None;
+        }
+
+        /// Applies one pod event; true when the ready set may have changed (a list
+        /// completed, or a pod's readiness or address changed).
+        fn apply(&mut self, event: Event<Pod>) -> bool {
+            match event {
+                Event::Init => {
+                    self.listing = Some(BTreeMap::new());
+                    false
+                }
+                Event::InitApply(pod) => {
+                    if let (Some(listing), Some(ip)) = (self.listing.as_mut(), ready_ip(&pod)) {
+                        listing.insert(pod.name_any(), ip);
+                    }
+                    false
+                }
+                Event::InitDone => {
+                    self.ready = self.listing.take().unwrap_or_default();
+                    true
+                }
+                Event::Apply(pod) => {
+                    let name = pod.name_any();
+                    let was = match ready_ip(&pod) {
+                        Some(ip) => self.ready.insert(name, ip),
+                        None => self.ready.remove(&name),
+                    };
+                    was != self.ready.get(&pod.name_any()).copied()
+                }
+                Event::Delete(pod) => self.ready.remove(&pod.name_any()).is_some(),
+            }
+        }
+
+        /// One endpoint per ready pod and port of the current selection.
+        fn endpoints(&self) -> Resolution {
+            let pods = self.pods.as_ref().map_or(&self.cfg, |(_, c)| c);
+            let ports = pods.pod_ports();
+            let addrs = self
+                .ready
+                .values()
+                .flat_map(|ip| ports.iter().map(move |p| SocketAddr::new(*ip, *p)))
+                .collect();
+            (addrs, pods.ports())
+        }
     }
 
     /// An InferencePool's `spec`: its pods' label selector (`spec.selector.matchLabels`

@@ -1,36 +1,138 @@
 //! Engines found through the Kubernetes API (`--features kubernetes`), against a fake
-//! API server on loopback that answers pod lists in the API's own format
-//! (`tests/fixtures/kubernetes/pods-*.json`: a running ready pod, another one, a pod
-//! not ready, one being deleted, one pending). The gateway lists the pods by label
-//! selector, adds the running ready ones as workers, routes to them, and removes a pod
-//! that goes away.
+//! API server on loopback that lists and watches pods and InferencePools as the real
+//! one does (a list at a resource version, then a change stream from it; objects that
+//! stop matching a watch's label selector are sent as deleted), with pods in the API's
+//! own format (`tests/fixtures/kubernetes/pods-*.json`: a running ready pod, another
+//! one, a pod not ready, one being deleted, one pending). The gateway watches the pods
+//! by label selector, adds the running ready ones as workers, routes to them, and
+//! removes a pod that goes away; an API server that fails removes nothing.
 #![cfg(feature = "kubernetes")]
 
 mod common;
 
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::extract::{RawQuery, State};
+use axum::extract::Query;
+use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
 use common::*;
 use kvgate_core::PolicyKind;
 use kvgate_gateway::{start, WorkersKubernetesConfig};
+use serde_json::{json, Value};
 
-#[derive(Clone, Default)]
-struct FakeApi {
-    pods: Arc<Mutex<String>>,
-    queries: Arc<Mutex<Vec<String>>>,
+/// One change to the fake cluster's objects, at a resource version.
+struct Change {
+    version: u64,
+    pod: bool,
+    before: Option<Value>,
+    after: Option<Value>,
 }
 
-async fn list_pods(State(api): State<FakeApi>, RawQuery(q): RawQuery) -> axum::response::Response {
-    api.queries.lock().unwrap().push(q.unwrap_or_default());
-    let body = api.pods.lock().unwrap().clone();
-    axum::response::Response::builder()
-        .header("content-type", "application/json")
-        .body(axum::body::Body::from(body))
-        .unwrap()
+#[derive(Default)]
+struct Store {
+    version: u64,
+    changes: Vec<Change>,
+    pods: BTreeMap<String, Value>,
+    pool: Option<Value>,
+    /// While set, every request is answered 500 and open watches end.
+    broken: bool,
+    failed: usize,
+    /// Lists served (pods, pools): a watch that works lists once per selector.
+    pod_lists: usize,
+    pool_lists: usize,
+    queries: Vec<String>,
+}
+
+/// A fake API server holding pods and one InferencePool (`llm/qwen3`).
+#[derive(Clone)]
+struct FakeCluster {
+    store: Arc<Mutex<Store>>,
+    changed: Arc<tokio::sync::watch::Sender<u64>>,
+}
+
+impl FakeCluster {
+    fn new() -> Self {
+        Self {
+            store: Default::default(),
+            changed: Arc::new(tokio::sync::watch::Sender::new(0)),
+        }
+    }
+
+    fn change(&self, pod: bool, name: &str, after: Option<Value>) {
+        let mut s = self.store.lock().unwrap();
+        s.version += 1;
+        let version = s.version;
+        let after = after.map(|mut obj| {
+            obj["metadata"]["resourceVersion"] = json!(version.to_string());
+            obj
+        });
+        let before = if pod {
+            match &after {
+                Some(obj) => s.pods.insert(name.to_owned(), obj.clone()),
+                None => s.pods.remove(name),
+            }
+        } else {
+            std::mem::replace(&mut s.pool, after.clone())
+        };
+        s.changes.push(Change {
+            version,
+            pod,
+            before,
+            after,
+        });
+        drop(s);
+        self.changed.send_replace(version);
+    }
+
+    fn set_pod(&self, pod: Value) {
+        let name = pod["metadata"]["name"].as_str().unwrap().to_owned();
+        self.change(true, &name, Some(pod));
+    }
+
+    fn remove_pod(&self, name: &str) {
+        self.change(true, name, None);
+    }
+
+    /// The pods become those of a PodList fixture.
+    fn set_pods_from(&self, fixture_name: &str) {
+        let list: Value = serde_json::from_str(&fixture(fixture_name)).unwrap();
+        let items = list["items"].as_array().unwrap().clone();
+        let names: Vec<String> = items
+            .iter()
+            .map(|p| p["metadata"]["name"].as_str().unwrap().to_owned())
+            .collect();
+        let gone: Vec<String> = self
+            .store
+            .lock()
+            .unwrap()
+            .pods
+            .keys()
+            .filter(|n| !names.contains(n))
+            .cloned()
+            .collect();
+        for pod in items {
+            self.set_pod(pod);
+        }
+        for name in gone {
+            self.remove_pod(&name);
+        }
+    }
+
+    fn set_pool(&self, pool: Value) {
+        self.change(false, "qwen3", Some(pool));
+    }
+
+    fn set_broken(&self, broken: bool) {
+        self.store.lock().unwrap().broken = broken;
+        self.changed.send_modify(|_| {});
+    }
+
+    fn read<T>(&self, f: impl FnOnce(&Store) -> T) -> T {
+        f(&self.store.lock().unwrap())
+    }
 }
 
 fn fixture(name: &str) -> String {
@@ -40,10 +142,122 @@ fn fixture(name: &str) -> String {
     std::fs::read_to_string(path).unwrap()
 }
 
-async fn fake_api(api: FakeApi) -> String {
+/// Whether `obj` has every label of `selector` (`k=v,...`; empty: all).
+fn selected(obj: &Value, selector: &str) -> bool {
+    selector
+        .split(',')
+        .filter(|kv| !kv.is_empty())
+        .filter_map(|kv| kv.split_once('='))
+        .all(|(k, v)| obj["metadata"]["labels"][k].as_str() == Some(v))
+}
+
+/// What a watch from `from` (filtered by `selector`) sends for the changes after it:
+/// an object that starts or stops matching is added or deleted.
+fn watch_events(changes: &[Change], pod: bool, selector: &str, from: u64) -> Vec<Value> {
+    changes
+        .iter()
+        .filter(|c| c.version > from && c.pod == pod)
+        .filter_map(|c| {
+            let was = c.before.as_ref().is_some_and(|o| selected(o, selector));
+            let is = c.after.as_ref().is_some_and(|o| selected(o, selector));
+            let kind = match (was, is) {
+                (false, true) => "ADDED",
+                (true, true) => "MODIFIED",
+                (true, false) => "DELETED",
+                (false, false) => return None,
+            };
+            let mut obj = c.after.clone().or_else(|| c.before.clone())?;
+            obj["metadata"]["resourceVersion"] = json!(c.version.to_string());
+            Some(json!({"type": kind, "object": obj}))
+        })
+        .collect()
+}
+
+async fn serve(cluster: FakeCluster, pod: bool, q: HashMap<String, String>) -> Response {
+    let selector = q.get("labelSelector").cloned().unwrap_or_default();
+    {
+        let mut s = cluster.store.lock().unwrap();
+        s.queries.push(
+            q.iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect::<Vec<_>>()
+                .join("&"),
+        );
+        if s.broken {
+            s.failed += 1;
+            let status = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": "etcd is down", "reason": "InternalError", "code": 500});
+            return (
+                axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+                axum::Json(status),
+            )
+                .into_response();
+        }
+        if q.get("watch").map(String::as_str) != Some("true") {
+            let items: Vec<Value> = if pod {
+                s.pod_lists += 1;
+                s.pods
+                    .values()
+                    .filter(|p| selected(p, &selector))
+                    .cloned()
+                    .collect()
+            } else {
+                s.pool_lists += 1;
+                s.pool.iter().cloned().collect()
+            };
+            return axum::Json(json!({
+                "kind": if pod { "PodList" } else { "InferencePoolList" },
+                "apiVersion": "v1",
+                "metadata": {"resourceVersion": s.version.to_string()},
+                "items": items,
+            }))
+            .into_response();
+        }
+    }
+    let from: u64 = q
+        .get("resourceVersion")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let rx = cluster.changed.subscribe();
+    let state = (cluster, rx, from, VecDeque::<Value>::new());
+    let events = futures::stream::unfold(state, move |(cluster, mut rx, mut from, mut queue)| {
+        let selector = selector.clone();
+        async move {
+            loop {
+                if let Some(event) = queue.pop_front() {
+                    let line = format!("{event}\n");
+                    return Some((
+                        Ok::<_, std::convert::Infallible>(line),
+                        (cluster, rx, from, queue),
+                    ));
+                }
+                {
+                    let s = cluster.store.lock().unwrap();
+                    if s.broken {
+                        return None;
+                    }
+                    queue.extend(watch_events(&s.changes, pod, &selector, from));
+                    from = s.version;
+                }
+                if queue.is_empty() && rx.changed().await.is_err() {
+                    return None;
+                }
+            }
+        }
+    });
+    axum::body::Body::from_stream(events).into_response()
+}
+
+async fn fake_cluster(cluster: FakeCluster) -> String {
+    let (pods, pools) = (cluster.clone(), cluster);
     let app = Router::new()
-        .route("/api/v1/namespaces/llm/pods", get(list_pods))
-        .with_state(api);
+        .route(
+            "/api/v1/namespaces/llm/pods",
+            get(move |Query(q)| serve(pods.clone(), true, q)),
+        )
+        .route(
+            "/apis/inference.networking.k8s.io/v1/namespaces/llm/inferencepools",
+            get(move |Query(q)| serve(pools.clone(), false, q)),
+        );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move {
@@ -65,20 +279,37 @@ fn worker_urls(gw: &kvgate_gateway::RunningGateway) -> Vec<String> {
     urls
 }
 
+/// An API server that fails (500s, its watches cut) for a while: every request of the
+/// discovery meanwhile fails, and the workers stay as they were.
+async fn an_outage_removes_nothing(
+    cluster: &FakeCluster,
+    workers: impl Fn() -> Vec<(String, String)>,
+) {
+    let before = workers();
+    let failed = cluster.read(|s| s.failed);
+    cluster.set_broken(true);
+    eventually(
+        "the discovery retries against the failing API server",
+        || cluster.read(|s| s.failed) >= failed + 2,
+    )
+    .await;
+    assert_eq!(workers(), before, "an outage removes nothing");
+    cluster.set_broken(false);
+}
+
 #[tokio::test]
 async fn ready_pods_become_workers_and_a_deleted_pod_leaves() {
     let engine = fake("e", Behavior::default()).await;
     let port: u16 = engine.url.rsplit(':').next().unwrap().parse().unwrap();
-    let api = FakeApi::default();
-    *api.pods.lock().unwrap() = fixture("pods-before.json");
-    let api_url = fake_api(api.clone()).await;
+    let cluster = FakeCluster::new();
+    cluster.set_pods_from("pods-before.json");
+    let api_url = fake_cluster(cluster.clone()).await;
 
     let mut config = config(&[], PolicyKind::RoundRobin);
     config.models[0].workers_kubernetes = Some(WorkersKubernetesConfig {
         namespace: Some("llm".into()),
         label_selector: "app=vllm,model=qwen3-8b".into(),
         port,
-        refresh_ms: 100,
         api_url: Some(api_url),
         ..WorkersKubernetesConfig::default()
     });
@@ -91,9 +322,9 @@ async fn ready_pods_become_workers_and_a_deleted_pod_leaves() {
         worker_urls(&gw) == ready
     })
     .await;
-    let q = api.queries.lock().unwrap()[0].clone();
+    let q = cluster.read(|s| s.queries[0].clone());
     assert!(
-        q.contains("labelSelector=app%3Dvllm%2Cmodel%3Dqwen3-8b"),
+        q.contains("labelSelector=app=vllm,model=qwen3-8b"),
         "the pods are listed by the configured selector: {q}"
     );
 
@@ -111,32 +342,39 @@ async fn ready_pods_become_workers_and_a_deleted_pod_leaves() {
         assert_eq!(worker_of(&r), ready[0]);
     }
 
-    // The second pod is being deleted: it leaves; the first stays.
-    *api.pods.lock().unwrap() = fixture("pods-after.json");
+    // The second pod is being deleted: it leaves (told by the watch: no second list);
+    // the first stays.
+    cluster.set_pods_from("pods-after.json");
     eventually("the deleted pod leaves", || worker_urls(&gw) == ready[..1]).await;
-    // An API server that stops answering removes nothing.
-    *api.pods.lock().unwrap() = "not json".into();
-    tokio::time::sleep(Duration::from_millis(400)).await;
-    assert_eq!(worker_urls(&gw), ready[..1]);
+    assert_eq!(
+        cluster.read(|s| s.pod_lists),
+        1,
+        "watched, not listed again"
+    );
+    // An API server that fails removes nothing; once back, the watch goes on.
+    let urls = || {
+        worker_urls(&gw)
+            .into_iter()
+            .map(|u| (u, String::new()))
+            .collect()
+    };
+    an_outage_removes_nothing(&cluster, urls).await;
+    cluster.set_pods_from("pods-before.json");
+    eventually("the pod is back after the outage", || {
+        worker_urls(&gw) == ready
+    })
+    .await;
     gw.shutdown_within(Duration::from_secs(1)).await;
 }
 
-/// A fake API server holding pods (filtered by the list's label selector, as the real
-/// one does) and one InferencePool.
-#[derive(Clone, Default)]
-struct FakeCluster {
-    pods: Arc<Mutex<Vec<serde_json::Value>>>,
-    pool: Arc<Mutex<serde_json::Value>>,
-    /// How often the pool was read (each refresh reads it once).
-    pool_reads: Arc<std::sync::atomic::AtomicUsize>,
-}
-
-fn pod(name: &str, ip: &str, labels: &[(&str, &str)], ready: bool) -> serde_json::Value {
-    let labels: serde_json::Map<String, serde_json::Value> = labels
+fn pod(name: &str, ip: &str, labels: &[(&str, &str)], ready: bool) -> Value {
+    let labels: serde_json::Map<String, Value> = labels
         .iter()
-        .map(|(k, v)| (k.to_string(), serde_json::Value::from(*v)))
+        .map(|(k, v)| (k.to_string(), Value::from(*v)))
         .collect();
-    serde_json::json!({
+    json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
         "metadata": {"name": name, "namespace": "llm", "labels": labels},
         "status": {
             "phase": "Running",
@@ -146,16 +384,13 @@ fn pod(name: &str, ip: &str, labels: &[(&str, &str)], ready: bool) -> serde_json
     })
 }
 
-fn inference_pool(labels: &[(&str, &str)], ports: &[u16]) -> serde_json::Value {
-    let labels: serde_json::Map<String, serde_json::Value> = labels
+fn inference_pool(labels: &[(&str, &str)], ports: &[u16]) -> Value {
+    let labels: serde_json::Map<String, Value> = labels
         .iter()
-        .map(|(k, v)| (k.to_string(), serde_json::Value::from(*v)))
+        .map(|(k, v)| (k.to_string(), Value::from(*v)))
         .collect();
-    let ports: Vec<serde_json::Value> = ports
-        .iter()
-        .map(|p| serde_json::json!({"number": p}))
-        .collect();
-    serde_json::json!({
+    let ports: Vec<Value> = ports.iter().map(|p| json!({"number": p})).collect();
+    json!({
         "apiVersion": "inference.networking.k8s.io/v1",
         "kind": "InferencePool",
         "metadata": {"name": "qwen3", "namespace": "llm"},
@@ -165,58 +400,6 @@ fn inference_pool(labels: &[(&str, &str)], ports: &[u16]) -> serde_json::Value {
             "endpointPickerRef": {"name": "kvgate-epp", "port": {"number": 9002}}
         }
     })
-}
-
-async fn fake_cluster(cluster: FakeCluster) -> String {
-    use axum::extract::Query;
-    use std::collections::HashMap;
-    async fn pods(
-        State(c): State<FakeCluster>,
-        Query(q): Query<HashMap<String, String>>,
-    ) -> axum::Json<serde_json::Value> {
-        let selector: Vec<(String, String)> = q
-            .get("labelSelector")
-            .map(|s| {
-                s.split(',')
-                    .filter_map(|kv| kv.split_once('='))
-                    .map(|(k, v)| (k.to_owned(), v.to_owned()))
-                    .collect()
-            })
-            .unwrap_or_default();
-        let items: Vec<serde_json::Value> = c
-            .pods
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|p| {
-                selector
-                    .iter()
-                    .all(|(k, v)| p["metadata"]["labels"][k].as_str() == Some(v.as_str()))
-            })
-            .cloned()
-            .collect();
-        axum::Json(serde_json::json!({
-            "kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": "1"}, "items": items
-        }))
-    }
-    async fn pool(State(c): State<FakeCluster>) -> axum::Json<serde_json::Value> {
-        c.pool_reads
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        axum::Json(c.pool.lock().unwrap().clone())
-    }
-    let app = Router::new()
-        .route("/api/v1/namespaces/llm/pods", get(pods))
-        .route(
-            "/apis/inference.networking.k8s.io/v1/namespaces/llm/inferencepools/qwen3",
-            get(pool),
-        )
-        .with_state(cluster);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move {
-        let _ = axum::serve(listener, app).await;
-    });
-    url
 }
 
 /// Workers and their KV-event endpoints, sorted.
@@ -238,26 +421,35 @@ fn workers_with_events(gw: &kvgate_gateway::RunningGateway) -> Vec<(String, Stri
     w
 }
 
+/// The workers' ids by URL: a worker removed and added again gets a new id.
+fn worker_ids(gw: &kvgate_gateway::RunningGateway) -> BTreeMap<String, String> {
+    gw.gateway()
+        .model("m")
+        .unwrap()
+        .workers()
+        .iter()
+        .map(|w| (w.url.to_string(), format!("{:?}", w.id)))
+        .collect()
+}
+
 /// An InferencePool's pods, one endpoint per target port (KV events at 5557 + the
-/// port's index), followed as pods become ready, go away or are relabelled, and as the
-/// pool's own selector and ports change.
+/// port's index), followed through the API's watches as pods become ready, go away or
+/// are relabelled, and as the pool's own selector and ports change; a pool spec that
+/// does not read, and an API server outage, remove nothing.
 #[tokio::test]
 async fn an_inference_pools_ready_pods_are_its_endpoints() {
-    let cluster = FakeCluster::default();
+    let cluster = FakeCluster::new();
     let vllm = [("app", "vllm"), ("model", "qwen3")];
-    *cluster.pods.lock().unwrap() = vec![
-        pod("a", "10.0.0.1", &vllm, true),
-        pod("b", "10.0.0.2", &vllm, false),
-        pod("c", "10.0.0.3", &[("app", "other")], true),
-    ];
-    *cluster.pool.lock().unwrap() = inference_pool(&vllm, &[8000, 8001]);
+    cluster.set_pod(pod("a", "10.0.0.1", &vllm, true));
+    cluster.set_pod(pod("b", "10.0.0.2", &vllm, false));
+    cluster.set_pod(pod("c", "10.0.0.3", &[("app", "other")], true));
+    cluster.set_pool(inference_pool(&vllm, &[8000, 8001]));
     let api_url = fake_cluster(cluster.clone()).await;
     let mut config = config(&[], PolicyKind::RoundRobin);
     config.models[0].workers_kubernetes = Some(WorkersKubernetesConfig {
         namespace: Some("llm".into()),
         inference_pool: Some("qwen3".into()),
         kv_events_port: Some(5557),
-        refresh_ms: 50,
         api_url: Some(api_url),
         ..WorkersKubernetesConfig::default()
     });
@@ -278,8 +470,8 @@ async fn an_inference_pools_ready_pods_are_its_endpoints() {
     .await;
 
     // b becomes ready: it joins; a goes away: it leaves.
-    cluster.pods.lock().unwrap()[1] = pod("b", "10.0.0.2", &vllm, true);
-    cluster.pods.lock().unwrap().remove(0);
+    cluster.set_pod(pod("b", "10.0.0.2", &vllm, true));
+    cluster.remove_pod("a");
     eventually("b replaces a", || {
         workers_with_events(&gw)
             == [
@@ -290,10 +482,13 @@ async fn an_inference_pools_ready_pods_are_its_endpoints() {
     .await;
 
     // b relabelled out of the pool, c into it: c's endpoints replace b's.
-    *cluster.pods.lock().unwrap() = vec![
-        pod("b", "10.0.0.2", &[("app", "vllm"), ("model", "old")], true),
-        pod("c", "10.0.0.3", &vllm, true),
-    ];
+    cluster.set_pod(pod(
+        "b",
+        "10.0.0.2",
+        &[("app", "vllm"), ("model", "old")],
+        true,
+    ));
+    cluster.set_pod(pod("c", "10.0.0.3", &vllm, true));
     eventually("relabelled pods follow", || {
         workers_with_events(&gw)
             == [
@@ -302,23 +497,40 @@ async fn an_inference_pools_ready_pods_are_its_endpoints() {
             ]
     })
     .await;
+    assert_eq!(
+        cluster.read(|s| (s.pod_lists, s.pool_lists)),
+        (1, 1),
+        "every change came through the watches"
+    );
 
     // The pool itself changes: another selector, one port.
-    *cluster.pool.lock().unwrap() = inference_pool(&[("model", "old")], &[9000]);
+    cluster.set_pool(inference_pool(&[("model", "old")], &[9000]));
     eventually("the pool's new selector and port", || {
         workers_with_events(&gw) == [endpoint("10.0.0.2", 9000, 5557)]
     })
     .await;
 
-    // A pool the API server cannot serve removes nothing, however many refreshes read it.
-    *cluster.pool.lock().unwrap() = serde_json::json!({"kind": "Status", "code": 404});
-    let reads = || cluster.pool_reads.load(std::sync::atomic::Ordering::SeqCst);
-    let before = reads();
-    eventually("three refreshes read the broken pool", || {
-        reads() >= before + 3
+    // A pool spec that does not read changes nothing: the pool's next good spec (a
+    // port added) finds the endpoint it had, never removed meanwhile.
+    let ids = worker_ids(&gw);
+    cluster.set_pool(json!({"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool", "metadata": {"name": "qwen3", "namespace": "llm"}, "spec": {"selector": {}}}));
+    cluster.set_pool(inference_pool(&[("model", "old")], &[9000, 9001]));
+    eventually("the pool's next good spec", || {
+        workers_with_events(&gw)
+            == [
+                endpoint("10.0.0.2", 9000, 5557),
+                endpoint("10.0.0.2", 9001, 5558),
+            ]
     })
     .await;
-    assert_eq!(workers_with_events(&gw), [endpoint("10.0.0.2", 9000, 5557)]);
+    let first = "http://10.0.0.2:9000";
+    assert_eq!(
+        worker_ids(&gw)[first],
+        ids[first],
+        "kept through the bad spec"
+    );
+
+    an_outage_removes_nothing(&cluster, || workers_with_events(&gw)).await;
     gw.shutdown_within(Duration::from_secs(1)).await;
 }
 

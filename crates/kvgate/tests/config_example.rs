@@ -170,7 +170,15 @@ fn the_endpoint_picker_manifest_holds_together() {
                 && r["verbs"].as_array().unwrap().iter().any(|x| x == verb)
         })
     };
-    assert!(grants("inferencepools", "get") && grants("pods", "list"));
+    // The discovery watches both (a list, then the change stream).
+    for (resource, verb) in [
+        ("inferencepools", "list"),
+        ("inferencepools", "watch"),
+        ("pods", "list"),
+        ("pods", "watch"),
+    ] {
+        assert!(grants(resource, verb), "the picker may {verb} {resource}");
+    }
     let account = &one("ServiceAccount")["metadata"]["name"];
     assert_eq!(&one("RoleBinding")["subjects"][0]["name"], account);
     assert_eq!(

@@ -9,8 +9,8 @@ use serde::{Deserialize, Serialize};
 
 /// Engines found through the Kubernetes API: the running, ready pods matching a label
 /// selector, each a worker at `http://POD_IP:PORT` with its KV events and replay on the
-/// same IP. Listed every `refresh_ms`; pods that become ready join, pods that stop
-/// being ready or go away leave.
+/// same IP. Watched (listed once, then the API server's changes): pods that become
+/// ready join, pods that stop being ready or go away leave.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct WorkersKubernetesConfig {
@@ -24,7 +24,6 @@ pub struct WorkersKubernetesConfig {
     pub kv_events_port: Option<u16>,
     pub kv_events_replay_port: Option<u16>,
     pub dp_size: u32,
-    pub refresh_ms: u64,
     /// SGLang prefill pods: their bootstrap server's port.
     pub bootstrap_port: Option<u16>,
     /// The API server's URL instead of the in-cluster or kubeconfig one (e.g.
@@ -32,7 +31,7 @@ pub struct WorkersKubernetesConfig {
     pub api_url: Option<String>,
     /// An InferencePool (`inference.networking.k8s.io/v1`) to follow: its
     /// `spec.selector.matchLabels` and `spec.targetPorts` stand for `label_selector`
-    /// and the ports, read again at every refresh (a changed selector or port list is
+    /// and the ports; the pool is watched too (a changed selector or port list is
     /// followed).
     pub inference_pool: Option<String>,
     /// Several ports per pod, each an endpoint (data-parallel ranks behind an HTTP
@@ -50,7 +49,6 @@ impl Default for WorkersKubernetesConfig {
             kv_events_port: None,
             kv_events_replay_port: None,
             dp_size: 1,
-            refresh_ms: 5_000,
             bootstrap_port: None,
             api_url: None,
             inference_pool: None,
@@ -69,8 +67,8 @@ impl WorkersKubernetesConfig {
                 "workers_kubernetes.label_selector (or inference_pool) must name the engines' pods"
             );
         }
-        if self.refresh_ms == 0 || self.port == 0 || self.target_ports.contains(&0) {
-            bail!("workers_kubernetes.refresh_ms and the ports must be positive");
+        if self.port == 0 || self.target_ports.contains(&0) {
+            bail!("workers_kubernetes: the ports must be positive");
         }
         if self.target_ports.len() > 1 && self.dp_size > 1 {
             bail!("workers_kubernetes: several target_ports are the ranks; dp_size must be 1");
