@@ -209,16 +209,28 @@ impl Drop for ManagedChild {
     }
 }
 
-/// Reserve `n` distinct free loopback ports (held open together, then released).
+/// Reserve `n` distinct free loopback ports (held open together, then released), none
+/// handed out before by this process: the caller binds them later (a process it
+/// starts, maybe seconds later for a replica restarted on its port), and meanwhile
+/// another caller in the same process (tests run in parallel threads) must not be given
+/// the same port by the kernel.
 pub fn free_ports(n: usize) -> anyhow::Result<Vec<u16>> {
-    let listeners: Vec<TcpListener> = (0..n)
-        .map(|_| TcpListener::bind("127.0.0.1:0"))
-        .collect::<Result<_, _>>()
-        .context("cannot reserve a free port")?;
-    listeners
-        .iter()
-        .map(|l| Ok(l.local_addr()?.port()))
-        .collect()
+    static HANDED_OUT: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
+    // Every listener is held until the end, so a skipped port is not offered again.
+    let mut held = Vec::new();
+    let mut ports = Vec::with_capacity(n);
+    while ports.len() < n {
+        anyhow::ensure!(held.len() < n + 4096, "cannot reserve {n} free ports");
+        let listener = TcpListener::bind("127.0.0.1:0").context("cannot reserve a free port")?;
+        let port = listener.local_addr()?.port();
+        held.push(listener);
+        if handed_out.insert(port) {
+            ports.push(port);
+        }
+    }
+    Ok(ports)
 }
 
 /// Find an executable on `PATH`.
@@ -234,10 +246,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn free_ports_are_distinct() {
-        let ports = free_ports(8).unwrap();
+    fn free_ports_are_distinct_and_never_handed_out_twice() {
+        let ports: Vec<u16> = (0..20).flat_map(|_| free_ports(8).unwrap()).collect();
         let set: std::collections::HashSet<_> = ports.iter().collect();
-        assert_eq!(set.len(), 8);
+        assert_eq!(
+            set.len(),
+            160,
+            "released ports are free again, yet not reused"
+        );
     }
 
     #[tokio::test]

@@ -10,7 +10,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::bin;
+use common::{bin, ProcessLogs};
 
 use futures::StreamExt;
 use kvgate_bench::envoy::{self, EnvoyConfig, PickerAddr};
@@ -244,7 +244,7 @@ async fn metric(http_port: u16, name: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs Envoy: scripts/test.sh installs it and runs this"]
 async fn envoy_serves_every_request_where_kvgate_picked_it() {
-    let logs = tempfile::tempdir().unwrap();
+    let logs = ProcessLogs::new();
     let pool = pool(logs.path(), 10.0).await;
     let ports = free_ports(2).unwrap();
     let _picker = picker(&pool, (ports[0], ports[1]), logs.path(), "picker").await;
@@ -324,7 +324,7 @@ async fn envoy_serves_every_request_where_kvgate_picked_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs Envoy: scripts/test.sh installs it and runs this"]
 async fn clients_that_leave_leave_no_booking_behind() {
-    let logs = tempfile::tempdir().unwrap();
+    let logs = ProcessLogs::new();
     let pool = pool(logs.path(), 2.0).await;
     let ports = free_ports(2).unwrap();
     let _picker = picker(&pool, (ports[0], ports[1]), logs.path(), "picker").await;
@@ -364,7 +364,7 @@ async fn clients_that_leave_leave_no_booking_behind() {
 async fn a_restarted_picker_leaves_no_request_hanging() {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
-    let logs = tempfile::tempdir().unwrap();
+    let logs = ProcessLogs::new();
     let pool = pool(logs.path(), 10.0).await;
     let ports = free_ports(2).unwrap();
     let mut first = picker(&pool, (ports[0], ports[1]), logs.path(), "picker").await;
@@ -423,7 +423,7 @@ async fn a_restarted_picker_leaves_no_request_hanging() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs Envoy: scripts/test.sh installs it and runs this"]
 async fn a_subset_hint_from_envoy_bounds_every_pick() {
-    let logs = tempfile::tempdir().unwrap();
+    let logs = ProcessLogs::new();
     let pool = pool(logs.path(), 10.0).await;
     let ports = free_ports(2).unwrap();
     let _picker = picker(&pool, (ports[0], ports[1]), logs.path(), "picker").await;
