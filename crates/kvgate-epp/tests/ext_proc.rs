@@ -3,8 +3,9 @@
 //! byte-exact in chunks of at most 62,000 bytes, the pick as a header equal to its
 //! `envoy.lb` metadata, client-sent control headers stripped, the response echoed and
 //! watched (the booking ends with it, or with the stream), the subset hint, a served
-//! endpoint that is not the pick, the errors, and gRPC health. The workers are
-//! addresses nobody calls: in this mode the gateway in front proxies.
+//! endpoint that is not the pick, the errors, gRPC health, and two pickers as replicas
+//! of each other. The workers are addresses nobody calls: in this mode the gateway in
+//! front proxies.
 
 use std::time::Duration;
 
@@ -750,4 +751,107 @@ async fn conformance_hooks_steer_and_echo_the_pick_only_when_on() {
             assert_eq!(picks.len(), 3, "round robin ignores the test header");
         }
     }
+}
+
+/// A picker as one of several replicas (`--peer`, as `kvgate serve`): what one books
+/// the other counts, so requests that reach different pickers spread over the pool as
+/// if they reached one; a booking that ends at one ends at the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn picker_replicas_share_their_bookings() {
+    let b_port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .unwrap()
+        .port();
+    // kv_aware: with nothing cached anywhere, the least loaded endpoint of all (not
+    // least_loaded's better of two drawn at random).
+    let replica = |id: &str, port: u16, peer: String| {
+        let mut cfg = config(PolicyKind::KvAware);
+        cfg.models[0].tokenizer = Some(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/qwen3-tokenizer"),
+        );
+        // Engines' event endpoints nobody publishes on (kv_aware needs one each).
+        for (i, w) in cfg.models[0].workers.iter_mut().enumerate() {
+            w.kv_events = Some(format!("tcp://127.0.0.1:{}", 9 + i));
+        }
+        cfg.port = port;
+        cfg.admin_token = Some("replicas-token".into());
+        cfg.peers = kvgate_gateway::PeersConfig {
+            replica_id: Some(id.into()),
+            urls: vec![peer],
+            ..kvgate_gateway::PeersConfig::default()
+        };
+        cfg
+    };
+    let b_url = format!("http://127.0.0.1:{b_port}");
+    let a = picker_with(replica("a", 0, b_url), PickerOptions::default()).await;
+    let b = picker_with(replica("b", b_port, a.gw.url()), PickerOptions::default()).await;
+    let fleet_booked_on = |p: &Picker, endpoint: &str| {
+        let m = p.gw.gateway().model("m").unwrap();
+        let workers = m.workers();
+        let w = workers.iter().find(|w| w.url.ends_with(endpoint)).unwrap();
+        m.ledger().fleet_loads_of(&[w.id])[0].in_flight
+    };
+    let until = async |what: &str, check: &dyn Fn() -> bool| {
+        let start = tokio::time::Instant::now();
+        while !check() {
+            assert!(start.elapsed() < Duration::from_secs(10), "{what}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    let connected = |p: &Picker| p.gw.gateway().metrics.peers_connected.get();
+    until("the pickers follow each other", &|| {
+        connected(&a) == 1 && connected(&b) == 1
+    })
+    .await;
+
+    // Two requests held at a, on two endpoints: b counts them.
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut c = a.open().await;
+        c.send(request_headers("/v1/completions", &[], false)).await;
+        c.send(body(&completion("held", true), true)).await;
+        let picked = pick_of(&c.recv_whole().await).header;
+        let _body = c.recv().await;
+        held.push((c, picked));
+    }
+    assert_ne!(held[0].1, held[1].1, "a spreads its own");
+    until("b counts a's bookings", &|| {
+        held.iter().all(|(_, e)| fleet_booked_on(&b, e) == 1)
+    })
+    .await;
+    // Every request reaching b goes to the endpoint a does not load (by chance: 1 in 3^5).
+    let free = endpoints()
+        .into_iter()
+        .find(|e| held.iter().all(|(_, h)| h != e))
+        .unwrap();
+    for round in 0..5 {
+        let mut c = b.open().await;
+        c.send(request_headers("/v1/completions", &[], false)).await;
+        c.send(body(&completion("q", false), true)).await;
+        let loads: Vec<u32> = endpoints().iter().map(|e| fleet_booked_on(&b, e)).collect();
+        assert_eq!(
+            pick_of(&c.recv_whole().await).header,
+            free,
+            "round {round}, b's loads {loads:?}"
+        );
+        let _body = c.recv().await;
+        c.send(response_headers(200, "application/json", None))
+            .await;
+        let _ = c.recv().await;
+        c.send(response_body(b"{\"choices\":[]}", true)).await;
+        let _ = c.recv().await;
+        b.until_booked(0).await;
+        // a, the leader, chose for b and holds that choice until b's next report.
+        until("a lets go of b's ended request", &|| {
+            fleet_booked_on(&a, &free) == 0
+        })
+        .await;
+    }
+    // a's requests end: b lets go of them too.
+    drop(held);
+    a.until_booked(0).await;
+    until("b drops a's ended bookings", &|| {
+        endpoints().iter().all(|e| fleet_booked_on(&b, e) == 0)
+    })
+    .await;
 }
