@@ -231,6 +231,11 @@ async fn run_one(
         if let Some(counts) = engine_request_counts(&fleet).await {
             report.set_per_worker(counts);
         }
+    } else {
+        // Named per request (x-kvgate-worker, the worker's URL): count the engines
+        // that got none too.
+        let urls: Vec<String> = fleet.addrs().iter().map(|a| a.url.clone()).collect();
+        report.include_idle_workers(&urls);
     }
     if spec.kvgate_routes() {
         // Policies that do not read the prompt predict nothing (0). Several replicas:

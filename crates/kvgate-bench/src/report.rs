@@ -234,6 +234,27 @@ impl Report {
         self.per_worker = per_worker;
     }
 
+    /// Counts every worker of the fleet (`all`), those that served nothing at 0, so
+    /// the spread sees a herd: 64 requests on one of two engines is 2.0, not 1.0.
+    pub fn include_idle_workers<'a>(&mut self, all: impl IntoIterator<Item = &'a String>) {
+        if self.per_worker.is_empty() {
+            return; // no worker named per request: nothing to compare against
+        }
+        let seconds = self
+            .per_worker_per_second
+            .values()
+            .map(Vec::len)
+            .max()
+            .unwrap_or(0);
+        for name in all {
+            self.per_worker.entry(name.clone()).or_insert(0);
+            self.per_worker_per_second
+                .entry(name.clone())
+                .or_insert_with(|| vec![0; seconds]);
+        }
+        self.worker_spread = spread(&self.per_worker);
+    }
+
     /// A human-readable multi-line table.
     pub fn render_table(&self) -> String {
         let mut s = String::new();
@@ -396,6 +417,15 @@ mod tests {
         assert_eq!(r.per_worker.get("a"), Some(&3));
         assert_eq!(r.per_worker.get("b"), Some(&1));
         assert!((r.worker_spread.unwrap() - 1.5).abs() < 1e-12);
+        // A third worker of the fleet that served nothing counts: 3 / (4 / 3).
+        let mut with_idle = r.clone();
+        with_idle.include_idle_workers(&["a".to_owned(), "b".to_owned(), "c".to_owned()]);
+        assert_eq!(with_idle.per_worker.get("c"), Some(&0));
+        assert!((with_idle.worker_spread.unwrap() - 2.25).abs() < 1e-12);
+        assert_eq!(
+            with_idle.per_worker_per_second["c"].len(),
+            with_idle.per_worker_per_second["a"].len()
+        );
         assert!((r.requests_per_s - 2.0).abs() < 1e-12);
         assert!((r.output_tokens_per_s - 8.0).abs() < 1e-12);
         assert_eq!(r.ttft_ms.count, 4);

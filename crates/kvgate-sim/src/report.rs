@@ -60,6 +60,7 @@ pub fn report(label: &str, run: &SimRun) -> Report {
     };
     let outcomes = routed_outcomes(run);
     let mut report = Report::from_run(label, &RunResult { outcomes, wall });
+    report.include_idle_workers(&run.engine_names);
     let predictions: Vec<u64> = routed
         .iter()
         .filter(|r| r.error.is_none())

@@ -115,6 +115,57 @@ fn rows_route_with_the_real_policy_code_and_its_flags() {
     assert_eq!(seq, [0, 1, 2, 3, 0, 1, 2, 3]);
 }
 
+/// A burst of 64 requests on one system prompt to two engines that run 16 sequences a
+/// step (vLLM on a small device): kv_aware's load bound keeps the engine holding the
+/// prompt from taking them all; without it every request herds there, TTFT p90 more
+/// than doubles, and the report's spread says so (2.0: the idle engine counts).
+#[test]
+fn a_burst_on_one_prompt_herds_onto_its_holder_without_the_load_bound() {
+    let requests = WorkloadConfig {
+        kind: WorkloadKind::SharedPrefix,
+        requests: 64,
+        rate: 1000.0,
+        prefix_tokens: 4096,
+        suffix_tokens: 64,
+        output_tokens: 64,
+        groups: 1,
+        users: 32,
+        ..WorkloadConfig::default()
+    }
+    .generate();
+    let f = FleetConfig {
+        engine: engine_config(16, 8192, 1.0, 0, &["--max-num-seqs=16".into()]).unwrap(),
+        ..fleet(2, 8192)
+    };
+    let run = |spec: &str| {
+        report(
+            spec,
+            &simulate(&row(spec).model, &f, &Load::open(&requests)).unwrap(),
+        )
+    };
+    let bounded = run("kv_aware");
+    let unbounded = run("kv_aware@balance-abs-threshold=100000");
+    assert_eq!(
+        unbounded.per_worker.values().filter(|n| **n == 0).count(),
+        1,
+        "{:?}",
+        unbounded.per_worker
+    );
+    assert_eq!(unbounded.worker_spread, Some(2.0));
+    assert!(
+        bounded.worker_spread.unwrap() < 1.2,
+        "{:?}",
+        bounded.per_worker
+    );
+    let p90 = |r: &kvgate_bench::report::Report| r.ttft_ms.p90;
+    assert!(
+        p90(&unbounded) > 2.0 * p90(&bounded),
+        "{} against {}",
+        p90(&unbounded),
+        p90(&bounded)
+    );
+}
+
 /// The routing decisions of one fixed run, summarised. If this test fails, the
 /// routing code changed (a policy, the index, the ledger, the credit) or the engine
 /// simulation did: the simulation runs the real code, so it must notice. When the
