@@ -1,8 +1,9 @@
 //! Engines found without naming them: a model's `workers_dns` name (a Kubernetes
 //! headless Service of engine pods) re-resolved periodically, or its
 //! `workers_kubernetes` pods (by label selector, or an InferencePool's) watched through
-//! the Kubernetes API (`--features kubernetes`); each address a worker. A disaggregated model's prefill
-//! pool has its own (`pd.prefill_workers_dns`, `pd.prefill_workers_kubernetes`).
+//! the Kubernetes API (`--features kubernetes`); each address a worker. A disaggregated
+//! model's prefill pool has its own (`pd.prefill_workers_dns`,
+//! `pd.prefill_workers_kubernetes`).
 //!
 //! Owns the resolve-and-reconcile loop and the pure reconcile step ([`reconcile`]):
 //! which discovered workers to add and which to remove. Adding and removing go through
@@ -279,7 +280,6 @@ pub mod kubernetes {
                     }
                 },
             };
-            let ns = self.cfg.namespace.clone();
             if let Some(name) = &self.cfg.inference_pool {
                 if self.pool.is_none() {
                     let resource = ApiResource {
@@ -289,7 +289,7 @@ pub mod kubernetes {
                         kind: "InferencePool".into(),
                         plural: "inferencepools".into(),
                     };
-                    let api: Api<DynamicObject> = match &ns {
+                    let api: Api<DynamicObject> = match &self.cfg.namespace {
                         Some(ns) => Api::namespaced_with(client.clone(), ns, &resource),
                         None => Api::default_namespaced_with(client.clone(), &resource),
                     };
@@ -387,11 +387,12 @@ pub mod kubernetes {
                 }
                 Event::Apply(pod) => {
                     let name = pod.name_any();
-                    let was = match ready_ip(&pod) {
+                    let now = ready_ip(&pod);
+                    let was = match now {
                         Some(ip) => self.ready.insert(name, ip),
                         None => self.ready.remove(&name),
                     };
-                    was != self.ready.get(&pod.name_any()).copied()
+                    was != now
                 }
                 Event::Delete(pod) => self.ready.remove(&pod.name_any()).is_some(),
             }

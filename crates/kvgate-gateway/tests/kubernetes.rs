@@ -460,12 +460,11 @@ async fn an_inference_pools_ready_pods_are_its_endpoints() {
             format!("tcp://{ip}:{events}"),
         )
     };
+    // A pod's two endpoints at target ports `first` and `first + 1`.
+    let both_ports =
+        |ip: &str, first: u16| [endpoint(ip, first, 5557), endpoint(ip, first + 1, 5558)];
     eventually("the ready pod's two ports join", || {
-        workers_with_events(&gw)
-            == [
-                endpoint("10.0.0.1", 8000, 5557),
-                endpoint("10.0.0.1", 8001, 5558),
-            ]
+        workers_with_events(&gw) == both_ports("10.0.0.1", 8000)
     })
     .await;
 
@@ -473,11 +472,7 @@ async fn an_inference_pools_ready_pods_are_its_endpoints() {
     cluster.set_pod(pod("b", "10.0.0.2", &vllm, true));
     cluster.remove_pod("a");
     eventually("b replaces a", || {
-        workers_with_events(&gw)
-            == [
-                endpoint("10.0.0.2", 8000, 5557),
-                endpoint("10.0.0.2", 8001, 5558),
-            ]
+        workers_with_events(&gw) == both_ports("10.0.0.2", 8000)
     })
     .await;
 
@@ -490,11 +485,7 @@ async fn an_inference_pools_ready_pods_are_its_endpoints() {
     ));
     cluster.set_pod(pod("c", "10.0.0.3", &vllm, true));
     eventually("relabelled pods follow", || {
-        workers_with_events(&gw)
-            == [
-                endpoint("10.0.0.3", 8000, 5557),
-                endpoint("10.0.0.3", 8001, 5558),
-            ]
+        workers_with_events(&gw) == both_ports("10.0.0.3", 8000)
     })
     .await;
     assert_eq!(
@@ -516,11 +507,7 @@ async fn an_inference_pools_ready_pods_are_its_endpoints() {
     cluster.set_pool(json!({"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool", "metadata": {"name": "qwen3", "namespace": "llm"}, "spec": {"selector": {}}}));
     cluster.set_pool(inference_pool(&[("model", "old")], &[9000, 9001]));
     eventually("the pool's next good spec", || {
-        workers_with_events(&gw)
-            == [
-                endpoint("10.0.0.2", 9000, 5557),
-                endpoint("10.0.0.2", 9001, 5558),
-            ]
+        workers_with_events(&gw) == both_ports("10.0.0.2", 9000)
     })
     .await;
     let first = "http://10.0.0.2:9000";
