@@ -41,6 +41,8 @@ METRICS = [
     ("ttft_p90", "TTFT p90 ms", True),
     ("served", "served", False),
     ("hit", "hit %", False),
+    ("goodput", "goodput req/s", False),
+    ("ttft_error", "TTFT prediction error p50 %", True),
 ]
 
 
@@ -50,6 +52,9 @@ def report_numbers(r):
         "ttft_p90": r["ttft_ms"]["p90"],
         "served": r["ok"],
         "hit": 100.0 * (r["prefix_hit_rate"] or 0.0),
+        # Requests answered within their TTFT objective per second (0 without objectives).
+        "goodput": r.get("goodput_per_s") or 0.0,
+        "ttft_error": 100.0 * ((r.get("ttft_prediction_error") or {}).get("p50") or 0.0),
     }
 
 

@@ -14,7 +14,8 @@ use crate::compare::{self, render_markdown, CompareConfig};
 use crate::fleet::EngineConfig;
 use crate::process::which;
 use crate::report::Report;
-use crate::request::{summarize, Request};
+use crate::request::{summarize, Request, RequestObjective};
+use crate::rng::SplitMix64;
 use crate::routers::RouterSpec;
 use crate::runner::{self, RunConfig};
 use crate::scenario::{self, ScenarioConfig, ScenarioKind};
@@ -82,11 +83,59 @@ pub struct WorkloadArgs {
     /// seconds.
     #[arg(long, default_value_t = 2.0)]
     pub think_time: f64,
+    /// Every request's time-to-first-token objective in ms, sent as `x-slo-ttft-ms`;
+    /// the report's goodput counts the requests answered within it.
+    #[arg(long, value_name = "MS")]
+    pub slo_ttft_ms: Option<u32>,
+    /// Share of the requests (drawn by seed) marked sheddable, `x-priority: -1`: batch
+    /// work a router may refuse at once when it predicts the objective missed.
+    #[arg(long, value_name = "FRACTION", default_value_t = 0.0)]
+    pub sheddable_share: f64,
+    /// The sheddable requests' TTFT objective in ms (default: --slo-ttft-ms).
+    #[arg(long, value_name = "MS")]
+    pub sheddable_slo_ttft_ms: Option<u32>,
+    /// Score goodput against the objectives but send none (no `x-slo-ttft-ms`, no
+    /// `x-priority`): the baseline of a router that ignores them.
+    #[arg(long)]
+    pub objectives_hidden: bool,
 }
 
 impl WorkloadArgs {
-    /// Build the request list and a one-line description of it.
+    /// Build the request list and a one-line description of it (with the objectives
+    /// and priorities asked for).
     pub fn build(&self) -> anyhow::Result<(Vec<Request>, String)> {
+        let (mut requests, mut desc) = self.build_requests()?;
+        if !(0.0..=1.0).contains(&self.sheddable_share) {
+            bail!("--sheddable-share must be between 0 and 1");
+        }
+        if self.slo_ttft_ms.is_some() || self.sheddable_share > 0.0 {
+            let interactive = self.slo_ttft_ms;
+            let batch = self.sheddable_slo_ttft_ms.or(interactive);
+            for r in &mut requests {
+                let sheddable =
+                    SplitMix64::keyed(self.seed ^ 0x5eed_ab1e, r.id).unit() < self.sheddable_share;
+                r.objective = RequestObjective {
+                    ttft_ms: if sheddable { batch } else { interactive },
+                    priority: if sheddable { -1 } else { 0 },
+                    hidden: self.objectives_hidden,
+                };
+            }
+            desc.push_str(&format!(
+                "; TTFT objective {} ms, {:.0}% sheddable (objective {} ms){}",
+                interactive.map_or("none".into(), |v| v.to_string()),
+                self.sheddable_share * 100.0,
+                batch.map_or("none".into(), |v| v.to_string()),
+                if self.objectives_hidden {
+                    ", not sent"
+                } else {
+                    ""
+                },
+            ));
+        }
+        Ok((requests, desc))
+    }
+
+    fn build_requests(&self) -> anyhow::Result<(Vec<Request>, String)> {
         if self.block_tokens == 0 {
             bail!("--block-tokens must be at least 1");
         }
@@ -695,7 +744,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         baseline: "round_robin".into(),
     };
     eprintln!(
-        "kvgate demo: {} mock engines, {} requests per router; output in {}",
+        "kvgate demo: {} mock engines (batch limits: `kvgate mock-engine`'s defaults, vLLM's on an H100, unless --engine-arg sets them), {} requests per router; output in {}",
         cfg.engine.engines,
         requests.len(),
         out_dir.display()

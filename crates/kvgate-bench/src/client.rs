@@ -14,11 +14,13 @@ use futures::StreamExt;
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::request::Request;
+use crate::request::{Request, RequestObjective};
 use crate::sse::SseParser;
 
 /// Response header naming the worker that served a request (set by kvgate).
 pub const WORKER_HEADER: &str = "x-kvgate-worker";
+/// Response header: kvgate's predicted time to first token for the request, ms.
+pub const PREDICTED_TTFT_HEADER: &str = "x-kvgate-predicted-ttft-ms";
 /// Request header carrying the session id (used by the session policy).
 pub const SESSION_HEADER: &str = "x-session-id";
 
@@ -56,6 +58,11 @@ pub struct Outcome {
     /// The answer's `id` (its first event's), which names the engine behind routers
     /// that add no header (the mock engine's ids carry its process id).
     pub response_id: Option<String>,
+    /// The router's predicted time to first token (kvgate's `x-kvgate-predicted-ttft-ms`).
+    pub predicted_ttft: Option<Duration>,
+    /// The request's latency objective and priority.
+    #[serde(skip)]
+    pub objective: RequestObjective,
 }
 
 impl Outcome {
@@ -206,6 +213,7 @@ impl BenchClient {
         let start = Instant::now();
         let mut out = Outcome {
             id: req.id,
+            objective: req.objective,
             prompt_tokens: req.prompt_len() as u64,
             ..Outcome::default()
         };
@@ -235,6 +243,13 @@ impl BenchClient {
         if let Some(session) = &req.session_id {
             builder = builder.header(SESSION_HEADER, session);
         }
+        let objective = req.objective;
+        if let Some(ms) = objective.ttft_ms.filter(|_| !objective.hidden) {
+            builder = builder.header("x-slo-ttft-ms", ms);
+        }
+        if objective.priority != 0 && !objective.hidden {
+            builder = builder.header("x-priority", objective.priority);
+        }
         let resp = match builder.send().await {
             Ok(r) => r,
             Err(e) => {
@@ -257,6 +272,11 @@ impl BenchClient {
             .get(WORKER_HEADER)
             .and_then(|v| v.to_str().ok())
             .map(str::to_string);
+        out.predicted_ttft = resp
+            .headers()
+            .get(PREDICTED_TTFT_HEADER)
+            .and_then(|v| v.to_str().ok()?.parse::<f64>().ok())
+            .and_then(|ms| Duration::try_from_secs_f64(ms / 1e3).ok());
         if !status.is_success() {
             out.error = Some(status.as_u16().to_string());
             let body = resp.text().await.unwrap_or_default();
@@ -443,6 +463,7 @@ mod tests {
             prompt: vec![1, 2],
             max_tokens: 3,
             session_id: None,
+            objective: Default::default(),
         };
         let b = c.body(&req);
         assert_eq!(b["prompt"], serde_json::json!([1, 2]));

@@ -179,7 +179,11 @@ async fn run_one(
         block_size: cfg.engine.block_size,
         log_dir: log_dir.clone(),
         startup_timeout: cfg.router_startup_timeout,
-        kvgate_extra_args: cfg.kvgate_extra_args.clone(),
+        kvgate_extra_args: [
+            cfg.engine.limit_args_for_router(),
+            cfg.kvgate_extra_args.clone(),
+        ]
+        .concat(),
     };
     let engines = fleet.addrs().to_vec();
     let (mut fleet, router, url, more, launches, sidecars) =
@@ -384,11 +388,11 @@ pub fn render_markdown(summary: &CompareSummary, baseline: &str) -> String {
     );
     let _ = writeln!(
         s,
-        "| router | ok | errors | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | TTFT p90 vs {baseline} | ITL p50 ms | ITL p90 ms | ITL p99 ms | E2E p50 ms | E2E p99 ms | req/s | out tok/s | prefix hit | predicted / reported cached | spread max/mean | note |"
+        "| router | ok | errors | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | TTFT p90 vs {baseline} | ITL p50 ms | ITL p90 ms | ITL p99 ms | E2E p50 ms | E2E p99 ms | req/s | goodput req/s | out tok/s | prefix hit | predicted / reported cached | TTFT prediction error p50 / p90 | spread max/mean | note |"
     );
     let _ = writeln!(
         s,
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
     );
     for row in &summary.rows {
         match &row.report {
@@ -398,7 +402,7 @@ pub fn render_markdown(summary: &CompareSummary, baseline: &str) -> String {
                     .map(|b| b.ttft_ms.p90 / r.ttft_ms.p90);
                 let _ = writeln!(
                     s,
-                    "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.1} | {} | {} | {} | {} |",
+                    "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {} | {:.1} | {} | {} | {} | {} | {} |",
                     row.label,
                     r.ok,
                     r.errors,
@@ -412,14 +416,19 @@ pub fn render_markdown(summary: &CompareSummary, baseline: &str) -> String {
                     r.e2e_ms.p50,
                     r.e2e_ms.p99,
                     r.requests_per_s,
+                    fmt_opt(r.goodput_per_s, 2),
                     r.output_tokens_per_s,
                     fmt_pct(r.prefix_hit_rate),
                     fmt_opt(r.predicted_over_reported(), 3),
+                    r.ttft_prediction_error.map_or_else(
+                        || "n/a".into(),
+                        |e| format!("{:.0}% / {:.0}%", e.p50 * 100.0, e.p90 * 100.0)
+                    ),
                     fmt_opt(r.worker_spread, 2),
                     row.note.as_deref().unwrap_or(""),
                 );
             }
-            None => not_run_row(&mut s, &row.label, &row.status, row.note.as_deref(), 16),
+            None => not_run_row(&mut s, &row.label, &row.status, row.note.as_deref(), 18),
         }
     }
     s

@@ -37,6 +37,34 @@ pub struct EngineConfig {
     pub pd: Option<FleetPd>,
 }
 
+impl EngineConfig {
+    /// The engines' batch limits as `kvgate serve` flags (`--max-num-seqs N
+    /// --max-num-batched-tokens N`) when the extra engine arguments set them, so the
+    /// router's time model knows them as a user would tell it; empty otherwise (kvgate's
+    /// defaults are the mock's).
+    pub fn limit_args_for_router(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let args = &self.extra_args;
+        for (engine_flag, router_flag) in [
+            ("--max-num-seqs", "--max-num-seqs"),
+            ("--max-batched-tokens", "--max-num-batched-tokens"),
+            ("--max-num-batched-tokens", "--max-num-batched-tokens"),
+        ] {
+            let value = args.iter().enumerate().find_map(|(i, a)| {
+                match a.strip_prefix(engine_flag)?.strip_prefix('=') {
+                    Some(v) => Some(v.to_string()),
+                    None if a == engine_flag => args.get(i + 1).cloned(),
+                    None => None,
+                }
+            });
+            if let Some(v) = value {
+                out.extend([router_flag.to_string(), v]);
+            }
+        }
+        out
+    }
+}
+
 /// A disaggregated fleet: `prefill` prefill engines, then decode engines, speaking
 /// `mode` (`vllm` or `sglang`, `kvgate mock-engine --pd-mode`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -230,5 +258,38 @@ impl Fleet {
         for child in self.children {
             child.shutdown().await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The engines' batch limits reach the router in its own flags' names, whichever
+    /// spelling the engine arguments used; nothing when they set none.
+    #[test]
+    fn engine_limits_are_passed_to_the_router() {
+        let cfg = |args: &[&str]| EngineConfig {
+            kvgate_bin: PathBuf::new(),
+            engines: 2,
+            block_size: 16,
+            num_blocks: 64,
+            speedup: 1.0,
+            seed: 0,
+            extra_args: args.iter().map(|a| a.to_string()).collect(),
+            startup_timeout: Duration::from_secs(1),
+            pd: None,
+        };
+        assert!(cfg(&["--eos-probability=0"])
+            .limit_args_for_router()
+            .is_empty());
+        assert_eq!(
+            cfg(&["--max-num-seqs=16", "--max-batched-tokens", "512"]).limit_args_for_router(),
+            ["--max-num-seqs", "16", "--max-num-batched-tokens", "512"]
+        );
+        assert_eq!(
+            cfg(&["--max-num-batched-tokens=2048"]).limit_args_for_router(),
+            ["--max-num-batched-tokens", "2048"]
+        );
     }
 }

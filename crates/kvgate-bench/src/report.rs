@@ -122,6 +122,44 @@ pub struct Report {
     /// reported.
     #[serde(default)]
     pub predicted_cached_tokens: Option<u64>,
+    /// How far the router's predicted time to first token was from the observed one,
+    /// over completed requests with a prediction (kvgate rows): |predicted − observed| /
+    /// observed, median and 90th percentile.
+    #[serde(default)]
+    pub ttft_prediction_error: Option<PredictionError>,
+    /// Of the requests sent with a TTFT objective, those answered within it per second
+    /// of the run (`None` when no request had an objective).
+    #[serde(default)]
+    pub goodput_per_s: Option<f64>,
+    /// Requests sent with a TTFT objective, and how many were answered within it.
+    #[serde(default)]
+    pub objectives_met: Option<(usize, usize)>,
+}
+
+/// The distribution of a prediction's relative error.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct PredictionError {
+    pub requests: usize,
+    pub p50: f64,
+    pub p90: f64,
+}
+
+impl PredictionError {
+    /// |predicted − observed| / observed over the pairs with a positive observation
+    /// (`None` when there are none).
+    pub fn of(pairs: impl IntoIterator<Item = (f64, f64)>) -> Option<Self> {
+        let mut errors: Vec<f64> = pairs
+            .into_iter()
+            .filter(|&(_, observed)| observed > 0.0)
+            .map(|(predicted, observed)| (predicted - observed).abs() / observed)
+            .collect();
+        errors.sort_by(f64::total_cmp);
+        Some(Self {
+            requests: errors.len(),
+            p50: percentile(&errors, 50.0)?,
+            p90: percentile(&errors, 90.0)?,
+        })
+    }
 }
 
 /// What the engines reported of their prefix caches over some answered requests: the
@@ -195,6 +233,12 @@ impl Report {
             .map(|d| d.as_secs_f64() * 1e3)
             .collect();
         let rate = |x: f64| if secs > 0.0 { x / secs } else { 0.0 };
+        let with_objective = outs.iter().filter(|o| o.objective.ttft_ms.is_some());
+        let (met, asked) = with_objective.fold((0, 0), |(met, asked), o| {
+            let ok = o.is_ok() && o.ttft.and_then(|t| o.objective.met(t)) == Some(true);
+            (met + usize::from(ok), asked + 1)
+        });
+        let objectives_met = (asked > 0).then_some((met, asked));
         Self {
             label: label.to_string(),
             requests: outs.len(),
@@ -218,6 +262,12 @@ impl Report {
             ttft_cdf_ms: crate::plot::cdf_points(&ttft_values, 200),
             per_worker_per_second,
             predicted_cached_tokens: None,
+            ttft_prediction_error: PredictionError::of(
+                ok.iter()
+                    .filter_map(|o| Some((o.predicted_ttft?.as_secs_f64(), o.ttft?.as_secs_f64()))),
+            ),
+            goodput_per_s: objectives_met.map(|(met, _)| rate(met as f64)),
+            objectives_met,
         }
     }
 
@@ -308,6 +358,21 @@ impl Report {
         );
         if let Some(ratio) = self.predicted_over_reported() {
             let _ = writeln!(s, "predicted / reported cached tokens {ratio:.3}");
+        }
+        if let (Some(g), Some((met, asked))) = (self.goodput_per_s, self.objectives_met) {
+            let _ = writeln!(
+                s,
+                "goodput {g:.2} req/s: {met} of {asked} requests with a TTFT objective met it"
+            );
+        }
+        if let Some(e) = self.ttft_prediction_error {
+            let _ = writeln!(
+                s,
+                "TTFT prediction error (|predicted - observed| / observed) p50 {:.1}%  p90 {:.1}%  over {} requests",
+                e.p50 * 100.0,
+                e.p90 * 100.0,
+                e.requests
+            );
         }
         if !self.per_worker.is_empty() {
             let _ = writeln!(

@@ -19,6 +19,29 @@ pub struct Request {
     pub max_tokens: u32,
     /// Optional session id, sent as the `x-session-id` header (for the session policy).
     pub session_id: Option<String>,
+    /// Its latency objective and priority, sent as `x-slo-ttft-ms` and `x-priority`.
+    pub objective: RequestObjective,
+}
+
+/// A request's latency objective and priority (the default: none, priority 0).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RequestObjective {
+    /// Time to first token it should get, ms.
+    pub ttft_ms: Option<u32>,
+    /// Below 0: sheddable (a router may refuse it at once with 429 when it predicts the
+    /// objective cannot be met).
+    pub priority: i32,
+    /// Scored against, but not sent: what a router that ignores objectives sees.
+    pub hidden: bool,
+}
+
+impl RequestObjective {
+    /// Whether a request with this objective that got its first token after `ttft`
+    /// met it (`None` without an objective).
+    pub fn met(&self, ttft: Duration) -> Option<bool> {
+        self.ttft_ms
+            .map(|ms| ttft <= Duration::from_millis(u64::from(ms)))
+    }
 }
 
 impl Request {

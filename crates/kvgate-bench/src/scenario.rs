@@ -240,6 +240,7 @@ impl TenantWorkload {
             prompt,
             max_tokens: self.output_tokens,
             session_id: None,
+            objective: Default::default(),
         }
     }
 }

@@ -169,6 +169,7 @@ impl SynthConfig {
                 prompt: self.synthesize(rec, i as u64),
                 max_tokens: self.scaled_output_len(rec.output_length),
                 session_id: None,
+                objective: Default::default(),
             })
             .collect()
     }

@@ -170,6 +170,7 @@ impl WorkloadConfig {
                     prompt,
                     max_tokens: self.output_tokens.max(1),
                     session_id: Some(format!("user-{user}")),
+                    objective: Default::default(),
                 }
             })
             .collect()
@@ -201,6 +202,7 @@ impl WorkloadConfig {
                     prompt: history.clone(),
                     max_tokens: self.output_tokens.max(1),
                     session_id: Some(format!("conv-{c}")),
+                    objective: Default::default(),
                 });
                 history.extend(self.tokens(
                     NS_ASSISTANT_TURN,
@@ -244,6 +246,7 @@ impl WorkloadConfig {
                     prompt: context.clone(),
                     max_tokens: self.output_tokens.max(1),
                     session_id: Some(format!("agent-{e}")),
+                    objective: Default::default(),
                 });
                 // The tool call the model made.
                 context.extend(self.tokens(
@@ -268,6 +271,7 @@ impl WorkloadConfig {
                 prompt: self.tokens(NS_UNIQUE, i as u64, 0, len),
                 max_tokens: self.output_tokens.max(1),
                 session_id: None,
+                objective: Default::default(),
             })
             .collect()
     }

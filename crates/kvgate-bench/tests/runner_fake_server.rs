@@ -118,6 +118,7 @@ fn req(id: u64, first: u32, session: &str) -> Request {
         prompt: vec![first, 7, 8, 9],
         max_tokens: 5,
         session_id: Some(session.to_string()),
+        objective: Default::default(),
     }
 }
 

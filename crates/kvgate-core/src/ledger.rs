@@ -37,6 +37,11 @@
 //!   from cache, the guard passes that on and the ledger keeps, per worker, decayed sums
 //!   of predicted and reported cached tokens, and how much of the credited part and of
 //!   the indexed part came true ([`WorkerAccuracy`]).
+//! * **Time.** Each worker's [`WorkerTiming`] (module [`crate::timing`]): a booking
+//!   records the worker's load ahead of it and the TTFT predicted there; its first
+//!   token teaches the worker's TTFT rates and returns the receipt (predicted against
+//!   observed, [`TtftReceipt`]); its end teaches the decode rates and output length.
+//!   Callers pass the times (`now`); the ledger reads no clock.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -51,6 +56,7 @@ use crate::hashing::BlockKey;
 use crate::ids::WorkerId;
 use crate::load::WorkerLoad;
 use crate::peer_loads::{self, PeerApplied, PeerLoads, PeerReport, PeerStats};
+use crate::timing::{EngineLimits, TtftFeatures, WorkerTiming};
 
 /// Callers report a booking's output progress every this many output tokens (the
 /// gateway counts streamed events, the simulation tokens): often enough that a
@@ -176,6 +182,14 @@ impl TypicalRequest {
     }
 }
 
+/// A first token's receipt: the TTFT predicted when the request was booked and the one
+/// observed (booking to first token).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct TtftReceipt {
+    pub predicted_secs: f64,
+    pub observed_secs: f64,
+}
+
 /// Cumulative counters.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct LedgerStats {
@@ -197,6 +211,15 @@ struct Booking {
     booked_at: Instant,
     /// Checkpoint keys of the prompt while its prefill is pending (empty after).
     prefilling: Box<[BlockKey]>,
+    /// The request's situation at booking (its worker's load ahead of it), as the
+    /// time model reads it, and the TTFT predicted from it.
+    ttft_features: TtftFeatures,
+    predicted_ttft_secs: f64,
+    /// When its first token came, and the fleet's requests in flight there then.
+    first_token_at: Option<Instant>,
+    in_flight_at_first_token: u32,
+    /// When its latest progress was reported.
+    last_progress_at: Option<Instant>,
 }
 
 #[derive(Debug, Default)]
@@ -212,9 +235,32 @@ struct Inner {
     /// Per worker, the load its engine last reported beyond the fleet's bookings.
     unseen: FxHashMap<WorkerId, WorkerLoad>,
     typical: TypicalRequest,
+    /// Per worker, its time model (created with `default_limits` on first use).
+    timing: FxHashMap<WorkerId, WorkerTiming>,
+    default_limits: EngineLimits,
 }
 
 impl Inner {
+    /// The whole fleet's load on `worker`: this router's bookings, the peers' reports
+    /// and the engine's unseen load.
+    fn fleet_load(&self, worker: WorkerId) -> WorkerLoad {
+        let booked = peer_loads::sum(
+            self.loads.get(&worker).copied().unwrap_or_default(),
+            self.peers.load(worker),
+        );
+        peer_loads::sum(
+            booked,
+            self.unseen.get(&worker).copied().unwrap_or_default(),
+        )
+    }
+
+    fn timing(&mut self, worker: WorkerId) -> &mut WorkerTiming {
+        let limits = self.default_limits;
+        self.timing
+            .entry(worker)
+            .or_insert_with(|| WorkerTiming::new(limits))
+    }
+
     /// Ends a booking's prefill credit (first token, or the booking ended).
     fn end_prefill_credit(&mut self, id: u64, keys: &[BlockKey]) {
         for key in keys {
@@ -298,6 +344,12 @@ impl Ledger {
         {
             return None;
         }
+        let mut booking = booking;
+        let ahead = inner.fleet_load(worker);
+        let timing = inner.timing(worker);
+        let uncached = u64::from(spec.prompt_tokens - spec.cached_tokens);
+        booking.ttft_features = timing.features(&ahead, uncached);
+        booking.predicted_ttft_secs = timing.predict(&ahead, uncached).ttft_secs;
         inner.next_id += 1;
         let id = inner.next_id;
         for key in booking.prefilling.iter() {
@@ -346,6 +398,11 @@ impl Ledger {
             decode_blocks: 0.0,
             booked_at: now,
             prefilling,
+            ttft_features: TtftFeatures::default(),
+            predicted_ttft_secs: 0.0,
+            first_token_at: None,
+            in_flight_at_first_token: 0,
+            last_progress_at: None,
         };
         booking.decode_blocks = self.decode_blocks(&booking);
         booking
@@ -363,20 +420,36 @@ impl Ledger {
         blocks * weight
     }
 
-    /// Marks the request's prefill done (its first token arrived), which also ends its
-    /// prefill credit. Idempotent.
-    fn prefill_done(&self, id: u64) {
+    /// Marks the request's prefill done (its first token arrived at `now`), which also
+    /// ends its prefill credit, and teaches its worker's time model. Returns the
+    /// receipt the first time; later calls do nothing.
+    fn prefill_done(&self, id: u64, now: Instant) -> Option<TtftReceipt> {
         let mut inner = self.inner.lock();
+        let worker = inner.bookings.get(&id)?.worker;
+        let in_flight = inner.fleet_load(worker).in_flight;
         let Inner {
-            bookings, loads, ..
+            bookings,
+            loads,
+            timing,
+            default_limits,
+            ..
         } = &mut *inner;
-        let Some(b) = bookings.get_mut(&id) else {
-            return;
-        };
+        let b = bookings.get_mut(&id)?;
         if !b.prefill_pending {
-            return;
+            return None;
         }
         b.prefill_pending = false;
+        b.first_token_at = Some(now);
+        b.in_flight_at_first_token = in_flight;
+        let observed_secs = now.saturating_duration_since(b.booked_at).as_secs_f64();
+        timing
+            .entry(worker)
+            .or_insert_with(|| WorkerTiming::new(*default_limits))
+            .observe_ttft(b.ttft_features, observed_secs);
+        let receipt = TtftReceipt {
+            predicted_secs: b.predicted_ttft_secs,
+            observed_secs,
+        };
         if let Some(load) = loads.get_mut(&b.worker) {
             load.prefill_tokens = load
                 .prefill_tokens
@@ -384,6 +457,7 @@ impl Ledger {
         }
         let keys = std::mem::take(&mut b.prefilling);
         inner.end_prefill_credit(id, &keys);
+        Some(receipt)
     }
 
     /// The engine reported `reported` prompt tokens served from cache for booking `id`.
@@ -470,11 +544,39 @@ impl Ledger {
             .unwrap_or_default()
     }
 
-    /// Forgets a removed worker's accuracy record, peer load and unseen load (its
-    /// bookings end with their guards).
+    /// The engine limits a worker without limits of its own is modelled with.
+    pub fn set_default_engine_limits(&self, limits: EngineLimits) {
+        self.inner.lock().default_limits = limits;
+    }
+
+    /// `worker`'s engine's batch limits (its configuration, or what the engine said);
+    /// what its time model learned stays.
+    pub fn set_engine_limits(&self, worker: WorkerId, limits: EngineLimits) {
+        self.inner.lock().timing(worker).set_limits(limits);
+    }
+
+    /// The time models of `workers`, in order (copies: predict with
+    /// [`WorkerTiming::predict`] against the loads of [`Ledger::fleet_loads_of`]).
+    pub fn timings_of(&self, workers: &[WorkerId]) -> Vec<WorkerTiming> {
+        let inner = self.inner.lock();
+        workers
+            .iter()
+            .map(|w| {
+                inner
+                    .timing
+                    .get(w)
+                    .copied()
+                    .unwrap_or_else(|| WorkerTiming::new(inner.default_limits))
+            })
+            .collect()
+    }
+
+    /// Forgets a removed worker's accuracy record, time model, peer load and unseen
+    /// load (its bookings end with their guards).
     pub fn forget_worker(&self, worker: WorkerId) {
         let mut inner = self.inner.lock();
         inner.accuracy.remove(&worker);
+        inner.timing.remove(&worker);
         inner.peers.forget_worker(worker);
         inner.unseen.remove(&worker);
     }
@@ -575,8 +677,8 @@ impl Ledger {
         self.inner.lock().peers.replicas()
     }
 
-    /// Records that the request has produced `output_tokens` tokens so far.
-    fn progress(&self, id: u64, output_tokens: u32) {
+    /// Records that the request has produced `output_tokens` tokens by `now`.
+    fn progress(&self, id: u64, output_tokens: u32, now: Instant) {
         let mut inner = self.inner.lock();
         let Inner {
             bookings, loads, ..
@@ -586,6 +688,7 @@ impl Ledger {
                 return;
             }
             b.output_tokens = output_tokens;
+            b.last_progress_at = Some(now);
             let old = b.decode_blocks;
             b.decode_blocks = self.decode_blocks(b);
             if let Some(load) = loads.get_mut(&b.worker) {
@@ -606,6 +709,17 @@ impl Ledger {
             return false;
         };
         inner.end_prefill_credit(id, &b.prefilling);
+        if let Some(first) = b.first_token_at {
+            // The decode it did: its output length, and its mean time per output token
+            // from the first token to the last progress reported.
+            let last = b.last_progress_at.unwrap_or(first);
+            let tokens = b.output_tokens.max(1);
+            let tpot = last.saturating_duration_since(first).as_secs_f64()
+                / f64::from(tokens.saturating_sub(1).max(1));
+            inner
+                .timing(b.worker)
+                .observe_decode(b.in_flight_at_first_token, tokens, tpot);
+        }
         if let Some(load) = inner.loads.get_mut(&b.worker) {
             load.in_flight = load.in_flight.saturating_sub(1);
             if b.prefill_pending {
@@ -666,14 +780,21 @@ impl Ledger {
     /// What policies score.
     pub fn fleet_loads_of(&self, workers: &[WorkerId]) -> Vec<WorkerLoad> {
         let inner = self.inner.lock();
+        workers.iter().map(|w| inner.fleet_load(*w)).collect()
+    }
+
+    /// [`Ledger::fleet_loads_of`] and [`Ledger::timings_of`] under one lock.
+    pub fn fleet_loads_and_timings_of(
+        &self,
+        workers: &[WorkerId],
+    ) -> Vec<(WorkerLoad, WorkerTiming)> {
+        let inner = self.inner.lock();
         workers
             .iter()
             .map(|w| {
-                let booked = peer_loads::sum(
-                    inner.loads.get(w).copied().unwrap_or_default(),
-                    inner.peers.load(*w),
-                );
-                peer_loads::sum(booked, inner.unseen.get(w).copied().unwrap_or_default())
+                let timing = inner.timing.get(w).copied();
+                let timing = timing.unwrap_or_else(|| WorkerTiming::new(inner.default_limits));
+                (inner.fleet_load(*w), timing)
             })
             .collect()
     }
@@ -713,14 +834,15 @@ impl BookingGuard {
         self.worker
     }
 
-    /// First token seen: the prompt is no longer waiting to be prefilled.
-    pub fn prefill_done(&self) {
-        self.ledger.prefill_done(self.id);
+    /// First token seen at `now`: the prompt is no longer waiting to be prefilled.
+    /// Returns the TTFT receipt the first time (`None` after, or once freed).
+    pub fn prefill_done(&self, now: Instant) -> Option<TtftReceipt> {
+        self.ledger.prefill_done(self.id, now)
     }
 
-    /// `output_tokens` produced so far.
-    pub fn progress(&self, output_tokens: u32) {
-        self.ledger.progress(self.id, output_tokens);
+    /// `output_tokens` produced by `now`.
+    pub fn progress(&self, output_tokens: u32, now: Instant) {
+        self.ledger.progress(self.id, output_tokens, now);
     }
 
     /// The engine reported `tokens` prompt tokens served from its prefix cache (the
@@ -775,6 +897,43 @@ mod tests {
         }
     }
 
+    /// A first token returns its receipt once (the TTFT predicted at booking against
+    /// the one observed) and teaches its worker's time model: after a window of
+    /// requests each worker is predicted at its own speed, the requests queued ahead of
+    /// a booking raise its prediction, and the decode rate comes from progress times.
+    #[test]
+    fn first_tokens_return_receipts_and_teach_each_worker() {
+        let ledger = Ledger::new(16);
+        let t0 = Instant::now();
+        let (fast, slow) = (WorkerId(0), WorkerId(1));
+        let ms = Duration::from_millis;
+        for i in 0..96u64 {
+            let at = t0 + Duration::from_secs(i);
+            for (w, ttft) in [(fast, 50), (slow, 200)] {
+                let g = ledger.book(w, spec(1024 + 64 * (i as u32 % 8), 0, Some(17)), &[], at);
+                let r = g.prefill_done(at + ms(ttft)).unwrap();
+                assert!((r.observed_secs - ttft as f64 / 1e3).abs() < 1e-9);
+                assert!(
+                    g.prefill_done(at + ms(ttft + 1)).is_none(),
+                    "a receipt is given once"
+                );
+                g.progress(17, at + ms(ttft + 160));
+            }
+        }
+        let t = ledger.timings_of(&[fast, slow]);
+        let idle = WorkerLoad::default();
+        let (f, s) = (t[0].predict(&idle, 1200), t[1].predict(&idle, 1200));
+        assert!((f.ttft_secs - 0.05).abs() < 0.005, "{f:?}");
+        assert!((s.ttft_secs - 0.2).abs() < 0.02, "{s:?}");
+        assert!((f.tpot_secs - 0.01).abs() < 0.001, "{f:?}");
+        // Requests queued ahead raise the prediction of the next one.
+        let first = ledger.book(fast, spec(1024, 0, None), &[], t0);
+        let second = ledger.book(fast, spec(1024, 0, None), &[], t0);
+        let a = first.prefill_done(t0 + ms(50)).unwrap();
+        let b = second.prefill_done(t0 + ms(90)).unwrap();
+        assert!(b.predicted_secs > a.predicted_secs, "{a:?} {b:?}");
+    }
+
     #[test]
     fn lifecycle_tracks_prefill_and_decode() {
         let ledger = Ledger::new(16);
@@ -783,12 +942,12 @@ mod tests {
         let l = ledger.load(WorkerId(1));
         assert_eq!((l.in_flight, l.prefill_tokens), (1, 128));
         assert!((l.decode_blocks - 10.0).abs() < 1e-9);
-        g.prefill_done();
-        g.prefill_done();
+        g.prefill_done(Instant::now());
+        g.prefill_done(Instant::now());
         assert_eq!(ledger.load(WorkerId(1)).prefill_tokens, 0);
-        g.progress(50); // 210 tokens = 14 blocks, half of the expected output left
+        g.progress(50, Instant::now()); // 210 tokens = 14 blocks, half of the expected output left
         assert!((ledger.load(WorkerId(1)).decode_blocks - 7.0).abs() < 1e-9);
-        g.progress(200); // past the expected length: floor weight
+        g.progress(200, Instant::now()); // past the expected length: floor weight
         let blocks = (360f64 / 16.0).ceil() * MIN_DECODE_WEIGHT;
         assert!((ledger.load(WorkerId(1)).decode_blocks - blocks).abs() < 1e-9);
         drop(g);
@@ -952,7 +1111,7 @@ mod tests {
         assert_eq!(prefilling_blocks(&ledger, &prompt, &ws), [0, 32]);
         // A request sharing only the first 20 blocks is credited 16.
         assert_eq!(prefilling_blocks(&ledger, &prompt[..20], &ws), [0, 16]);
-        g.prefill_done();
+        g.prefill_done(Instant::now());
         assert_eq!(prefilling_blocks(&ledger, &prompt, &ws), [0, 0]);
         drop(g);
         assert!(ledger.inner.lock().prefilling.is_empty());
@@ -978,7 +1137,7 @@ mod tests {
         };
         ledger.apply_peer_report(report(1, theirs.prefilling_checkpoints()), Instant::now());
         assert_eq!(prefilling_blocks(&ledger, &prompt, &ws), [0, 32]);
-        g.prefill_done();
+        g.prefill_done(Instant::now());
         assert!(theirs.prefilling_checkpoints().is_empty());
         ledger.apply_peer_report(report(2, theirs.prefilling_checkpoints()), Instant::now());
         assert_eq!(prefilling_blocks(&ledger, &prompt, &ws), [0, 0]);
@@ -1018,7 +1177,7 @@ mod tests {
             16,
             "the second booking's own credit"
         );
-        second.prefill_done();
+        second.prefill_done(Instant::now());
         assert_eq!(
             at(t0 + Duration::from_secs(11)),
             0,
@@ -1107,8 +1266,8 @@ mod tests {
                     Op::Book { worker, prompt, cached, expected } => guards.push(Some(
                         ledger.book(WorkerId(worker), spec(prompt, cached, expected), &keys(worker, prompt), Instant::now()),
                     )),
-                    Op::Prefill(i) => if let Some(Some(g)) = guards.get(i) { g.prefill_done() },
-                    Op::Progress(i, n) => if let Some(Some(g)) = guards.get(i) { g.progress(n) },
+                    Op::Prefill(i) => if let Some(Some(g)) = guards.get(i) { g.prefill_done(Instant::now()); },
+                    Op::Progress(i, n) => if let Some(Some(g)) = guards.get(i) { g.progress(n, Instant::now()) },
                     Op::Free(i) => if let Some(Some(g)) = guards.get(i) { ledger.free(g.id()); },
                     Op::Drop(i) => if let Some(g) = guards.get_mut(i) { g.take(); },
                 }

@@ -60,7 +60,7 @@ pub async fn tokenize(
         ..
     }: Admitted,
 ) -> Response {
-    let p = match prepare(&gw, None, &bytes, TokenUse::ReturnIds).await {
+    let p = match prepare(&gw, None, &headers, &bytes, TokenUse::ReturnIds).await {
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
@@ -108,7 +108,7 @@ pub async fn explain(
     }: Admitted,
 ) -> Response {
     let arrived = Instant::now();
-    let p = match prepare(&gw, None, &bytes, TokenUse::ForPolicy).await {
+    let p = match prepare(&gw, None, &headers, &bytes, TokenUse::ForPolicy).await {
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
@@ -166,10 +166,13 @@ fn explain_pool(gw: &Gateway, p: &Prepared, session: Option<&str>) -> Result<Val
             .find(|w| w.id == id)
             .map(|w| w.url.to_string())
     };
+    let ids: Vec<_> = decision.scores.iter().map(|s| s.worker).collect();
+    let timings = p.model.ledger().timings_of(&ids);
     let scores: Vec<Value> = decision
         .scores
         .iter()
-        .map(|s| {
+        .zip(&timings)
+        .map(|(s, timing)| {
             json!({
                 "worker": url_of(s.worker),
                 "worker_id": s.worker.0,
@@ -186,6 +189,11 @@ fn explain_pool(gw: &Gateway, p: &Prepared, session: Option<&str>) -> Result<Val
                 // What the worker's engine last reported beyond every replica's bookings.
                 "unseen": p.model.ledger().unseen_load(s.worker),
                 "cost": s.cost,
+                // The time model's predictions here, and what they rest on.
+                "predicted_ttft_ms": s.predicted_ttft_secs.map(|t| t * 1e3),
+                "predicted_tpot_ms": s.predicted_tpot_secs.map(|t| t * 1e3),
+                "engine_limits": timing.limits(),
+                "rates": timing.rates(),
             })
         })
         .collect();
@@ -197,6 +205,7 @@ fn explain_pool(gw: &Gateway, p: &Prepared, session: Option<&str>) -> Result<Val
         "reason": decision.reason,
         "block_size": p.model.selection.block_size(),
         "predicted_cached_tokens": decision.predicted_cached_tokens,
+        "predicted_ttft_ms": decision.predicted_ttft_secs().map(|t| t * 1e3),
         "peer_replicas": p.model.ledger().peer_replicas(),
         // The replica that chooses this replica's workers (`peers.decisions: leader`;
         // null: this one), and the choices made here for peers not yet in their reports.

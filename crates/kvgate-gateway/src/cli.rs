@@ -136,6 +136,23 @@ pub struct ServeArgs {
     /// Tokens per KV block (must match the engines).
     #[arg(long, default_value_t = 16, help_heading = MODEL)]
     pub block_size: u32,
+    /// The engines' --max-num-seqs (sequences an engine step runs at most; beyond it
+    /// requests wait for a slot). Default: vLLM's on an H100; vLLM defaults to 256 on
+    /// smaller GPUs and 128 on CPUs.
+    #[arg(long, value_name = "N", default_value_t = ModelConfig::default().max_num_seqs, help_heading = MODEL)]
+    pub max_num_seqs: u32,
+    /// The engines' --max-num-batched-tokens (tokens an engine step computes at most).
+    /// Default: vLLM's on an H100; 2048 on smaller GPUs and CPUs.
+    #[arg(long, value_name = "N", default_value_t = ModelConfig::default().max_num_batched_tokens, help_heading = MODEL)]
+    pub max_num_batched_tokens: u32,
+    /// Time-to-first-token objective of a request whose headers (x-slo-ttft-ms,
+    /// x-llm-d-slo-ttft-ms) name none: requests go where it is predicted to be met, and
+    /// sheddable ones (x-priority below 0) get 429 when nowhere is.
+    #[arg(long, value_name = "MS", help_heading = MODEL)]
+    pub slo_ttft_ms: Option<u64>,
+    /// Time-per-output-token objective of a request whose headers name none.
+    #[arg(long, value_name = "MS", help_heading = MODEL)]
+    pub slo_tpot_ms: Option<u64>,
     /// kv_aware without any KV event source: route with this policy instead of 503.
     #[arg(long, value_name = "POLICY", help_heading = MODEL)]
     pub kv_fallback: Option<PolicyKind>,
@@ -344,6 +361,10 @@ impl ServeArgs {
             max_model_len: self.max_model_len,
             tokenize_cache_mib: self.tokenize_cache_mib,
             block_size: self.block_size,
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            slo_ttft_ms: self.slo_ttft_ms,
+            slo_tpot_ms: self.slo_tpot_ms,
             kv_fallback: self.kv_fallback,
             session_header: self.session_header.clone(),
             lora_adapters: self.lora_adapters.clone(),

@@ -119,6 +119,22 @@ impl ApiError {
         .with_retry_after(retry_after)
     }
 
+    /// 429: a sheddable request that no worker is predicted to serve within its
+    /// latency objective (the closest `late` after it); retry after about that long.
+    pub fn shed(model: &str, late: std::time::Duration) -> Self {
+        Self::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_error",
+            "objective_unmet",
+            format!(
+                "no worker of model {model:?} is predicted to meet this request's latency objective \
+                 (the closest by {} ms) and its priority is below 0 (sheddable); retry later",
+                late.as_millis()
+            ),
+        )
+        .with_retry_after(late.as_secs_f64().ceil().max(1.0) as u64)
+    }
+
     pub fn unauthorized(message: impl Into<String>) -> Self {
         Self::new(
             StatusCode::UNAUTHORIZED,

@@ -8,7 +8,7 @@
 //!
 //! - **types and records**: `errors`, `config`, `metrics` (which owns every label and
 //!   counts each request once), `auth`, `body` (the one bounded body read), `breaker`,
-//!   `progress`;
+//!   `progress`, `objectives` (a request's latency objectives and priority);
 //! - **fleet state**: `registry` (workers, model pools), `limits` (admission), `lease`
 //!   (one attempt's booking), `proxy` (the upstream HTTP client), `peer_link` (what
 //!   travels between replicas, this replica's side, asking a peer), then `gateway` (the
@@ -43,6 +43,7 @@ pub mod health;
 pub mod lease;
 pub mod limits;
 pub mod metrics;
+pub mod objectives;
 pub mod observe;
 pub mod peer_link;
 pub mod peers;

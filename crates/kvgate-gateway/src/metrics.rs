@@ -161,6 +161,7 @@ pub struct Metrics {
     pub reported_cached_tokens: IntCounterVec,
     pub reported_prompt_tokens: IntCounterVec,
     pub cached_tokens_error: HistogramVec,
+    pub ttft_prediction_error: HistogramVec,
     pub health_transitions: IntCounterVec,
     pub worker_stalls: IntCounterVec,
     pub index_purged_entries: IntCounterVec,
@@ -279,6 +280,7 @@ impl Metrics {
             reported_cached_tokens: counter(&r, "kvgate_reported_cached_tokens_total", "usage.prompt_tokens_details.cached_tokens reported by engines", &["model"])?,
             reported_prompt_tokens: counter(&r, "kvgate_reported_prompt_tokens_total", "usage.prompt_tokens reported by engines", &["model"])?,
             cached_tokens_error: histogram(&r, "kvgate_cached_tokens_prediction_error", "Engine-reported minus predicted cached tokens, per request", &["model"], error_buckets())?,
+            ttft_prediction_error: histogram(&r, "kvgate_ttft_prediction_error", "Per routed request, |predicted - observed| / observed time to first token (booking to first byte); the prediction is the time model's at booking", &["model"], vec![0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0])?,
             health_transitions: counter(&r, "kvgate_worker_health_transitions_total", "Circuit breaker transitions", &["model", "worker", "to"])?,
             worker_stalls: counter(&r, "kvgate_worker_stalls_total", "Times a worker was taken out of rotation because its engine sent no answer byte and no KV event for health.stall_ms while it held requests", &["model", "worker"])?,
             index_purged_entries: counter(&r, "kvgate_index_purged_entries_total", "Index entries purged for dead or removed workers", &["model"])?,
@@ -342,6 +344,7 @@ impl Metrics {
             c.with_label_values(&[model]);
         }
         self.cached_tokens_error.with_label_values(&[model]);
+        self.ttft_prediction_error.with_label_values(&[model]);
         for direction in ["in", "out"] {
             self.peer_reports.with_label_values(&[direction]);
         }

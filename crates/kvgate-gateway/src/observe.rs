@@ -4,7 +4,8 @@
 //! Owns the request's lifecycle after routing: its [`Lease`] (booking, worker slot,
 //! admission), the progress it reports to the booking, and the end-of-request
 //! accounting. For SSE it watches `data:` lines:
-//! the first one marks prefill done, later ones count output tokens (or the `usage`
+//! the first one marks prefill done (its TTFT receipt, predicted against observed,
+//! goes to `kvgate_ttft_prediction_error`), later ones count output tokens (or the `usage`
 //! object's `completion_tokens` when present), `[DONE]`/end/error/drop free everything.
 //! For JSON it keeps the body (bounded) to read the final `usage` object once. A client
 //! disconnect drops this body, which drops the upstream body (aborting the engine's
@@ -18,6 +19,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Instant;
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
@@ -322,8 +324,22 @@ impl ResponseWatch {
 
     fn first_token(&mut self) {
         self.first_seen = true;
-        if let Some(g) = self.life.booking() {
-            g.prefill_done();
+        let Some(receipt) = self
+            .life
+            .booking()
+            .and_then(|g| g.prefill_done(Instant::now()))
+        else {
+            return;
+        };
+        if receipt.observed_secs > 0.0 {
+            let error =
+                (receipt.predicted_secs - receipt.observed_secs).abs() / receipt.observed_secs;
+            self.life
+                .gw
+                .metrics
+                .ttft_prediction_error
+                .with_label_values(&[self.life.model_name()])
+                .observe(error);
         }
     }
 
@@ -345,7 +361,7 @@ impl ResponseWatch {
             {
                 self.usage = Some(u);
                 if let (Some(n), Some(g)) = (u.completion_tokens, self.life.booking()) {
-                    g.progress(n.min(u64::from(u32::MAX)) as u32);
+                    g.progress(n.min(u64::from(u32::MAX)) as u32, Instant::now());
                     self.reported = self.events;
                 }
                 return;
@@ -354,7 +370,7 @@ impl ResponseWatch {
         if self.events - self.reported >= PROGRESS_EVERY {
             self.reported = self.events;
             if let Some(g) = self.life.booking() {
-                g.progress(self.events);
+                g.progress(self.events, Instant::now());
             }
         }
     }

@@ -100,7 +100,7 @@ pub async fn pick_endpoint(gw: &Arc<Gateway>, req: PickRequest) -> Result<Endpoi
         .record
         .as_ref()
         .ok_or_else(|| ApiError::internal("a routed pick that is not counted"))?;
-    let p = prepare(gw, Some(kind), &req.body, TokenUse::ForPolicy).await?;
+    let p = prepare(gw, Some(kind), &req.headers, &req.body, TokenUse::ForPolicy).await?;
     record.model(&p.model.name, p.model.kind().as_str());
     let workers = p.model.workers();
     let excluded = outside(&workers, req.allowed.as_deref());

@@ -52,7 +52,7 @@ async fn serve(
 ) -> Result<Response, ApiError> {
     let record =
         &record.ok_or_else(|| ApiError::internal("a proxied route that is not counted"))?;
-    let p = prepare(gw, Some(kind), &body, TokenUse::ForPolicy).await?;
+    let p = prepare(gw, Some(kind), &headers, &body, TokenUse::ForPolicy).await?;
     record.model(&p.model.name, p.model.kind().as_str());
     let request = Forwarded {
         endpoint,

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use http::HeaderMap;
-use kvgate_core::BlockKey;
+use kvgate_core::{BlockKey, Objective};
 use kvgate_tokenize::{
     remote_answer, remote_request, Json, RemoteRequest, RequestBody, RequestKind, RoutingTokens,
     TokenizeError,
@@ -22,6 +22,7 @@ use crate::body::read_bounded;
 use crate::errors::ApiError;
 use crate::failover::side_call;
 use crate::gateway::Gateway;
+use crate::objectives::objective_of;
 use crate::registry::{Endpoint, ModelState};
 
 /// The request fields routing reads; everything else is skipped while parsing.
@@ -37,6 +38,9 @@ struct Head<'a> {
     max_tokens: Option<f64>,
     #[serde(default)]
     max_completion_tokens: Option<f64>,
+    /// vLLM's scheduling priority (lower is handled earlier).
+    #[serde(default)]
+    priority: Option<i64>,
     /// Present in chat requests; only its size is read.
     #[serde(default)]
     messages: Option<PromptSize>,
@@ -60,6 +64,7 @@ impl<'a> Head<'a> {
             stream: Option::deserialize(field("stream"))?,
             max_tokens: Option::deserialize(field("max_tokens"))?,
             max_completion_tokens: Option::deserialize(field("max_completion_tokens"))?,
+            priority: Option::deserialize(field("priority"))?,
             messages: present(doc.messages()),
             prompt: present(doc.prompt()),
         })
@@ -145,6 +150,8 @@ pub struct Prepared {
     /// The prompt's KV cache arrives from a prefill worker (a disaggregated request's
     /// decode leg): its booking counts no prefill work.
     pub kv_transferred: bool,
+    /// Its latency objectives and priority (`crate::objectives`).
+    pub objective: Objective,
     /// Where preparing it took its time (`/v1/route/explain` answers it as
     /// `Server-Timing`).
     pub took: PrepareTimes,
@@ -185,6 +192,7 @@ pub enum TokenUse {
 pub async fn prepare(
     gw: &Gateway,
     kind: Option<RequestKind>,
+    headers: &HeaderMap,
     body: &[u8],
     tokens: TokenUse,
 ) -> Result<Prepared, ApiError> {
@@ -221,6 +229,7 @@ pub async fn prepare(
         token_ids: None,
         kv_transferred: false,
         took: PrepareTimes::default(),
+        objective: objective_of(&model.config, headers, head.priority)?,
         model,
         lora,
     };

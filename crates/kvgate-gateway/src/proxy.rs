@@ -30,6 +30,9 @@ pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
 /// Header naming the worker that served a response.
 pub const WORKER_HEADER: HeaderName = HeaderName::from_static("x-kvgate-worker");
+/// Response header: the request's time to first token predicted when it was booked, in
+/// milliseconds (its receipt: compare with the TTFT the client saw).
+pub const PREDICTED_TTFT_HEADER: HeaderName = HeaderName::from_static("x-kvgate-predicted-ttft-ms");
 
 pub fn build_client(t: &TimeoutsConfig) -> HttpClient {
     let mut conn = HttpConnector::new();

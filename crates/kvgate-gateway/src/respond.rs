@@ -8,13 +8,14 @@
 use std::sync::Arc;
 
 use axum::body::Body;
+use axum::http::HeaderValue;
 use axum::response::{IntoResponse, Response};
 
 use crate::errors::ApiError;
 use crate::failover::{engine_error, Accepted, Forwarded};
 use crate::gateway::Gateway;
 use crate::observe::{Lifecycle, ObservedBody};
-use crate::proxy::{is_event_stream, is_json, prepare_response_headers};
+use crate::proxy::{is_event_stream, is_json, prepare_response_headers, PREDICTED_TTFT_HEADER};
 
 /// The client's response from an accepted routed attempt: an engine's non-JSON error
 /// page re-made as OpenAI-style JSON, anything else passed through with its body
@@ -44,6 +45,11 @@ pub async fn answer(
     }
     let (mut parts, incoming) = resp.into_parts();
     prepare_response_headers(&mut parts.headers, &worker);
+    if let Some(ttft) = decision.predicted_ttft_secs() {
+        if let Ok(v) = HeaderValue::from_str(&format!("{:.1}", ttft * 1e3)) {
+            parts.headers.insert(PREDICTED_TTFT_HEADER, v);
+        }
+    }
     let sse = is_event_stream(&parts.headers);
     let life = Lifecycle {
         lease: Some(lease),

@@ -73,6 +73,7 @@ pub fn try_pick(
         prompt_tokens: p.prompt_tokens,
         session_key,
         now: Instant::now(),
+        objective: p.objective,
     };
     let start = Instant::now();
     let result = model.selection.select(&req, &found.ids);
@@ -93,6 +94,7 @@ pub fn try_pick(
             ))
         }
         Err(SelectError::NoCandidates) => return Ok(Pick::NoneHealthy),
+        Err(SelectError::Shed { late }) => return Err(ApiError::shed(&model.name, late)),
     };
     let Some(worker) = workers.iter().find(|w| w.id == decision.worker).cloned() else {
         return Err(ApiError::internal("the policy chose an unknown worker"));
@@ -158,7 +160,9 @@ async fn pick_at_leader<'g>(
     session: Option<&str>,
     excluded: &[WorkerId],
 ) -> Option<LeaderChoice<'g>> {
-    if !decides_at_leader(gw, &p.model) {
+    // A request with a latency objective is judged here, on the shared loads (the ask
+    // to the leader carries no objective).
+    if !decides_at_leader(gw, &p.model) || p.objective.is_set() {
         return None;
     }
     // Before any other work: the leader itself (and a replica without peers connected)
@@ -398,6 +402,8 @@ mod tests {
             prefill_tokens: u64::from(in_flight) * 1000,
             decode_blocks: 0.0,
             cost: Some(1.0),
+            predicted_ttft_secs: None,
+            predicted_tpot_secs: None,
         }
     }
 

@@ -1318,6 +1318,98 @@ async fn load_only_policies_book_an_estimate_of_the_prompt() {
     gw.shutdown().await;
 }
 
+/// Every routed answer carries its receipt (`x-kvgate-predicted-ttft-ms`, the TTFT
+/// predicted at booking), each first token teaches the worker's time model (an engine
+/// 40 ms to its first token is soon predicted at least that slow, far above the prior),
+/// explain shows each worker's prediction and rates, and the metric counts every
+/// receipt.
+#[tokio::test]
+async fn answers_carry_their_ttft_receipt_and_the_time_model_learns() {
+    let a = fake(
+        "a",
+        Behavior {
+            chunk_delay: Duration::from_millis(40),
+            ..Behavior::default()
+        },
+    )
+    .await;
+    let gw = start(config(&[&a.url], PolicyKind::LeastLoaded))
+        .await
+        .unwrap();
+    let c = client();
+    let url = gw.url();
+    let requests = 24;
+    for _ in 0..requests {
+        let r = c
+            .post(format!("{url}/v1/chat/completions"))
+            .json(&chat_body(true))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let predicted: f64 = r
+            .headers()
+            .get("x-kvgate-predicted-ttft-ms")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok())
+            .expect("a predicted TTFT header");
+        assert!(predicted > 0.0);
+        let _ = r.bytes().await.unwrap();
+    }
+    let ex = explain(&c, &url, &chat_body(true)).await;
+    let line = &ex["scores"][0];
+    let predicted = line["predicted_ttft_ms"].as_f64().unwrap();
+    assert!(predicted >= 30.0, "learned from 40 ms first tokens: {ex}");
+    assert!(line["predicted_tpot_ms"].as_f64().unwrap() > 0.0, "{ex}");
+    assert_eq!(line["rates"]["ttft_samples"], requests, "{ex}");
+    assert_eq!(line["engine_limits"]["max_num_seqs"], 1024, "{ex}");
+    assert_eq!(ex["predicted_ttft_ms"], line["predicted_ttft_ms"], "{ex}");
+    let m = metrics_text(&c, &url).await;
+    let counted = gauge_value(&m, "kvgate_ttft_prediction_error_count{model=\"m\"}");
+    assert_eq!(counted, Some(requests as f64), "{m}");
+    gw.shutdown().await;
+}
+
+/// A sheddable request (`x-priority` below 0) whose TTFT objective no worker is
+/// predicted to meet gets 429 with Retry-After at once, in OpenAI's shape, and never
+/// reaches an engine; the same request without the priority is served (the closest
+/// miss); a malformed objective is a 400.
+#[tokio::test]
+async fn a_sheddable_request_no_worker_can_serve_in_time_is_refused_at_once() {
+    let a = fake("a", Behavior::default()).await;
+    let gw = start(config(&[&a.url], PolicyKind::LeastLoaded))
+        .await
+        .unwrap();
+    let c = client();
+    let url = gw.url();
+    let send = |headers: &'static [(&'static str, &'static str)]| {
+        let mut r = c
+            .post(format!("{url}/v1/chat/completions"))
+            .json(&chat_body(false));
+        for (k, v) in headers {
+            r = r.header(*k, *v);
+        }
+        r.send()
+    };
+    let shed = send(&[("x-slo-ttft-ms", "0.01"), ("x-priority", "-1")])
+        .await
+        .unwrap();
+    assert_eq!(shed.status(), 429);
+    assert!(shed.headers().get("retry-after").is_some());
+    let (_, body) = error_of(shed).await;
+    assert_eq!(body["error"]["code"], "objective_unmet", "{body}");
+    assert_eq!(a.hits(), 0, "a shed request reaches no engine");
+    let served = send(&[("x-llm-d-slo-ttft-ms", "0.01")]).await.unwrap();
+    assert_eq!(served.status(), 200);
+    let bad = send(&[("x-slo-ttft-ms", "soon")]).await.unwrap();
+    let (status, body) = error_of(bad).await;
+    assert_eq!(
+        (status, &body["error"]["code"]),
+        (400, &json!("invalid_objective"))
+    );
+    gw.shutdown().await;
+}
+
 #[tokio::test]
 async fn models_tokenize_explain_and_graceful_shutdown() {
     let a = fake(

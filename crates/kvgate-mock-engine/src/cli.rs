@@ -30,11 +30,13 @@ pub struct MockEngineArgs {
     /// KV cache size in blocks.
     #[arg(long, default_value_t = 16384)]
     pub num_blocks: u32,
-    /// Maximum running requests per step.
-    #[arg(long, default_value_t = 256)]
+    /// Maximum running requests per step (vLLM's `--max-num-seqs`; default: vLLM's on
+    /// an H100, the latency model's GPU).
+    #[arg(long, default_value_t = SimConfig::default().max_num_seqs)]
     pub max_num_seqs: u32,
-    /// Token budget per step (chunked prefill).
-    #[arg(long, default_value_t = 8192)]
+    /// Token budget per step, chunked prefill (vLLM's `--max-num-batched-tokens`;
+    /// default: vLLM's on an H100).
+    #[arg(long, alias = "max-num-batched-tokens", default_value_t = SimConfig::default().max_batched_tokens)]
     pub max_batched_tokens: u32,
     /// Maximum prompt + output length (also capped by the cache size).
     #[arg(long, default_value_t = 131072)]

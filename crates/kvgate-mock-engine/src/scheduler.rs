@@ -45,7 +45,10 @@ impl Default for SimConfig {
         Self {
             block_size: 16,
             num_blocks: 16384,
-            max_num_seqs: 256,
+            // vLLM 0.32's `vllm serve` defaults on an H100, the GPU the latency model
+            // was fitted on (1024 sequences, 8192 tokens a step; 256 and 2048 on
+            // smaller GPUs, 128 and 2048 on CPUs).
+            max_num_seqs: 1024,
             max_batched_tokens: 8192,
             max_model_len: 131072,
             seed: 0,

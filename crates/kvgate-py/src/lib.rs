@@ -44,7 +44,9 @@ fn unavailable(msg: impl Into<String>) -> PyErr {
 fn select_error(e: SelectError) -> PyErr {
     match e {
         SelectError::MissingTokens => value_error(e.to_string()),
-        SelectError::NoCandidates | SelectError::NoIndex => unavailable(e.to_string()),
+        SelectError::NoCandidates | SelectError::NoIndex | SelectError::Shed { .. } => {
+            unavailable(e.to_string())
+        }
     }
 }
 
@@ -94,6 +96,8 @@ fn with_prompt<R>(
         prompt_tokens: prompt_len(token_ids),
         session_key: None,
         now: Instant::now(),
+        // Ray's request does not reach this call with its headers yet: no objective.
+        objective: Default::default(),
     };
     f(&req).map_err(select_error)
 }

@@ -26,9 +26,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use kvgate_core::{
-    build_policy, BlockHasher, BlockKey, BookingGuard, BookingSpec, Decision, FleetView,
-    IndexConfig, Ledger, PolicyConfig, PolicyKind, PrefixIndex, RouteRequest, RoutingPolicy,
-    SelectError, WorkerId,
+    build_policy, judge, BlockHasher, BlockKey, BookingGuard, BookingSpec, Decision, EngineLimits,
+    FleetView, IndexConfig, Judgement, Ledger, Objective, PolicyConfig, PolicyKind, PrefixIndex,
+    RouteRequest, RoutingPolicy, SelectError, WorkerId,
 };
 use kvgate_events::{
     spawn_subscriber, Bootstrap, EventFeed, EventMetrics, EventSource, IndexLock, RankSnapshot,
@@ -54,6 +54,8 @@ pub struct SelectionConfig {
     pub kv_topic: String,
     /// Bookings older than this are freed by [`SelectionService::sweep_expired`].
     pub booking_ttl: Duration,
+    /// The engines' batch limits, which the time model reads (`kvgate_core::timing`).
+    pub engine_limits: EngineLimits,
 }
 
 impl SelectionConfig {
@@ -68,6 +70,7 @@ impl SelectionConfig {
             index_max_blocks: IndexConfig::default().max_blocks,
             kv_topic: String::new(),
             booking_ttl: Duration::from_secs(3600),
+            engine_limits: EngineLimits::default(),
         }
     }
 }
@@ -159,6 +162,8 @@ pub struct SelectRequest<'a> {
     pub prompt_tokens: u32,
     pub session_key: Option<&'a str>,
     pub now: Instant,
+    /// Its latency objectives and priority (`Objective::default()`: none).
+    pub objective: Objective,
 }
 
 /// One model's selection service. Internally synchronized; share it as `Arc`.
@@ -233,8 +238,10 @@ impl SelectionService {
                 },
             ))
         });
+        let ledger = Ledger::new(config.block_size);
+        ledger.set_default_engine_limits(config.engine_limits);
         Ok(SelectionService {
-            ledger: Ledger::new(config.block_size),
+            ledger,
             hasher,
             policy,
             fallback,
@@ -581,7 +588,44 @@ impl SelectionService {
     /// The policy's choice among `candidates`, with its explanation; books nothing.
     /// kv_aware without any KV event source uses the fallback policy, or fails with
     /// [`SelectError::NoIndex`]. The index's read lock is held only for this call.
+    ///
+    /// A request with a latency objective ([`Objective`]) keeps the policy's choice when
+    /// the time model predicts it meets the objective; else the policy chooses again
+    /// among the candidates predicted to meet it (rule `objective`); when none is, a
+    /// sheddable request fails with [`SelectError::Shed`] and any other goes to the
+    /// candidate predicted to miss by least (rule `objective_missed`).
     pub fn select(
+        &self,
+        req: &SelectRequest<'_>,
+        candidates: &[WorkerId],
+    ) -> Result<Decision, SelectError> {
+        let decision = self.policy_choice(req, candidates)?;
+        if !req.objective.is_set() {
+            return Ok(decision);
+        }
+        let (among, rule, reason) = match judge(&decision.scores, decision.worker, &req.objective) {
+            Judgement::Met => return Ok(decision),
+            Judgement::Elsewhere(meeting) => (
+                meeting,
+                "objective",
+                "latency objective: the policy's choice among the workers predicted to meet it",
+            ),
+            Judgement::Unmet { late, .. } if req.objective.sheddable() => {
+                return Err(SelectError::Shed { late });
+            }
+            Judgement::Unmet { closest, .. } => (
+                vec![closest],
+                "objective_missed",
+                "latency objective: no worker is predicted to meet it; the closest miss",
+            ),
+        };
+        let mut again = self.policy_choice(req, &among)?;
+        again.rule = rule;
+        again.reason = reason;
+        Ok(again)
+    }
+
+    fn policy_choice(
         &self,
         req: &SelectRequest<'_>,
         candidates: &[WorkerId],
@@ -756,15 +800,17 @@ impl SelectionService {
             .map(|h| h.guard.worker())
     }
 
-    /// The request's first token arrived. False when no booking has this id.
+    /// The request's first token arrived (now). False when no booking has this id.
     pub fn prefill_done(&self, request_id: &str) -> bool {
-        self.with_request(request_id, |g| g.prefill_done())
+        self.with_request(request_id, |g| {
+            g.prefill_done(Instant::now());
+        })
     }
 
     /// The request has produced `output_tokens` tokens so far (its decode weight
     /// shrinks as it nears its expected length). False when no booking has this id.
     pub fn decode_progress(&self, request_id: &str, output_tokens: u32) -> bool {
-        self.with_request(request_id, |g| g.progress(output_tokens))
+        self.with_request(request_id, |g| g.progress(output_tokens, Instant::now()))
     }
 
     /// The engine reported `tokens` prompt tokens served from its cache.

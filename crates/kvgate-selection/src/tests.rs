@@ -30,6 +30,7 @@ fn request<'a>(keys: &'a [BlockKey], prompt_tokens: u32) -> SelectRequest<'a> {
         prompt_tokens,
         session_key: None,
         now: Instant::now(),
+        objective: Objective::default(),
     }
 }
 
@@ -270,4 +271,49 @@ fn select_and_book_spreads_a_burst_and_a_reroute_replaces_the_booking() {
         assert!(s.free(&format!("r{i}")));
     }
     assert_eq!(s.ledger().stats().active, 0);
+}
+
+/// A request with a TTFT objective goes where the time model predicts it is met: the
+/// worker round robin would choose is passed over while its queue is predicted too
+/// slow (rule `objective`); when no worker can meet it, a sheddable request is refused
+/// at once and any other goes to the closest miss (rule `objective_missed`).
+#[test]
+fn objectives_steer_choices_and_shed_what_no_worker_can_meet() {
+    let s = service(PolicyKind::RoundRobin);
+    let a = s.upsert_worker("a", None).unwrap();
+    let b = s.upsert_worker("b", None).unwrap();
+    // 100k tokens queued for prefill on `a`: about 2 s at the prior's rate.
+    let queued = BookingSpec {
+        prompt_tokens: 100_000,
+        ..BookingSpec::default()
+    };
+    let _held = s.ledger().book(a, queued, &[], Instant::now());
+    let keys = s.block_keys(&[1; 64], None);
+    let with = |ttft_ms: u64, priority: i32| SelectRequest {
+        objective: Objective {
+            ttft: Some(Duration::from_millis(ttft_ms)),
+            tpot: None,
+            priority,
+        },
+        ..request(&keys, 64)
+    };
+    let rules: Vec<&str> = (0..4)
+        .map(|_| {
+            let d = s.select(&with(500, 0), &[a, b]).unwrap();
+            assert_eq!(d.worker, b, "{d:?}");
+            d.rule
+        })
+        .collect();
+    assert!(rules.contains(&"objective"), "{rules:?}");
+    assert!(matches!(
+        s.select(&with(1, -1), &[a, b]),
+        Err(SelectError::Shed { late }) if late > Duration::ZERO
+    ));
+    let d = s.select(&with(1, 0), &[a, b]).unwrap();
+    assert_eq!((d.worker, d.rule), (b, "objective_missed"));
+    // Without an objective, the policy alone decides.
+    let plain: Vec<WorkerId> = (0..2)
+        .map(|_| s.select(&request(&keys, 64), &[a, b]).unwrap().worker)
+        .collect();
+    assert!(plain.contains(&a), "{plain:?}");
 }

@@ -323,12 +323,14 @@ fn run_compare(args: RunArgs) -> anyhow::Result<()> {
     let s = summarize(&requests);
     let load = bypass_load(requests, args.bypass.as_deref(), seed)?;
     eprintln!(
-        "kvgate simulate: {} requests ({} prompt tokens) over {:.0} s on {} engines × {} blocks, {} rows",
+        "kvgate simulate: {} requests ({} prompt tokens) over {:.0} s on {} engines × {} blocks ({} sequences, {} tokens a step), {} rows",
         s.requests,
         s.prompt_tokens,
         s.span.as_secs_f64(),
         fleet.engines,
         args.fleet.num_blocks,
+        fleet.engine.max_num_seqs,
+        fleet.engine.max_batched_tokens,
         rows.len()
     );
     let results = run_rows(&rows, &fleet, &load, false)?;

@@ -34,6 +34,8 @@ fn outcome(r: &RequestRecord) -> Outcome {
         cached_tokens: r.cached_tokens.map(u64::from),
         worker: r.engine.map(engine_name),
         response_id: None,
+        predicted_ttft: r.predicted_ttft_ms.map(ms),
+        objective: r.objective,
     }
 }
 

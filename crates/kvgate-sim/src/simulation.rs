@@ -22,8 +22,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use kvgate_bench::request::Request;
-use kvgate_core::{BookingGuard, EngineQueue, PolicyKind, SelectError, WorkerId, PROGRESS_EVERY};
+use kvgate_bench::request::{Request, RequestObjective};
+use kvgate_core::{
+    BookingGuard, EngineLimits, EngineQueue, Objective, PolicyKind, SelectError, WorkerId,
+    PROGRESS_EVERY,
+};
 use kvgate_events::{EventFeed, EventMetrics};
 use kvgate_gateway::config::ModelConfig;
 use kvgate_mock_engine::scheduler::{RequestId, StepOutput};
@@ -104,6 +107,8 @@ pub enum RequestError {
     Rejected,
     /// The engine died with the request in flight.
     EngineDied,
+    /// Shed: sheddable, and no engine was predicted to meet its objective (429).
+    Shed,
 }
 
 impl RequestError {
@@ -113,6 +118,7 @@ impl RequestError {
             RequestError::NoWorkers => "503",
             RequestError::Rejected => "400",
             RequestError::EngineDied => "engine_died",
+            RequestError::Shed => "429",
         }
     }
 }
@@ -135,6 +141,13 @@ pub struct RequestRecord {
     pub cached_tokens: Option<u32>,
     /// What the router predicted it would (routed requests).
     pub predicted_cached_tokens: Option<u32>,
+    /// The time to first token the router predicted when it booked the request
+    /// (routed requests with a first token).
+    #[serde(default)]
+    pub predicted_ttft_ms: Option<f64>,
+    /// Its latency objective and priority, as sent.
+    #[serde(skip)]
+    pub objective: RequestObjective,
     pub error: Option<RequestError>,
     /// The engine it was first sent to, when that engine died before its first token
     /// and the router sent it on to `engine` (as the gateway fails over a request
@@ -249,8 +262,15 @@ pub fn simulate(model: &ModelConfig, fleet: &FleetConfig, load: &Load) -> anyhow
         .engine
         .validate()
         .context("invalid engine configuration")?;
+    // The router is told the engines' batch limits, as a user passes the engines' own
+    // `--max-num-seqs` and `--max-num-batched-tokens` to `kvgate serve`.
+    let mut selection = model.selection_config(Duration::from_secs(3600));
+    selection.engine_limits = EngineLimits {
+        max_num_seqs: fleet.engine.max_num_seqs,
+        max_num_batched_tokens: fleet.engine.max_batched_tokens,
+    };
     let service = SelectionService::new(
-        model.selection_config(Duration::from_secs(3600)),
+        selection,
         Arc::new(EventMetrics::default()),
         Arc::new(AtomicU32::new(0)),
     )?;
@@ -432,6 +452,8 @@ impl Simulation<'_> {
             output_tokens: 0,
             cached_tokens: None,
             predicted_cached_tokens: None,
+            predicted_ttft_ms: None,
+            objective: request.objective,
             error: None,
             failed_over_from: None,
         });
@@ -472,9 +494,18 @@ impl Simulation<'_> {
             prompt_tokens,
             session_key: request.session_id.as_deref(),
             now,
+            objective: match request.objective {
+                o if o.hidden => Objective::default(),
+                o => Objective {
+                    ttft: o.ttft_ms.map(|ms| Duration::from_millis(u64::from(ms))),
+                    tpot: None,
+                    priority: o.priority,
+                },
+            },
         };
         let decision = match self.service.select(&select, &ids) {
             Ok(d) => d,
+            Err(SelectError::Shed { .. }) => return self.fail(record, RequestError::Shed),
             Err(SelectError::NoCandidates | SelectError::NoIndex | SelectError::MissingTokens) => {
                 return self.fail(record, RequestError::NoWorkers);
             }
@@ -585,6 +616,7 @@ impl Simulation<'_> {
     /// A step ended: publish its events, hand out its tokens, start the next step.
     fn step_done(&mut self, engine: usize, generation: u32) {
         let now = self.now_ms;
+        let instant = self.instant();
         let delay = self.fleet.event_delay_ms;
         let e = &mut self.engines[engine];
         if e.generation != generation {
@@ -603,8 +635,12 @@ impl Simulation<'_> {
                 flight.unanswered = None;
                 r.first_token_ms = Some(now);
                 r.cached_tokens = Some(o.cached_tokens);
-                if let Some(b) = &flight.booking {
-                    b.prefill_done();
+                if let Some(receipt) = flight
+                    .booking
+                    .as_ref()
+                    .and_then(|b| b.prefill_done(instant))
+                {
+                    r.predicted_ttft_ms = Some(receipt.predicted_secs * 1e3);
                 }
             } else if let Some(last) = r.done_ms.or(r.first_token_ms) {
                 r.itl_ms.push(now - last);
@@ -614,7 +650,7 @@ impl Simulation<'_> {
             r.output_tokens = produced;
             if o.finished.is_some() {
                 if let Some(b) = &flight.booking {
-                    b.progress(produced);
+                    b.progress(produced, instant);
                     b.engine_reported_cached(o.cached_tokens);
                 }
                 let record = flight.record;
@@ -622,7 +658,7 @@ impl Simulation<'_> {
                 ended.push(record);
             } else if produced % PROGRESS_EVERY == 0 {
                 if let Some(b) = &flight.booking {
-                    b.progress(produced);
+                    b.progress(produced, instant);
                 }
             }
         }

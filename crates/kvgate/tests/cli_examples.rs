@@ -177,6 +177,8 @@ const SERVE_FLAGS_WITHOUT_DEFAULT: &[&str] = &[
     "--worker",
     "--tokenizer",
     "--max-model-len",
+    "--slo-ttft-ms",
+    "--slo-tpot-ms",
     "--kv-events",
     "--kv-events-replay",
     "--kv-fallback",

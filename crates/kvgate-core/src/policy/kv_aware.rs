@@ -82,7 +82,7 @@ use parking_lot::Mutex;
 use rand::rngs::SmallRng;
 use serde::{Deserialize, Serialize};
 
-use super::scoring::{argmin_random_tie, load_lines, rng, too_far_ahead};
+use super::scoring::{argmin_random_tie, load_lines, predict, rng, too_far_ahead};
 use super::{
     Decision, FleetView, PolicyKind, RouteRequest, RoutingPolicy, SelectError, WorkerScore,
 };
@@ -409,7 +409,7 @@ impl RoutingPolicy for KvAwarePolicy {
         if view.candidates.is_empty() {
             return Err(SelectError::NoCandidates);
         }
-        let mut lines = load_lines(view);
+        let (mut lines, timings) = load_lines(view, req.prompt_tokens);
         let ttl = Duration::try_from_secs_f64(self.config.pending_credit_secs.max(0.0))
             .unwrap_or(Duration::ZERO);
         let credits = view
@@ -418,6 +418,10 @@ impl RoutingPolicy for KvAwarePolicy {
         let cached = self.cached_blocks(&mut lines, &index.overlaps(keys), &credits);
         let bs = index.block_size();
         let prompt_blocks = f64::from(req.prompt_tokens) / f64::from(bs);
+        predict(&mut lines, &timings, |i| {
+            let cached_tokens = (cached.blocks[i] * f64::from(bs)).round() as u64;
+            u64::from(req.prompt_tokens).saturating_sub(cached_tokens)
+        });
         let costs = self.costs(&mut lines, &cached.blocks, prompt_blocks, f64::from(bs));
         let eligible = self.eligible(&lines, &index.entries_of(view.candidates));
         let (i, rule) = self.choose(&costs, eligible, &cached.blocks);

@@ -53,13 +53,13 @@ impl RoutingPolicy for LeastLoadedPolicy {
 
     fn select(
         &self,
-        _req: &RouteRequest<'_>,
+        req: &RouteRequest<'_>,
         view: &FleetView<'_>,
     ) -> Result<Decision, SelectError> {
         if view.candidates.is_empty() {
             return Err(SelectError::NoCandidates);
         }
-        let lines = load_lines(view);
+        let (lines, _) = load_lines(view, req.prompt_tokens);
         let block_size = view.ledger.block_size();
         let i = self.pick(&lines, block_size);
         Ok(Decision {

@@ -192,6 +192,22 @@ pub struct WorkerScore {
     pub decode_blocks: f64,
     /// The policy's cost (lower is better), for cost-based policies.
     pub cost: Option<f64>,
+    /// The request's predicted time to first token here, seconds (the time model:
+    /// [`crate::timing`]; kv_aware counts what is cached here, the others nothing).
+    pub predicted_ttft_secs: Option<f64>,
+    /// Its predicted time per output token here, seconds.
+    pub predicted_tpot_secs: Option<f64>,
+}
+
+impl WorkerScore {
+    /// The load this line shows.
+    pub fn load(&self) -> crate::load::WorkerLoad {
+        crate::load::WorkerLoad {
+            in_flight: self.in_flight,
+            prefill_tokens: self.prefill_tokens,
+            decode_blocks: self.decode_blocks,
+        }
+    }
 }
 
 /// A policy's choice and why.
@@ -216,6 +232,16 @@ pub struct Decision {
 }
 
 impl Decision {
+    /// The chosen worker's score line.
+    pub fn chosen(&self) -> Option<&WorkerScore> {
+        self.scores.iter().find(|s| s.worker == self.worker)
+    }
+
+    /// The request's predicted time to first token on the chosen worker, seconds.
+    pub fn predicted_ttft_secs(&self) -> Option<f64> {
+        self.chosen().and_then(|s| s.predicted_ttft_secs)
+    }
+
     /// The ledger booking for this decision.
     pub fn booking(&self, prompt_tokens: u32, expected_output_tokens: Option<u32>) -> BookingSpec {
         BookingSpec {
@@ -237,6 +263,9 @@ pub enum SelectError {
     MissingTokens,
     /// kv_aware without a prefix index (no event source configured).
     NoIndex,
+    /// A sheddable request (priority below 0) that no candidate is predicted to serve
+    /// within its latency objective; the best is predicted `late` after it.
+    Shed { late: Duration },
 }
 
 impl std::fmt::Display for SelectError {
@@ -248,6 +277,12 @@ impl std::fmt::Display for SelectError {
             ),
             SelectError::NoIndex => f.write_str(
                 "kv_aware routing has no KV event source: configure --kv-events for the workers",
+            ),
+            SelectError::Shed { late } => write!(
+                f,
+                "no worker is predicted to meet this request's latency objective (the closest \
+                 by {} ms) and its priority makes it sheddable",
+                late.as_millis()
             ),
         }
     }

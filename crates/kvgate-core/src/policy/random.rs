@@ -25,7 +25,7 @@ impl RoutingPolicy for RandomPolicy {
 
     fn select(
         &self,
-        _req: &RouteRequest<'_>,
+        req: &RouteRequest<'_>,
         view: &FleetView<'_>,
     ) -> Result<Decision, SelectError> {
         if view.candidates.is_empty() {
@@ -40,7 +40,7 @@ impl RoutingPolicy for RandomPolicy {
             credited_tokens: 0,
             rule: "random",
             reason: "uniform random",
-            scores: load_lines(view),
+            scores: load_lines(view, req.prompt_tokens).0,
         })
     }
 }

@@ -23,7 +23,7 @@ impl RoutingPolicy for RoundRobinPolicy {
 
     fn select(
         &self,
-        _req: &RouteRequest<'_>,
+        req: &RouteRequest<'_>,
         view: &FleetView<'_>,
     ) -> Result<Decision, SelectError> {
         if view.candidates.is_empty() {
@@ -38,7 +38,7 @@ impl RoutingPolicy for RoundRobinPolicy {
             credited_tokens: 0,
             rule: "rotation",
             reason: "next in rotation",
-            scores: load_lines(view),
+            scores: load_lines(view, req.prompt_tokens).0,
         })
     }
 }

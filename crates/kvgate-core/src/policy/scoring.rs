@@ -7,6 +7,7 @@ use rand::{Rng, SeedableRng};
 
 use super::{FleetView, WorkerScore};
 use crate::load::WorkerLoad;
+use crate::timing::WorkerTiming;
 
 /// A seeded (or OS-seeded) RNG behind a lock.
 pub(crate) fn rng(seed: Option<u64>) -> Mutex<SmallRng> {
@@ -17,14 +18,40 @@ pub(crate) fn rng(seed: Option<u64>) -> Mutex<SmallRng> {
 }
 
 /// One explanation line per candidate with its load across the fleet (this router's
-/// bookings and its peers') and no overlap or cost.
-pub(crate) fn load_lines(view: &FleetView<'_>) -> Vec<WorkerScore> {
-    let loads = view.ledger.fleet_loads_of(view.candidates);
-    view.candidates
+/// bookings, its peers' and the engine's unseen load), no overlap or cost, and the
+/// request's predicted TTFT and TPOT there as if nothing of its `prompt_tokens` were
+/// cached; and each candidate's time model, to predict again with what is cached.
+pub(crate) fn load_lines(
+    view: &FleetView<'_>,
+    prompt_tokens: u32,
+) -> (Vec<WorkerScore>, Vec<WorkerTiming>) {
+    let (loads, timings): (Vec<_>, Vec<_>) = view
+        .ledger
+        .fleet_loads_and_timings_of(view.candidates)
+        .into_iter()
+        .unzip();
+    let mut lines: Vec<WorkerScore> = view
+        .candidates
         .iter()
         .zip(loads)
         .map(|(w, l)| line(*w, l))
-        .collect()
+        .collect();
+    predict(&mut lines, &timings, |_| u64::from(prompt_tokens));
+    (lines, timings)
+}
+
+/// Fills each line's predicted TTFT and TPOT for a request with `uncached(i)` prompt
+/// tokens to prefill on candidate i.
+pub(crate) fn predict(
+    lines: &mut [WorkerScore],
+    timings: &[WorkerTiming],
+    uncached: impl Fn(usize) -> u64,
+) {
+    for (i, (line, timing)) in lines.iter_mut().zip(timings).enumerate() {
+        let p = timing.predict(&line.load(), uncached(i));
+        line.predicted_ttft_secs = Some(p.ttft_secs);
+        line.predicted_tpot_secs = Some(p.tpot_secs);
+    }
 }
 
 pub(crate) fn line(worker: crate::ids::WorkerId, l: WorkerLoad) -> WorkerScore {
@@ -35,6 +62,8 @@ pub(crate) fn line(worker: crate::ids::WorkerId, l: WorkerLoad) -> WorkerScore {
         prefill_tokens: l.prefill_tokens,
         decode_blocks: l.decode_blocks,
         cost: None,
+        predicted_ttft_secs: None,
+        predicted_tpot_secs: None,
     }
 }
 

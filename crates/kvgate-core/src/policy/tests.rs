@@ -482,7 +482,7 @@ fn kv_aware_does_not_herd_on_a_shared_prefix() {
         in_flight.push_back(guard);
         // Equally fast workers: prefill finishes after a few arrivals, requests after 32.
         if in_flight.len() > 4 {
-            in_flight[in_flight.len() - 5].prefill_done();
+            in_flight[in_flight.len() - 5].prefill_done(Instant::now());
         }
         if in_flight.len() > 32 {
             in_flight.pop_front();
@@ -750,7 +750,7 @@ fn kv_aware_load_bound_overrides_a_cached_lead() {
                 &[],
                 Instant::now(),
             );
-            b.prefill_done();
+            b.prefill_done(Instant::now());
             b
         })
         .collect();
@@ -831,7 +831,7 @@ fn kv_aware_credit_ends_with_the_prefill_so_an_added_worker_gets_traffic() {
             &keys,
             Instant::now(),
         );
-        guard.prefill_done();
+        guard.prefill_done(Instant::now());
         running.push_back(guard);
         if running.len() > 4 {
             running.pop_front();
@@ -873,7 +873,7 @@ fn kv_aware_warm_up_sends_load_to_an_empty_worker_until_it_caches_its_share() {
                 Instant::now(),
             );
             if i > 0 {
-                g.prefill_done();
+                g.prefill_done(Instant::now());
             }
             g
         })

@@ -8,7 +8,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use kvgate_core::{KvAwareConfig, PolicyConfig, PolicyKind, PrefixAffinityConfig, SessionConfig};
+use kvgate_core::{
+    EngineLimits, KvAwareConfig, PolicyConfig, PolicyKind, PrefixAffinityConfig, SessionConfig,
+};
 use kvgate_selection::SelectionConfig;
 use serde::{Deserialize, Serialize};
 
@@ -41,6 +43,17 @@ pub struct ModelConfig {
     pub tokenize_cache_mib: u64,
     /// Tokens per KV block (must equal the engines' block size; events say so loudly).
     pub block_size: u32,
+    /// A request's time-to-first-token objective when its headers name none (`None`:
+    /// no objective), in milliseconds.
+    pub slo_ttft_ms: Option<u64>,
+    /// A request's time-per-output-token objective when its headers name none.
+    pub slo_tpot_ms: Option<u64>,
+    /// The engines' `--max-num-seqs`: sequences one engine step runs at most, beyond
+    /// which requests wait for a batch slot (the time model prices that wait).
+    pub max_num_seqs: u32,
+    /// The engines' `--max-num-batched-tokens`: tokens one engine step computes at most
+    /// (the time model's prefill step budget).
+    pub max_num_batched_tokens: u32,
     /// Extra salt folded into block keys (must match on every router replica).
     pub hash_salt: Option<String>,
     /// Model names that are LoRA adapters served by these workers; requests naming
@@ -161,6 +174,10 @@ impl ModelConfig {
             index_max_blocks: self.index_max_blocks,
             kv_topic: self.kv_topic.clone(),
             booking_ttl,
+            engine_limits: EngineLimits {
+                max_num_seqs: self.max_num_seqs,
+                max_num_batched_tokens: self.max_num_batched_tokens,
+            },
         }
     }
 }
@@ -181,6 +198,10 @@ impl Default for ModelConfig {
             max_model_len: None,
             tokenize_cache_mib: 128,
             block_size: 16,
+            slo_ttft_ms: None,
+            slo_tpot_ms: None,
+            max_num_seqs: EngineLimits::default().max_num_seqs,
+            max_num_batched_tokens: EngineLimits::default().max_num_batched_tokens,
             hash_salt: None,
             lora_adapters: Vec::new(),
             kv_fallback: None,
@@ -255,6 +276,9 @@ impl ModelConfig {
         }
         if name.trim().is_empty() {
             bail!("a model has an empty name");
+        }
+        if self.max_num_seqs == 0 || self.max_num_batched_tokens == 0 {
+            bail!("model {name:?}: max_num_seqs and max_num_batched_tokens must be at least 1");
         }
         if self.block_size == 0 {
             bail!("model {name:?}: block_size must be at least 1");

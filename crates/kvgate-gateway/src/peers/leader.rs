@@ -284,6 +284,8 @@ pub(crate) fn decide_for_peer(
         prompt_tokens: req.prompt_tokens,
         session_key: req.session_key.as_deref(),
         now,
+        // The ask carries no objective: a leader chooses as without one.
+        objective: Default::default(),
     };
     // In order with this replica's own choices (select::pick holds it too).
     let _choosing = model.choosing.lock();

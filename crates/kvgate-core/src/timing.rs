@@ -1,0 +1,493 @@
+//! The time model: a worker's predicted time to first token (TTFT) and time per output
+//! token (TPOT) for one request, from its engine's batch limits and from rates learned
+//! online from what the router observed on that worker. Owns the formulas, the limits'
+//! defaults and the learning; the ledger holds one [`WorkerTiming`] per worker and feeds
+//! it loads and observations. Pure: no clock, no I/O, no locks (times are passed in as
+//! seconds), so the simulation and the tests drive it exactly.
+//!
+//! # The model
+//!
+//! For a request with `u` uncached prompt tokens on a worker that carries `n` requests
+//! in flight with `q` prompt tokens still to prefill and k thousand KV blocks, under the engine's limits
+//! S = `max_num_seqs` and B = `max_num_batched_tokens`, and with L the worker's mean
+//! output length:
+//!
+//! ```text
+//! slot_steps    = (n + 1 − S) · L / S     when n ≥ S, else 0
+//!                 (decode steps until a batch slot frees: S slots, each held L steps)
+//! prefill_steps = max(1, ⌈(q + u) / B⌉)  (the prefill queued ahead, then this prompt's)
+//! TTFT          = (step + kv_step · k) · prefill_steps + per_token · (q + u)
+//!               + slot · slot_steps
+//! TPOT          = decode_base + decode_per_seq · min(n + 1, S)
+//! ```
+//!
+//! Learned per worker: `step` (seconds a prefill step costs beyond its tokens: the
+//! decode of the batch beside it and the request's own overheads), `per_token` (prefill
+//! seconds per uncached token) and `slot` (seconds per decode step while waiting for a
+//! slot) from each first token's observed TTFT; `decode_base` and `decode_per_seq` from
+//! each finished request's mean inter-token time and the batch it ran in; L from output
+//! lengths. Each fit is a ridge regression toward a prior on sums that decay per sample
+//! ([`WINDOW`]): a new worker predicts the prior, about [`PRIOR_SAMPLES`] samples
+//! outweigh it, and the last few dozen samples dominate, so a worker that slows down is
+//! seen as slower within a window. Once a worker has [`WARM_SAMPLES`] samples, an
+//! observation more than [`OUTLIER_FACTOR`] times off the current prediction is clipped
+//! to that bound before it is learned (a stalled stream or a network hiccup must not
+//! rewrite the rates). The priors are an H100 running an 8B model (DESIGN.md's
+//! latency fit); real engines correct them within a few dozen requests.
+
+use serde::Serialize;
+
+use crate::load::WorkerLoad;
+
+/// How many recent samples the fits remember (older ones decay by `1 - 1/WINDOW` per
+/// sample).
+pub const WINDOW: f64 = 64.0;
+/// The prior's weight, in samples.
+pub const PRIOR_SAMPLES: f64 = 4.0;
+/// Samples before an outlier is clipped (until then the prior may be far off).
+pub const WARM_SAMPLES: u64 = 16;
+/// How far off the current prediction an observation may be before it is clipped.
+pub const OUTLIER_FACTOR: f64 = 4.0;
+
+/// An engine's batch limits, as vLLM names them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct EngineLimits {
+    /// Sequences an engine step runs at most (`--max-num-seqs`).
+    pub max_num_seqs: u32,
+    /// Tokens an engine step computes at most (`--max-num-batched-tokens`).
+    pub max_num_batched_tokens: u32,
+}
+
+impl Default for EngineLimits {
+    /// vLLM 0.32's `vllm serve` defaults on an H100 (at least 70 GiB, not an A100):
+    /// 1024 sequences, 8192 tokens a step. Smaller GPUs default to 256 and 2048, CPUs to
+    /// 128 and 2048: say so in the configuration.
+    fn default() -> Self {
+        Self {
+            max_num_seqs: 1024,
+            max_num_batched_tokens: 8192,
+        }
+    }
+}
+
+/// Predicted latencies of one request on one worker.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Prediction {
+    /// Time to first token, seconds.
+    pub ttft_secs: f64,
+    /// Time per output token, seconds.
+    pub tpot_secs: f64,
+}
+
+/// What a TTFT observation is regressed on: the request's situation at booking —
+/// prefill steps, prefill tokens, decode steps waiting for a slot, and prefill steps
+/// times the thousands of KV blocks in flight (a step beside more KV takes longer).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct TtftFeatures([f64; 4]);
+
+impl TtftFeatures {
+    pub fn prefill_steps(&self) -> f64 {
+        self.0[0]
+    }
+
+    pub fn prefill_tokens(&self) -> f64 {
+        self.0[1]
+    }
+}
+
+/// A worker's learned rates, as explain and the metrics show them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Rates {
+    /// Seconds a prefill step costs beyond its tokens.
+    pub step_secs: f64,
+    /// Prefill seconds per uncached token.
+    pub prefill_secs_per_token: f64,
+    /// Seconds per decode step while waiting for a batch slot.
+    pub slot_step_secs: f64,
+    /// What a thousand KV blocks in flight add to a prefill step.
+    pub step_secs_per_thousand_kv_blocks: f64,
+    /// Time per output token of a request decoding alone.
+    pub decode_base_secs: f64,
+    /// What each further sequence in the batch adds to the time per output token.
+    pub decode_per_seq_secs: f64,
+    /// Mean output tokens of a request.
+    pub mean_output_tokens: f64,
+    /// TTFT observations learned from (not decayed).
+    pub ttft_samples: u64,
+    /// TPOT observations learned from (not decayed).
+    pub tpot_samples: u64,
+}
+
+const PRIOR_STEP_SECS: f64 = 0.020;
+const PRIOR_PREFILL_SECS_PER_TOKEN: f64 = 2.0e-5;
+const PRIOR_DECODE_BASE_SECS: f64 = 0.008;
+const PRIOR_DECODE_PER_SEQ_SECS: f64 = 5.0e-5;
+const PRIOR_OUTPUT_TOKENS: f64 = 128.0;
+
+/// Ridge regression of y on K features, toward a prior, over decayed sums.
+#[derive(Clone, Copy, Debug)]
+struct Fit<const K: usize> {
+    xtx: [[f64; K]; K],
+    xty: [f64; K],
+    weight: f64,
+    samples: u64,
+    coef: [f64; K],
+}
+
+impl<const K: usize> Fit<K> {
+    fn new(prior: [f64; K]) -> Self {
+        Self {
+            xtx: [[0.0; K]; K],
+            xty: [0.0; K],
+            weight: 0.0,
+            samples: 0,
+            coef: prior,
+        }
+    }
+
+    fn predict(&self, x: &[f64; K]) -> f64 {
+        x.iter().zip(&self.coef).map(|(a, b)| a * b).sum()
+    }
+
+    /// Learns `y` at `x` (clipped once warm), then refits toward `prior`.
+    fn add(&mut self, x: [f64; K], y: f64, prior: [f64; K]) {
+        if !y.is_finite() || x.iter().any(|v| !v.is_finite()) {
+            return;
+        }
+        let y = if self.samples >= WARM_SAMPLES {
+            let p = self.predict(&x).max(1e-6);
+            y.clamp(p / OUTLIER_FACTOR, p * OUTLIER_FACTOR)
+        } else {
+            y.max(0.0)
+        };
+        let keep = 1.0 - 1.0 / WINDOW;
+        for i in 0..K {
+            for j in 0..K {
+                self.xtx[i][j] = self.xtx[i][j] * keep + x[i] * x[j];
+            }
+            self.xty[i] = self.xty[i] * keep + x[i] * y;
+        }
+        self.weight = self.weight * keep + 1.0;
+        self.samples += 1;
+        self.refit(prior);
+    }
+
+    /// The prior's weight in samples: [`PRIOR_SAMPLES`] at first, fading as samples
+    /// come (half at [`WARM_SAMPLES`]) to a quarter of one, which still settles what
+    /// the samples cannot (a feature never seen, two that always moved together).
+    fn prior_weight(&self) -> f64 {
+        prior_weight(self.samples)
+    }
+
+    /// Solves (XᵀX + Λ)β = Xᵀy + Λ·prior, Λ_jj = the prior's weight times feature j's
+    /// mean square (so the prior weighs as that many samples whatever the feature's
+    /// scale); coefficients are kept non-negative.
+    fn refit(&mut self, prior: [f64; K]) {
+        let mut a = self.xtx;
+        let mut b = self.xty;
+        for j in 0..K {
+            let mean_square = if self.weight > 0.0 {
+                self.xtx[j][j] / self.weight
+            } else {
+                0.0
+            };
+            let lambda = self.prior_weight() * mean_square.max(1e-6);
+            a[j][j] += lambda;
+            b[j] += lambda * prior[j];
+        }
+        if let Some(beta) = solve(a, b) {
+            self.coef = beta.map(|v| if v.is_finite() { v.max(0.0) } else { 0.0 });
+        }
+    }
+}
+
+/// The prior's weight in samples after `samples` observations: [`PRIOR_SAMPLES`] at
+/// first, half that at [`WARM_SAMPLES`], never below a quarter of one.
+fn prior_weight(samples: u64) -> f64 {
+    let w = WARM_SAMPLES as f64;
+    (PRIOR_SAMPLES * w / (w + samples as f64)).max(0.25)
+}
+
+/// Gaussian elimination with partial pivoting; `None` when singular.
+fn solve<const K: usize>(mut a: [[f64; K]; K], mut b: [f64; K]) -> Option<[f64; K]> {
+    for col in 0..K {
+        let pivot = (col..K).max_by(|&i, &j| a[i][col].abs().total_cmp(&a[j][col].abs()))?;
+        if a[pivot][col].abs() < 1e-300 {
+            return None;
+        }
+        a.swap(col, pivot);
+        b.swap(col, pivot);
+        for row in col + 1..K {
+            let f = a[row][col] / a[col][col];
+            let pivot_row = a[col];
+            for (x, p) in a[row][col..].iter_mut().zip(&pivot_row[col..]) {
+                *x -= f * p;
+            }
+            b[row] -= f * b[col];
+        }
+    }
+    let mut x = [0.0; K];
+    for row in (0..K).rev() {
+        let s: f64 = (row + 1..K).map(|k| a[row][k] * x[k]).sum();
+        x[row] = (b[row] - s) / a[row][row];
+    }
+    Some(x)
+}
+
+/// One worker's time model: its engine's limits and what was learned there.
+#[derive(Clone, Copy, Debug)]
+pub struct WorkerTiming {
+    limits: EngineLimits,
+    /// TTFT = step·prefill_steps + per_token·prefill_tokens + slot·slot_steps
+    /// + kv_step·prefill_steps·kv_blocks/1000.
+    ttft: Fit<4>,
+    /// TPOT = decode_base + decode_per_seq·batch.
+    tpot: Fit<2>,
+    /// Mean output tokens: decayed sum and weight.
+    output_sum: f64,
+    output_weight: f64,
+    output_samples: u64,
+}
+
+impl WorkerTiming {
+    pub fn new(limits: EngineLimits) -> Self {
+        let tpot = Fit::new([PRIOR_DECODE_BASE_SECS, PRIOR_DECODE_PER_SEQ_SECS]);
+        let mut t = Self {
+            limits,
+            ttft: Fit::new([PRIOR_STEP_SECS, PRIOR_PREFILL_SECS_PER_TOKEN, 0.0, 0.0]),
+            tpot,
+            output_sum: 0.0,
+            output_weight: 0.0,
+            output_samples: 0,
+        };
+        t.ttft.coef = t.ttft_prior();
+        t
+    }
+
+    pub fn limits(&self) -> EngineLimits {
+        self.limits
+    }
+
+    /// New limits (the engine said them); what was learned stays.
+    pub fn set_limits(&mut self, limits: EngineLimits) {
+        self.limits = limits;
+    }
+
+    fn max_seqs(&self) -> f64 {
+        f64::from(self.limits.max_num_seqs.max(1))
+    }
+
+    /// TTFT's prior: the step and per-token priors, and a slot step as long as a
+    /// decode step of a full batch is currently predicted to be.
+    fn ttft_prior(&self) -> [f64; 4] {
+        [
+            PRIOR_STEP_SECS,
+            PRIOR_PREFILL_SECS_PER_TOKEN,
+            self.tpot_at(self.max_seqs()),
+            0.0,
+        ]
+    }
+
+    fn tpot_at(&self, batch: f64) -> f64 {
+        self.tpot.predict(&[1.0, batch])
+    }
+
+    fn mean_output_tokens(&self) -> f64 {
+        let prior = prior_weight(self.output_samples);
+        (self.output_sum + prior * PRIOR_OUTPUT_TOKENS) / (self.output_weight + prior)
+    }
+
+    /// The situation of a request with `uncached` prompt tokens arriving at `ahead`.
+    pub fn features(&self, ahead: &WorkerLoad, uncached: u64) -> TtftFeatures {
+        let s = self.max_seqs();
+        let n = f64::from(ahead.in_flight);
+        let tokens = (ahead.prefill_tokens + uncached) as f64;
+        let budget = f64::from(self.limits.max_num_batched_tokens.max(1));
+        let steps = (tokens / budget).ceil().max(1.0);
+        let slot_steps = if n >= s {
+            (n + 1.0 - s) * self.mean_output_tokens() / s
+        } else {
+            0.0
+        };
+        TtftFeatures([
+            steps,
+            tokens,
+            slot_steps,
+            steps * ahead.decode_blocks / 1000.0,
+        ])
+    }
+
+    /// Predicted TTFT and TPOT of a request with `uncached` prompt tokens on this worker
+    /// while it carries `ahead`.
+    pub fn predict(&self, ahead: &WorkerLoad, uncached: u64) -> Prediction {
+        let f = self.features(ahead, uncached);
+        let batch = (f64::from(ahead.in_flight) + 1.0).min(self.max_seqs());
+        Prediction {
+            ttft_secs: self.ttft.predict(&f.0),
+            tpot_secs: self.tpot_at(batch),
+        }
+    }
+
+    /// A first token came `ttft_secs` after booking, for a request booked with features
+    /// `f`.
+    pub fn observe_ttft(&mut self, f: TtftFeatures, ttft_secs: f64) {
+        let prior = self.ttft_prior();
+        self.ttft.add(f.0, ttft_secs, prior);
+    }
+
+    /// A request produced `output_tokens` at `tpot_secs` each (its mean inter-token
+    /// time), its worker carrying `in_flight` requests (itself included) when its
+    /// first token came.
+    pub fn observe_decode(&mut self, in_flight: u32, output_tokens: u32, tpot_secs: f64) {
+        let keep = 1.0 - 1.0 / WINDOW;
+        self.output_sum = self.output_sum * keep + f64::from(output_tokens);
+        self.output_weight = self.output_weight * keep + 1.0;
+        self.output_samples += 1;
+        if output_tokens >= 2 {
+            let batch = f64::from(in_flight.max(1)).min(self.max_seqs());
+            self.tpot.add(
+                [1.0, batch],
+                tpot_secs,
+                [PRIOR_DECODE_BASE_SECS, PRIOR_DECODE_PER_SEQ_SECS],
+            );
+        }
+    }
+
+    /// What was learned.
+    pub fn rates(&self) -> Rates {
+        let [step, per_token, slot, kv_step] = self.ttft.coef;
+        let [base, per_seq] = self.tpot.coef;
+        Rates {
+            step_secs: step,
+            prefill_secs_per_token: per_token,
+            slot_step_secs: slot,
+            step_secs_per_thousand_kv_blocks: kv_step,
+            decode_base_secs: base,
+            decode_per_seq_secs: per_seq,
+            mean_output_tokens: self.mean_output_tokens(),
+            ttft_samples: self.ttft.samples,
+            tpot_samples: self.tpot.samples,
+        }
+    }
+}
+
+impl Default for WorkerTiming {
+    fn default() -> Self {
+        Self::new(EngineLimits::default())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(in_flight: u32, prefill_tokens: u64) -> WorkerLoad {
+        WorkerLoad {
+            in_flight,
+            prefill_tokens,
+            decode_blocks: 0.0,
+        }
+    }
+
+    /// A worker with no samples predicts the prior: one step plus its tokens.
+    #[test]
+    fn an_unobserved_worker_predicts_the_prior() {
+        let t = WorkerTiming::default();
+        let p = t.predict(&load(0, 0), 1000);
+        let want = PRIOR_STEP_SECS + 1000.0 * PRIOR_PREFILL_SECS_PER_TOKEN;
+        assert!((p.ttft_secs - want).abs() < 1e-12, "{p:?}");
+        assert!((p.tpot_secs - (PRIOR_DECODE_BASE_SECS + PRIOR_DECODE_PER_SEQ_SECS)).abs() < 1e-12);
+    }
+
+    /// The queue ahead counts: its prefill adds tokens and steps, a full batch adds the
+    /// wait for a slot, which grows with every request beyond the limit.
+    #[test]
+    fn the_queue_and_a_full_batch_add_time() {
+        let t = WorkerTiming::new(EngineLimits {
+            max_num_seqs: 4,
+            max_num_batched_tokens: 1024,
+        });
+        let idle = t.predict(&load(0, 0), 512).ttft_secs;
+        let queued = t.predict(&load(2, 2048), 512).ttft_secs;
+        assert!(queued > idle + 2048.0 * PRIOR_PREFILL_SECS_PER_TOKEN);
+        let below = t.predict(&load(3, 0), 512).ttft_secs;
+        let full = t.predict(&load(4, 0), 512).ttft_secs;
+        let fuller = t.predict(&load(8, 0), 512).ttft_secs;
+        assert_eq!(below, idle, "below the limit nobody waits for a slot");
+        assert!(full > below && fuller - full > 3.0 * (full - below) * 0.99);
+    }
+
+    /// Learning from an engine four times slower than the prior (and with a different
+    /// per-step cost) predicts it within a few percent after a window of samples, on
+    /// situations it saw and on ones between them.
+    #[test]
+    fn rates_are_learned_from_observations() {
+        let mut t = WorkerTiming::new(EngineLimits {
+            max_num_seqs: 8,
+            max_num_batched_tokens: 2048,
+        });
+        let truth = |f: TtftFeatures| 0.05 * f.prefill_steps() + 8e-5 * f.prefill_tokens();
+        for i in 0..200u64 {
+            let f = t.features(&load((i % 5) as u32, (i % 7) * 300), 100 + (i % 11) * 150);
+            t.observe_ttft(f, truth(f));
+        }
+        for (n, q, u) in [(0, 0, 700), (3, 1200, 400), (1, 0, 2000)] {
+            let f = t.features(&load(n, q), u);
+            let p = t.predict(&load(n, q), u).ttft_secs;
+            let want = truth(f);
+            assert!(
+                (p - want).abs() / want < 0.05,
+                "n={n} q={q} u={u}: {p} vs {want}"
+            );
+        }
+        assert!(t.rates().ttft_samples == 200);
+    }
+
+    /// One wild observation once warm moves the prediction by little; a worker that
+    /// slows down for good is followed within a window.
+    #[test]
+    fn outliers_are_bounded_and_change_is_followed() {
+        let mut t = WorkerTiming::default();
+        let f = t.features(&load(0, 0), 1000);
+        for _ in 0..40 {
+            t.observe_ttft(f, 0.1);
+        }
+        let before = t.predict(&load(0, 0), 1000).ttft_secs;
+        assert!((before - 0.1).abs() < 0.01, "{before}");
+        t.observe_ttft(f, 1000.0);
+        let after = t.predict(&load(0, 0), 1000).ttft_secs;
+        assert!(after < 0.1 * 1.2, "one outlier moved it to {after}");
+        for _ in 0..150 {
+            t.observe_ttft(f, 0.3);
+        }
+        let slow = t.predict(&load(0, 0), 1000).ttft_secs;
+        assert!((slow - 0.3).abs() / 0.3 < 0.1, "{slow}");
+    }
+
+    /// Decode: the time per output token grows with the batch as observed, and the
+    /// mean output length (which prices the wait for a slot) is learned.
+    #[test]
+    fn decode_rates_and_output_length_are_learned() {
+        let mut t = WorkerTiming::new(EngineLimits {
+            max_num_seqs: 32,
+            max_num_batched_tokens: 2048,
+        });
+        for i in 0..300u32 {
+            let batch = 1 + i % 32;
+            t.observe_decode(batch, 64, 0.01 + 0.001 * f64::from(batch));
+        }
+        let r = t.rates();
+        assert!((r.decode_base_secs - 0.01).abs() < 0.002, "{r:?}");
+        assert!((r.decode_per_seq_secs - 0.001).abs() < 0.0002, "{r:?}");
+        assert!((r.mean_output_tokens - 64.0).abs() < 1.0, "{r:?}");
+        let p = t.predict(&load(15, 0), 10);
+        assert!((p.tpot_secs - 0.026).abs() < 0.003, "{p:?}");
+    }
+
+    #[test]
+    fn solve_handles_a_small_system() {
+        let x = solve([[2.0, 1.0], [1.0, 3.0]], [3.0, 5.0]).unwrap();
+        assert!((x[0] - 0.8).abs() < 1e-12 && (x[1] - 1.4).abs() < 1e-12);
+        assert!(solve([[0.0, 0.0], [0.0, 0.0]], [1.0, 1.0]).is_none());
+    }
+}
