@@ -755,6 +755,8 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         "TTFT p90 vs round_robin: round_robin's p90 divided by the row's (above 1: faster). \
          Prefix hit: cached over prompt tokens as the engines reported. \
          Predicted / reported cached: what kvgate expected the engines to serve from cache over what they reported (1 = honest; n/a: the policy does not read prompts). \
+         Goodput: requests answered within their TTFT objective per second (n/a: none had one). \
+         TTFT prediction error: kvgate's predicted against the observed TTFT, |p - o| / o, median / p90. \
          Spread: the busiest engine's requests over the mean (1 = even)."
     );
     println!(

@@ -174,10 +174,6 @@ pub struct ServeArgs {
     pub pending_credit_secs: Option<f64>,
     #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware warm-up: a worker whose index holds less than this fraction of the workers' mean (just added, restarted or reset) may not be more than one request in flight behind any other (0 = off)", KvAwareConfig::default().warmup_fraction))]
     pub warmup_fraction: Option<f64>,
-    #[arg(long, help_heading = KV_AWARE, help = with_default("kv_aware load bound: a worker more than this many requests in flight ahead of the least loaded one", KvAwareConfig::default().balance_abs_threshold))]
-    pub balance_abs_threshold: Option<u32>,
-    #[arg(long, help_heading = KV_AWARE, help = with_default("...and more than this many times ahead is not eligible", KvAwareConfig::default().balance_rel_threshold))]
-    pub balance_rel_threshold: Option<f64>,
     /// Seed for the policy's random choices (unset: seeded from the OS).
     #[arg(long, help_heading = KV_AWARE)]
     pub seed: Option<u64>,
@@ -386,8 +382,6 @@ impl ServeArgs {
         set(&mut k.locality_weight, &self.locality_weight);
         set(&mut k.pending_credit_secs, &self.pending_credit_secs);
         set(&mut k.warmup_fraction, &self.warmup_fraction);
-        set(&mut k.balance_abs_threshold, &self.balance_abs_threshold);
-        set(&mut k.balance_rel_threshold, &self.balance_rel_threshold);
         Ok(m)
     }
 

@@ -271,7 +271,7 @@ impl Metrics {
         Ok(Metrics {
             requests: counter(&r, "kvgate_requests_total", "Requests answered, by model, worker, policy and HTTP status", &["model", "worker", "policy", "status"])?,
             decision_seconds: histogram(&r, "kvgate_routing_decision_seconds", "Time to select a worker (policy + index lookup)", &["model", "policy"], latency_buckets())?,
-            routing_decisions: counter(&r, "kvgate_routing_decisions_total", "Workers chosen by this replica's policy (for its own requests and for peers' at the leader), by the rule that decided (kv_aware: cached, least_work, load_bound, warmup)", &["model", "policy", "rule"])?,
+            routing_decisions: counter(&r, "kvgate_routing_decisions_total", "Workers chosen by this replica's policy (for its own requests and for peers' at the leader), by the rule that decided (kv_aware: cached, least_work, warmup; with a latency objective: objective, objective_missed)", &["model", "policy", "rule"])?,
             tokenize_seconds: histogram(&r, "kvgate_tokenization_seconds", "Time to tokenize a request for routing", &["model"], latency_buckets())?,
             retries: counter(&r, "kvgate_retries_total", "Requests retried on another worker before the first byte", &["model", "reason"])?,
             disaggregated: counter(&r, "kvgate_disaggregated_requests_total", "Disaggregated models' requests: split (prefill and decode legs), whole (skipped the split), handover_failed, prefill_retried", &["model", "route"])?,

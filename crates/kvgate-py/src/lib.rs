@@ -136,7 +136,7 @@ pub struct PySelection {
     /// Prompt tokens predicted to be served from the chosen worker's cache.
     predicted_cached_tokens: u32,
     policy: String,
-    /// The rule that decided (kv_aware: `cached`, `least_work`, `load_bound`, `warmup`).
+    /// The rule that decided (kv_aware: `cached`, `least_work`, `warmup`).
     rule: String,
     reason: String,
     scores: Vec<PyWorkerScore>,
@@ -207,11 +207,13 @@ impl PySelectionService {
 impl PySelectionService {
     /// `policy`: kv_aware (default), prefix_affinity, least_loaded, round_robin, random.
     /// `kv_aware`: overrides of the kv_aware weights (e.g. `{"overlap_weight": 4.0}`).
+    /// `max_num_seqs`, `max_num_batched_tokens`: the engines' batch limits (vLLM's flags;
+    /// default vLLM's on an H100: 1024, 8192), which the time model and kv_aware read.
     #[new]
     #[pyo3(signature = (
         block_size = 16, policy = "kv_aware", *, model = "default", kv_aware = None,
         hash_salt = None, kv_topic = "", index_max_blocks = None, booking_ttl_s = 3600.0,
-        fallback = None, seed = None,
+        fallback = None, seed = None, max_num_seqs = None, max_num_batched_tokens = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -226,6 +228,8 @@ impl PySelectionService {
         booking_ttl_s: f64,
         fallback: Option<&str>,
         seed: Option<u64>,
+        max_num_seqs: Option<u32>,
+        max_num_batched_tokens: Option<u32>,
     ) -> PyResult<Self> {
         let kind: PolicyKind = policy
             .parse()
@@ -258,6 +262,21 @@ impl PySelectionService {
             config.index_max_blocks = n;
         }
         config.booking_ttl = Duration::from_secs_f64(booking_ttl_s);
+        let limits = &mut config.engine_limits;
+        for (field, value) in [
+            (&mut limits.max_num_seqs, max_num_seqs),
+            (&mut limits.max_num_batched_tokens, max_num_batched_tokens),
+        ] {
+            match value {
+                Some(0) => {
+                    return Err(value_error(
+                        "max_num_seqs and max_num_batched_tokens must be at least 1",
+                    ))
+                }
+                Some(v) => *field = v,
+                None => {}
+            }
+        }
         config.fallback = fallback
             .map(|f| {
                 f.parse()

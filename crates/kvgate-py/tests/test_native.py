@@ -141,6 +141,11 @@ def test_errors_are_python_exceptions_with_the_right_class():
             await svc.upsert_worker("x", "tcp://127.0.0.1:5557", None, 1, 32)
         with pytest.raises(ValueError, match="unknown policy"):
             SelectionService(policy="best")
+        with pytest.raises(ValueError, match="at least 1"):
+            SelectionService(max_num_seqs=0)
+        with pytest.raises(ValueError, match="the load bound is gone"):
+            SelectionService(kv_aware={"balance_abs_threshold": 16})
+        SelectionService(max_num_seqs=16, max_num_batched_tokens=2048)
         # The TTL backstop frees bookings that never ended.
         short = SelectionService(block_size=16, policy="round_robin", booking_ttl_s=0.05)
         await short.upsert_worker("w")

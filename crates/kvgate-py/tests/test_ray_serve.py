@@ -35,7 +35,15 @@ def serve_url(tmp_path_factory):
     )
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(), name=APP, route_prefix=f"/{APP}")
+    # Engines that batch 16 sequences a step (vLLM on a small device), and a router told so.
+    serve.run(
+        build_app(
+            router_kwargs={"block_size": 16, "max_num_seqs": 16},
+            engine_args=["--max-num-seqs", "16"],
+        ),
+        name=APP,
+        route_prefix=f"/{APP}",
+    )
     serve.run(
         build_app(router_kwargs={"block_size": 16, "placement": "actor"}),
         name=ACTOR_APP,
@@ -141,6 +149,9 @@ def test_a_prompt_cached_on_one_replica_is_routed_back_to_it(serve_url, app):
 
 
 def test_a_shared_prefix_does_not_herd(serve_url):
+    """32 requests at once on one system prompt, twice a replica's batch: once the
+    holder's batch is full its lead ends, so the other replica takes part of the burst."""
+
     async def scenario():
         system = "You are a support agent for a bank. Policies follow. " + "policy clause " * 150
         async with aiohttp.ClientSession() as s:

@@ -161,8 +161,9 @@ def test_a_cached_prompt_returns_to_its_holder(stack):
 
 def test_a_shared_system_prompt_does_not_herd(stack):
     """A burst of 32 requests sharing one long system prompt, more than one replica's
-    batch (16 sequences): kvgate's load bound sends part of it to the other replica
-    although only one holds the prompt."""
+    batch (16 sequences, which kvgate.ray.llm.build_openai_app passes on from the
+    LLMConfig's engine_kwargs): once the holder's batch is full its lead ends, so part of
+    the burst goes to the other replica although only one holds the prompt."""
     before = stats()["routed"]
 
     async def scenario():
@@ -238,6 +239,24 @@ def test_kv_routing_without_the_selection_service_is_503(stack):
             return statuses
 
     assert run(scenario()) == [503, 503, 503]
+
+
+def test_the_builder_passes_the_engines_batch_limits_to_kvgate():
+    """build_openai_app tells kvgate's router the engines' max_num_seqs and
+    max_num_batched_tokens from engine_kwargs, unless its kwargs set them; another
+    router's config is left alone."""
+    from kvgate.ray.llm import _pass_engine_limits
+
+    ours = "kvgate.ray.llm:KVAwareRouter"
+    rc = {"request_router_class": ours}
+    _pass_engine_limits(rc, {"max_num_seqs": 16, "dtype": "bfloat16"})
+    assert rc["request_router_kwargs"] == {"max_num_seqs": 16}
+    rc = {"request_router_class": ours, "request_router_kwargs": {"max_num_seqs": 8}}
+    _pass_engine_limits(rc, {"max_num_seqs": 16, "max_num_batched_tokens": 512})
+    assert rc["request_router_kwargs"] == {"max_num_seqs": 8, "max_num_batched_tokens": 512}
+    other = {"request_router_class": "ray.serve.llm.request_router:KVAwareRouter"}
+    _pass_engine_limits(other, {"max_num_seqs": 16})
+    assert "request_router_kwargs" not in other
 
 
 def test_the_builder_refuses_to_deploy_without_the_direct_streaming_env():

@@ -263,12 +263,15 @@ pub fn simulate(model: &ModelConfig, fleet: &FleetConfig, load: &Load) -> anyhow
         .validate()
         .context("invalid engine configuration")?;
     // The router is told the engines' batch limits, as a user passes the engines' own
-    // `--max-num-seqs` and `--max-num-batched-tokens` to `kvgate serve`.
+    // `--max-num-seqs` and `--max-num-batched-tokens` to `kvgate serve`; a row that sets
+    // either flag keeps what it says (what a router told wrong does).
     let mut selection = model.selection_config(Duration::from_secs(3600));
-    selection.engine_limits = EngineLimits {
-        max_num_seqs: fleet.engine.max_num_seqs,
-        max_num_batched_tokens: fleet.engine.max_batched_tokens,
-    };
+    if selection.engine_limits == EngineLimits::default() {
+        selection.engine_limits = EngineLimits {
+            max_num_seqs: fleet.engine.max_num_seqs,
+            max_num_batched_tokens: fleet.engine.max_batched_tokens,
+        };
+    }
     let service = SelectionService::new(
         selection,
         Arc::new(EventMetrics::default()),

@@ -10,25 +10,23 @@
 //! ```text
 //! cached(w)   = device + host_credit·host + disk_credit·disk + credited(w)
 //!                                                     (leading blocks held, by tier)
-//! lead(w)     = cached(w) − the runner-up's cached, for the sole best holder; else 0
+//! lead(w)     = cached(w) − the runner-up's cached, for the sole best holder while its
+//!               engine's batch has room (requests in flight below `max_num_seqs`); else 0
 //! prefill(w)  = queued_prefill_tokens(w)/B + (prompt_blocks − cached(w))
 //!             − locality_weight · lead(w)
 //! cost(w)     = overlap_weight · prefill(w) + decode_blocks(w)
 //! ```
 //!
-//! 1. **Eligibility**. The load bound (rule `load_bound`): a candidate whose requests
-//!    in flight exceed the least loaded candidate's by more than `balance_abs_threshold`
-//!    and by more than `balance_rel_threshold` times is not eligible. Warm-up (rule
-//!    `warmup`): a candidate whose index holds less than `warmup_fraction` of the
-//!    candidates' mean entries (an engine just added, restarted or reset) is warming
-//!    up; while one is, no candidate more than [`WARMUP_SLACK`] requests in flight ahead
+//! 1. **Eligibility**. Warm-up (rule `warmup`): a candidate whose index holds less
+//!    than `warmup_fraction` of the candidates' mean entries (an engine just added,
+//!    restarted or reset) is warming up; while one is, no candidate more than [`WARMUP_SLACK`] requests in flight ahead
 //!    of the least loaded warming one is eligible. The least loaded candidate (warming
 //!    one) always is, so the set is never empty.
 //! 2. **Cost** of every eligible candidate, as above.
 //! 3. **Choice**: the lowest cost, ties broken at random. The decision names the rule
-//!    that decided ([`Rule`]): `load_bound` or `warmup` when the cheapest candidate
-//!    overall was not eligible (`warmup` when that rule excluded anyone), `cached` when
-//!    the chosen worker holds part of the prompt, `least_work` when nobody does.
+//!    that decided ([`Rule`]): `warmup` when the cheapest candidate overall was not
+//!    eligible, `cached` when the chosen worker holds part of the prompt, `least_work`
+//!    when nobody does.
 //!
 //! # Why each term (ablations in docs/BENCHMARKS.md, "kv_aware's rules, one by one")
 //!
@@ -48,16 +46,16 @@
 //!   follow-up that arrives before the engine's events can find it. It ends at that
 //!   request's first token or end, and at the latest `pending_credit_secs` after
 //!   booking ([`Ledger::prefill_credits`]).
-//! - **The load bound**: the cost sees a worker's queue as prefill and decode work, not
-//!   as the engine's batch limit, so a burst on a prompt only one worker holds goes
-//!   there whole (its lead outweighs any queue) and waits behind the engine's full
-//!   batch. On Ray Serve LLM with two real vLLM replicas (16 sequences a batch), 32
-//!   requests sharing a system prompt went 33:1 to its holder without the bound
-//!   (`test_a_shared_system_prompt_does_not_herd`). It has a price where many requests
-//!   are in flight and the mock engines' batches (256) never fill: at concurrency 48
-//!   the scenario suite serves up to 16% fewer requests with it; at the window's load
-//!   it costs nothing beyond noise at an absolute threshold of 24, 3.5% of TTFT p90 at
-//!   16. A cost term for the batch limit could replace it.
+//! - **The lead ends at a full batch**: an engine runs at most `max_num_seqs`
+//!   sequences a step (its limits: the time model's, [`crate::timing`]); behind a full
+//!   batch a request waits for a slot whatever the engine holds, so the holder's lead
+//!   stops counting and the cost alone (its queue and decode against the others'
+//!   recompute) decides. Without it a burst on a prompt one worker holds goes there
+//!   whole: 64:0 in simulation with 16-sequence batches (TTFT p90 2.7x), 33:1 on Ray
+//!   Serve LLM with two real vLLM replicas. It replaced a load bound on requests in
+//!   flight (at most 16 and 1.5x ahead of the least loaded), which spread the same burst
+//!   but cost up to 16% of requests served at concurrency 48 and 3% of the Mooncake
+//!   window's TTFT p90, where batches never fill.
 //! - **Warm-up**: a fleet that caches its tenants keeps every request where the
 //!   prefixes are (each request's cost says so), so an engine added under load would
 //!   get nothing: the per-request cost cannot see that a prefix recomputed on new
@@ -71,7 +69,8 @@
 //! nothing): cold homing and its five refinements, the softmax temperature, the
 //! prefill-queue weight, and the trusts that scaled the index and the credit by how far
 //! they came true (no options; they changed no workload's TTFT beyond 1.3%, the better
-//! way round without them). [`REMOVED`] names them, so an old configuration is refused
+//! way round without them), and the load bound (replaced, above). [`REMOVED`] names
+//! them, so an old configuration is refused
 //! with a reason rather than silently changing meaning.
 //!
 //! [`Ledger::prefill_credits`]: crate::ledger::Ledger::prefill_credits
@@ -82,13 +81,14 @@ use parking_lot::Mutex;
 use rand::rngs::SmallRng;
 use serde::{Deserialize, Serialize};
 
-use super::scoring::{argmin_random_tie, load_lines, predict, rng, too_far_ahead};
+use super::scoring::{argmin_random_tie, load_lines, predict, rng};
 use super::{
     Decision, FleetView, PolicyKind, RouteRequest, RoutingPolicy, SelectError, WorkerScore,
 };
 use crate::ids::Tier;
+use crate::timing::WorkerTiming;
 
-/// kv_aware's knobs: six, plus the YAML-only tier credits.
+/// kv_aware's knobs: four, plus the YAML-only tier credits.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(try_from = "KvAwareFields")]
 pub struct KvAwareConfig {
@@ -103,11 +103,6 @@ pub struct KvAwareConfig {
     /// A candidate whose index holds less than this fraction of the candidates' mean
     /// entries is warming up (module comment). 0 disables the rule.
     pub warmup_fraction: f64,
-    /// Load bound: a candidate whose requests in flight exceed the least loaded one's
-    /// by more than this...
-    pub balance_abs_threshold: u32,
-    /// ...and by more than this factor is not eligible.
-    pub balance_rel_threshold: f64,
     /// Credit for a block held in host memory (1.0 = as good as device). YAML only.
     pub host_credit: f64,
     /// Credit for a block held on disk or remote storage. YAML only.
@@ -121,8 +116,6 @@ impl Default for KvAwareConfig {
             locality_weight: 64.0,
             pending_credit_secs: 10.0,
             warmup_fraction: 0.5,
-            balance_abs_threshold: 16,
-            balance_rel_threshold: 1.5,
             host_credit: 0.5,
             disk_credit: 0.25,
         }
@@ -141,6 +134,8 @@ pub const REMOVED: &[(&str, &str)] = &[
     ("home_plans_by_demand", "cold homing is gone, with its refinements"),
     ("temperature", "kv_aware picks the lowest cost; the softmax never helped"),
     ("prefill_queue_weight", "a worker's queued prefill counts as much as the prompt's own (it had no effect at its default)"),
+    ("balance_abs_threshold", "the load bound is gone: a holder's lead ends while its engine's batch is full (`max_num_seqs`), which spreads a burst without the bound's cost where batches never fill"),
+    ("balance_rel_threshold", "the load bound is gone: a holder's lead ends while its engine's batch is full (`max_num_seqs`)"),
 ];
 
 /// Why the kv_aware option `name` (a YAML field, or a flag with or without its leading
@@ -162,8 +157,6 @@ struct KvAwareFields {
     locality_weight: f64,
     pending_credit_secs: f64,
     warmup_fraction: f64,
-    balance_abs_threshold: u32,
-    balance_rel_threshold: f64,
     host_credit: f64,
     disk_credit: f64,
     #[serde(flatten)]
@@ -178,8 +171,6 @@ impl Default for KvAwareFields {
             locality_weight: d.locality_weight,
             pending_credit_secs: d.pending_credit_secs,
             warmup_fraction: d.warmup_fraction,
-            balance_abs_threshold: d.balance_abs_threshold,
-            balance_rel_threshold: d.balance_rel_threshold,
             host_credit: d.host_credit,
             disk_credit: d.disk_credit,
             removed: Default::default(),
@@ -193,7 +184,7 @@ impl TryFrom<KvAwareFields> for KvAwareConfig {
     fn try_from(f: KvAwareFields) -> Result<Self, String> {
         if let Some(name) = f.removed.keys().next() {
             return Err(removed_option(name).unwrap_or_else(|| {
-                let known = "overlap_weight, locality_weight, pending_credit_secs, warmup_fraction, balance_abs_threshold, balance_rel_threshold, host_credit, disk_credit";
+                let known = "overlap_weight, locality_weight, pending_credit_secs, warmup_fraction, host_credit, disk_credit";
                 format!("unknown kv_aware field `{name}`, expected one of {known}")
             }));
         }
@@ -202,8 +193,6 @@ impl TryFrom<KvAwareFields> for KvAwareConfig {
             locality_weight: f.locality_weight,
             pending_credit_secs: f.pending_credit_secs,
             warmup_fraction: f.warmup_fraction,
-            balance_abs_threshold: f.balance_abs_threshold,
-            balance_rel_threshold: f.balance_rel_threshold,
             host_credit: f.host_credit,
             disk_credit: f.disk_credit,
         })
@@ -223,20 +212,17 @@ pub enum Rule {
     Cached,
     /// Nobody holds any of the prompt: the least work.
     LeastWork,
-    /// The cheapest worker overall was too far ahead in requests in flight.
-    LoadBound,
     /// The cheapest worker overall was passed over for a warming-up one.
     Warmup,
 }
 
 impl Rule {
-    pub const ALL: [Rule; 4] = [Rule::Cached, Rule::LeastWork, Rule::LoadBound, Rule::Warmup];
+    pub const ALL: [Rule; 3] = [Rule::Cached, Rule::LeastWork, Rule::Warmup];
 
     pub fn as_str(self) -> &'static str {
         match self {
             Rule::Cached => "cached",
             Rule::LeastWork => "least_work",
-            Rule::LoadBound => "load_bound",
             Rule::Warmup => "warmup",
         }
     }
@@ -245,7 +231,6 @@ impl Rule {
         match self {
             Rule::Cached => "lowest cost: cached prefix outweighs load",
             Rule::LeastWork => "lowest cost: no cached prefix, least work",
-            Rule::LoadBound => "load bound: the cheapest workers are too far ahead in requests",
             Rule::Warmup => "warm-up: a worker with little cached is further behind on load",
         }
     }
@@ -275,11 +260,9 @@ impl KvAwarePolicy {
         }
     }
 
-    /// Step 1: whether each candidate is eligible (module comment), and whether
-    /// warm-up excluded anyone.
-    fn eligible(&self, lines: &[WorkerScore], entries: &[usize]) -> (Vec<bool>, bool) {
+    /// Step 1: whether each candidate is eligible (module comment).
+    fn eligible(&self, lines: &[WorkerScore], entries: &[usize]) -> Vec<bool> {
         let c = &self.config;
-        let min = lines.iter().map(|l| l.in_flight).min().unwrap_or(0);
         let mean = entries.iter().sum::<usize>() as f64 / entries.len().max(1) as f64;
         let warming =
             |i: usize| c.warmup_fraction > 0.0 && (entries[i] as f64) < c.warmup_fraction * mean;
@@ -288,14 +271,7 @@ impl KvAwarePolicy {
             .map(|i| lines[i].in_flight)
             .min();
         let behind_warm_up = |n: u32| warm_min.is_some_and(|w| n > w + WARMUP_SLACK);
-        let bounded =
-            |n: u32| too_far_ahead(n, min, c.balance_abs_threshold, c.balance_rel_threshold);
-        let eligible = lines
-            .iter()
-            .map(|l| !bounded(l.in_flight) && !behind_warm_up(l.in_flight))
-            .collect();
-        let warmup_excluded = lines.iter().any(|l| behind_warm_up(l.in_flight));
-        (eligible, warmup_excluded)
+        lines.iter().map(|l| !behind_warm_up(l.in_flight)).collect()
     }
 
     /// Each candidate's cached prefix (index overlap by tier, plus the prefill credit
@@ -337,6 +313,7 @@ impl KvAwarePolicy {
         &self,
         lines: &mut [WorkerScore],
         cached: &[f64],
+        timings: &[WorkerTiming],
         prompt_blocks: f64,
         bs: f64,
     ) -> Vec<f64> {
@@ -353,9 +330,13 @@ impl KvAwarePolicy {
         lines
             .iter_mut()
             .zip(cached)
-            .map(|(line, &cached)| {
-                // Only a sole best holder has a lead (a tie leaves second == first).
-                let lead = if cached >= first && second.is_finite() {
+            .zip(timings)
+            .map(|((line, &cached), timing)| {
+                // Only a sole best holder has a lead (a tie leaves second == first), and
+                // only while its engine's batch has room: behind a full batch the request
+                // waits for a slot whatever it holds.
+                let batch_full = line.in_flight >= timing.limits().max_num_seqs;
+                let lead = if cached >= first && second.is_finite() && !batch_full {
                     cached - second
                 } else {
                     0.0
@@ -371,20 +352,13 @@ impl KvAwarePolicy {
 
     /// Step 3: the cheapest eligible candidate (ties at random) and the rule that
     /// decided.
-    fn choose(
-        &self,
-        costs: &[f64],
-        (eligible, warmup_excluded): (Vec<bool>, bool),
-        cached: &[f64],
-    ) -> (usize, Rule) {
+    fn choose(&self, costs: &[f64], eligible: Vec<bool>, cached: &[f64]) -> (usize, Rule) {
         let among: Vec<usize> = (0..costs.len()).filter(|&i| eligible[i]).collect();
         let among_costs: Vec<f64> = among.iter().map(|&i| costs[i]).collect();
         let i = among[argmin_random_tie(&among_costs, &mut *self.rng.lock())];
         let cheapest = costs.iter().copied().fold(f64::INFINITY, f64::min);
-        let rule = if costs[i] > cheapest && warmup_excluded {
+        let rule = if costs[i] > cheapest {
             Rule::Warmup
-        } else if costs[i] > cheapest {
-            Rule::LoadBound
         } else if cached[i] > 0.0 {
             Rule::Cached
         } else {
@@ -422,7 +396,13 @@ impl RoutingPolicy for KvAwarePolicy {
             let cached_tokens = (cached.blocks[i] * f64::from(bs)).round() as u64;
             u64::from(req.prompt_tokens).saturating_sub(cached_tokens)
         });
-        let costs = self.costs(&mut lines, &cached.blocks, prompt_blocks, f64::from(bs));
+        let costs = self.costs(
+            &mut lines,
+            &cached.blocks,
+            &timings,
+            prompt_blocks,
+            f64::from(bs),
+        );
         let eligible = self.eligible(&lines, &index.entries_of(view.candidates));
         let (i, rule) = self.choose(&costs, eligible, &cached.blocks);
         let indexed_cached_tokens = cached.indexed_device[i] * bs;

@@ -74,7 +74,7 @@ pub(crate) fn work_blocks(s: &WorkerScore, block_size: u32) -> f64 {
 
 /// Whether a worker with `in_flight` requests is too far ahead of the least loaded
 /// candidate's `least`: by more than `abs` requests and by more than `rel` times
-/// (the balance rule of prefix_affinity and kv_aware's load bound).
+/// (prefix_affinity's balance rule).
 pub(crate) fn too_far_ahead(in_flight: u32, least: u32, abs: u32, rel: f64) -> bool {
     in_flight.saturating_sub(least) > abs && f64::from(in_flight) > rel * f64::from(least)
 }

@@ -10,6 +10,7 @@ use crate::hashing::BlockHasher;
 use crate::ids::{Tier, WorkerRef};
 use crate::index::{IndexConfig, PrefixIndex, StoredBlocks};
 use crate::ledger::{BookingGuard, BookingSpec, Ledger};
+use crate::timing::EngineLimits;
 
 const BS: u32 = 16;
 
@@ -725,11 +726,11 @@ fn kv_aware_keeps_a_conversation_on_its_holder_despite_a_queue() {
     assert_ne!(design_only.worker, WorkerId(0));
 }
 
-/// However large its cached lead, a worker too far ahead in requests in flight is not
-/// eligible, and the decision says the load bound decided; with a loose bound the same
-/// request goes to the holder.
+/// A holder's cached lead ends while its engine's batch is full: the request that goes
+/// to the holder while its batch has room goes elsewhere once the holder runs
+/// `max_num_seqs` requests (its decode then outweighs recomputing the prompt).
 #[test]
-fn kv_aware_load_bound_overrides_a_cached_lead() {
+fn kv_aware_a_full_batch_ends_a_holders_lead() {
     let ledger = Ledger::new(BS);
     let mut index = new_index();
     let prompt: Vec<u32> = (0..2048).collect();
@@ -743,7 +744,7 @@ fn kv_aware_load_bound_overrides_a_cached_lead() {
             let b = ledger.book(
                 WorkerId(0),
                 BookingSpec {
-                    prompt_tokens: 160,
+                    prompt_tokens: 1600,
                     expected_output_tokens: Some(16),
                     ..Default::default()
                 },
@@ -760,14 +761,21 @@ fn kv_aware_load_bound_overrides_a_cached_lead() {
         let policy = KvAwarePolicy::new(config, Some(2));
         select(&policy, Some(&keys), 2048, None, &ws, &ledger, Some(&index)).unwrap()
     };
-    let bounded = pick(KvAwareConfig::default());
-    assert_ne!(bounded.worker, WorkerId(0), "{:?}", bounded.scores);
-    assert_eq!(bounded.rule, "load_bound");
-    let loose = pick(KvAwareConfig {
-        balance_abs_threshold: 100,
-        ..Default::default()
-    });
-    assert_eq!((loose.worker, loose.rule), (WorkerId(0), "cached"));
+    let roomy = pick(KvAwareConfig::default());
+    assert_eq!(
+        (roomy.worker, roomy.rule),
+        (WorkerId(0), "cached"),
+        "{:?}",
+        roomy.scores
+    );
+    let batch_of_16 = EngineLimits {
+        max_num_seqs: 16,
+        max_num_batched_tokens: 8192,
+    };
+    ledger.set_engine_limits(WorkerId(0), batch_of_16);
+    let full = pick(KvAwareConfig::default());
+    assert_ne!(full.worker, WorkerId(0), "{:?}", full.scores);
+    assert_eq!(full.rule, "least_work");
     drop(bookings);
 }
 
@@ -957,6 +965,10 @@ fn kv_aware_refuses_a_removed_option_naming_why() {
         err.contains("`cold_homing` was removed: cold homing is gone"),
         "{err}"
     );
+    let err = parse(r#"{"balance_abs_threshold": 16}"#)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("the load bound is gone"), "{err}");
     let err = parse(r#"{"temperature": 0.1}"#).unwrap_err().to_string();
     assert!(err.contains("the softmax never helped"), "{err}");
     let err = parse(r#"{"overlap_weigth": 2}"#).unwrap_err().to_string();
@@ -964,7 +976,7 @@ fn kv_aware_refuses_a_removed_option_naming_why() {
         err.contains("unknown kv_aware field `overlap_weigth`"),
         "{err}"
     );
-    let ok = parse(r#"{"overlap_weight": 2, "locality_weight": 8, "pending_credit_secs": 1, "warmup_fraction": 0, "balance_abs_threshold": 4, "balance_rel_threshold": 2, "host_credit": 1, "disk_credit": 0}"#).unwrap();
+    let ok = parse(r#"{"overlap_weight": 2, "locality_weight": 8, "pending_credit_secs": 1, "warmup_fraction": 0, "host_credit": 1, "disk_credit": 0}"#).unwrap();
     assert_eq!((ok.overlap_weight, ok.locality_weight), (2.0, 8.0));
     assert_eq!(parse("{}").unwrap(), KvAwareConfig::default());
     for (name, _) in crate::policy::kv_aware::REMOVED {

@@ -38,6 +38,8 @@ class SelectionService:
         booking_ttl_s: float = 3600.0,
         fallback: Optional[str] = None,
         seed: Optional[int] = None,
+        max_num_seqs: Optional[int] = None,
+        max_num_batched_tokens: Optional[int] = None,
     ) -> None: ...
     @property
     def block_size(self) -> int: ...

@@ -310,7 +310,9 @@ class KVAwareRequestRouter(RequestRouter):
     ``request_router_kwargs``: ``block_size`` (the engines'), ``policy`` (``kv_aware``;
     ``prefix_affinity``, ``least_loaded`` ... for comparison), ``kv_aware`` (weights,
     e.g. ``{"overlap_weight": 4.0}``), ``hash_salt``, ``kv_topic``, ``booking_ttl_s``,
-    ``index_max_blocks``, ``seed``; ``actor_options``: Ray actor options for the
+    ``index_max_blocks``, ``seed``, ``max_num_seqs`` and ``max_num_batched_tokens`` (the
+    engines' batch limits, vLLM's flags: a cached prefix stops drawing requests to a
+    replica whose batch is full); ``actor_options``: Ray actor options for the
     selection actor (``resources``, ``runtime_env``, ...); ``placement``:
 
     * ``"local"`` (default): the selection service lives in this router's process
@@ -331,7 +333,10 @@ class KVAwareRequestRouter(RequestRouter):
             "block_size": int(kwargs.pop("block_size", 16)),
             "policy": str(kwargs.pop("policy", "kv_aware")),
         }
-        for k in ("kv_aware", "hash_salt", "kv_topic", "booking_ttl_s", "index_max_blocks", "seed"):
+        for k in (
+            "kv_aware", "hash_salt", "kv_topic", "booking_ttl_s", "index_max_blocks", "seed",
+            "max_num_seqs", "max_num_batched_tokens",
+        ):
             if k in kwargs:
                 self._service_kwargs[k] = kwargs.pop(k)
         self._actor_options = dict(kwargs.pop("actor_options", None) or {})

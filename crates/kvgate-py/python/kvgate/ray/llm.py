@@ -72,7 +72,13 @@ DIRECT_STREAMING_ENV = (
     "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY",
 )
 #: Router kwargs passed through to the selection service.
-_SERVICE_KWARGS = ("policy", "kv_aware", "hash_salt", "booking_ttl_s", "index_max_blocks", "seed")
+_SERVICE_KWARGS = (
+    "policy", "kv_aware", "hash_salt", "booking_ttl_s", "index_max_blocks", "seed",
+    "max_num_seqs", "max_num_batched_tokens",
+)
+#: The engines' batch limits, which ``build_openai_app`` copies from each LLMConfig's
+#: ``engine_kwargs`` into kvgate's ``request_router_kwargs``.
+_ENGINE_LIMITS = ("max_num_seqs", "max_num_batched_tokens")
 #: Decision times kept for ``routing_stats`` (the newest).
 _DECISION_SAMPLES = 10_000
 #: How often the routing stats are published while they change.
@@ -398,8 +404,9 @@ class KVAwareRouter(_RayKVAwareRouter):
     Optional ``request_router_kwargs``: ``policy`` (``kv_aware``, or ``prefix_affinity``,
     ``least_loaded`` ... for comparison), ``kv_aware`` (overrides of its knobs),
     ``hash_salt``, ``booking_ttl_s`` (the backstop for a lost completion, default 3600),
-    ``index_max_blocks``, ``seed``. The block size and the KV-event endpoints come from
-    the replicas' ``kv_event_metadata``.
+    ``index_max_blocks``, ``seed``, ``max_num_seqs`` and ``max_num_batched_tokens`` (the
+    engines' batch limits; ``build_openai_app`` copies them from ``engine_kwargs``). The
+    block size and the KV-event endpoints come from the replicas' ``kv_event_metadata``.
     """
 
     def initialize_state(self, **kwargs: Any) -> None:
@@ -500,4 +507,24 @@ def build_openai_app(builder_config: Dict[str, Any]):
             deployment_config["request_router_config"] = {
                 "request_router_class": f"{__name__}:KVAwareRouter"
             }
+        _pass_engine_limits(deployment_config["request_router_config"], config.engine_kwargs)
     return ray_build_openai_app(args)
+
+
+def _pass_engine_limits(router_config: Any, engine_kwargs: Optional[Dict[str, Any]]) -> None:
+    """Tells kvgate's router the engines' batch limits from their ``engine_kwargs``
+    (those its ``request_router_kwargs`` do not set already); other routers untouched."""
+    get = router_config.get if isinstance(router_config, dict) else lambda k, d=None: getattr(router_config, k, d)
+    router_class = get("request_router_class")
+    if not (isinstance(router_class, str) and router_class == f"{__name__}:KVAwareRouter"):
+        return
+    limits = {k: engine_kwargs[k] for k in _ENGINE_LIMITS if (engine_kwargs or {}).get(k)}
+    if not limits:
+        return
+    kwargs = dict(get("request_router_kwargs") or {})
+    for k, v in limits.items():
+        kwargs.setdefault(k, int(v))
+    if isinstance(router_config, dict):
+        router_config["request_router_kwargs"] = kwargs
+    else:
+        router_config.request_router_kwargs = kwargs
