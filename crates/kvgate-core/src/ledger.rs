@@ -261,6 +261,14 @@ impl Inner {
             .or_insert_with(|| WorkerTiming::new(limits))
     }
 
+    /// A copy of `worker`'s time model (a fresh one for a worker never booked).
+    fn timing_of(&self, worker: WorkerId) -> WorkerTiming {
+        self.timing
+            .get(&worker)
+            .copied()
+            .unwrap_or_else(|| WorkerTiming::new(self.default_limits))
+    }
+
     /// Ends a booking's prefill credit (first token, or the booking ended).
     fn end_prefill_credit(&mut self, id: u64, keys: &[BlockKey]) {
         for key in keys {
@@ -431,7 +439,6 @@ impl Ledger {
             bookings,
             loads,
             timing,
-            default_limits,
             ..
         } = &mut *inner;
         let b = bookings.get_mut(&id)?;
@@ -442,10 +449,10 @@ impl Ledger {
         b.first_token_at = Some(now);
         b.in_flight_at_first_token = in_flight;
         let observed_secs = now.saturating_duration_since(b.booked_at).as_secs_f64();
-        timing
-            .entry(worker)
-            .or_insert_with(|| WorkerTiming::new(*default_limits))
-            .observe_ttft(b.ttft_features, observed_secs);
+        // Booking made its worker's model; a worker forgotten since learns nothing.
+        if let Some(t) = timing.get_mut(&worker) {
+            t.observe_ttft(b.ttft_features, observed_secs);
+        }
         let receipt = TtftReceipt {
             predicted_secs: b.predicted_ttft_secs,
             observed_secs,
@@ -544,31 +551,21 @@ impl Ledger {
             .unwrap_or_default()
     }
 
-    /// The engine limits a worker without limits of its own is modelled with.
-    pub fn set_default_engine_limits(&self, limits: EngineLimits) {
-        self.inner.lock().default_limits = limits;
-    }
-
-    /// `worker`'s engine's batch limits (its configuration, or what the engine said);
-    /// what its time model learned stays.
-    pub fn set_engine_limits(&self, worker: WorkerId, limits: EngineLimits) {
-        self.inner.lock().timing(worker).set_limits(limits);
+    /// The engines' batch limits, for every worker's time model (those known now and
+    /// those to come); what each learned stays.
+    pub fn set_engine_limits(&self, limits: EngineLimits) {
+        let mut inner = self.inner.lock();
+        inner.default_limits = limits;
+        for t in inner.timing.values_mut() {
+            t.set_limits(limits);
+        }
     }
 
     /// The time models of `workers`, in order (copies: predict with
     /// [`WorkerTiming::predict`] against the loads of [`Ledger::fleet_loads_of`]).
     pub fn timings_of(&self, workers: &[WorkerId]) -> Vec<WorkerTiming> {
         let inner = self.inner.lock();
-        workers
-            .iter()
-            .map(|w| {
-                inner
-                    .timing
-                    .get(w)
-                    .copied()
-                    .unwrap_or_else(|| WorkerTiming::new(inner.default_limits))
-            })
-            .collect()
+        workers.iter().map(|w| inner.timing_of(*w)).collect()
     }
 
     /// Forgets a removed worker's accuracy record, time model, peer load and unseen
@@ -716,9 +713,9 @@ impl Ledger {
             let tokens = b.output_tokens.max(1);
             let tpot = last.saturating_duration_since(first).as_secs_f64()
                 / f64::from(tokens.saturating_sub(1).max(1));
-            inner
-                .timing(b.worker)
-                .observe_decode(b.in_flight_at_first_token, tokens, tpot);
+            if let Some(t) = inner.timing.get_mut(&b.worker) {
+                t.observe_decode(b.in_flight_at_first_token, tokens, tpot);
+            }
         }
         if let Some(load) = inner.loads.get_mut(&b.worker) {
             load.in_flight = load.in_flight.saturating_sub(1);
@@ -791,11 +788,7 @@ impl Ledger {
         let inner = self.inner.lock();
         workers
             .iter()
-            .map(|w| {
-                let timing = inner.timing.get(w).copied();
-                let timing = timing.unwrap_or_else(|| WorkerTiming::new(inner.default_limits));
-                (inner.fleet_load(*w), timing)
-            })
+            .map(|w| (inner.fleet_load(*w), inner.timing_of(*w)))
             .collect()
     }
 

@@ -336,7 +336,7 @@ fn log_decision(
         return;
     }
     let device = |s: &WorkerScore| s.overlap_blocks[0];
-    let Some(chosen) = decision.scores.iter().find(|s| s.worker == decision.worker) else {
+    let Some(chosen) = decision.chosen() else {
         return;
     };
     let best = decision

@@ -239,7 +239,7 @@ impl SelectionService {
             ))
         });
         let ledger = Ledger::new(config.block_size);
-        ledger.set_default_engine_limits(config.engine_limits);
+        ledger.set_engine_limits(config.engine_limits);
         Ok(SelectionService {
             ledger,
             hasher,

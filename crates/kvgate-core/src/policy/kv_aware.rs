@@ -81,7 +81,7 @@ use parking_lot::Mutex;
 use rand::rngs::SmallRng;
 use serde::{Deserialize, Serialize};
 
-use super::scoring::{argmin_random_tie, load_lines, predict, rng};
+use super::scoring::{argmin_random_tie, lines_and_timings, predict, rng};
 use super::{
     Decision, FleetView, PolicyKind, RouteRequest, RoutingPolicy, SelectError, WorkerScore,
 };
@@ -383,7 +383,7 @@ impl RoutingPolicy for KvAwarePolicy {
         if view.candidates.is_empty() {
             return Err(SelectError::NoCandidates);
         }
-        let (mut lines, timings) = load_lines(view, req.prompt_tokens);
+        let (mut lines, timings) = lines_and_timings(view);
         let ttl = Duration::try_from_secs_f64(self.config.pending_credit_secs.max(0.0))
             .unwrap_or(Duration::ZERO);
         let credits = view

@@ -59,7 +59,7 @@ impl RoutingPolicy for LeastLoadedPolicy {
         if view.candidates.is_empty() {
             return Err(SelectError::NoCandidates);
         }
-        let (lines, _) = load_lines(view, req.prompt_tokens);
+        let lines = load_lines(view, req.prompt_tokens);
         let block_size = view.ledger.block_size();
         let i = self.pick(&lines, block_size);
         Ok(Decision {

@@ -124,7 +124,7 @@ impl RoutingPolicy for PrefixAffinityPolicy {
         if view.candidates.is_empty() {
             return Err(SelectError::NoCandidates);
         }
-        let (mut lines, _) = load_lines(view, req.prompt_tokens);
+        let mut lines = load_lines(view, req.prompt_tokens);
         let Some(keys) = req.block_keys else {
             let i = self.least_in_flight(&lines, None);
             return Ok(Decision {

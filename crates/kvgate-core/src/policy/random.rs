@@ -40,7 +40,7 @@ impl RoutingPolicy for RandomPolicy {
             credited_tokens: 0,
             rule: "random",
             reason: "uniform random",
-            scores: load_lines(view, req.prompt_tokens).0,
+            scores: load_lines(view, req.prompt_tokens),
         })
     }
 }

@@ -38,7 +38,7 @@ impl RoutingPolicy for RoundRobinPolicy {
             credited_tokens: 0,
             rule: "rotation",
             reason: "next in rotation",
-            scores: load_lines(view, req.prompt_tokens).0,
+            scores: load_lines(view, req.prompt_tokens),
         })
     }
 }

@@ -18,26 +18,23 @@ pub(crate) fn rng(seed: Option<u64>) -> Mutex<SmallRng> {
 }
 
 /// One explanation line per candidate with its load across the fleet (this router's
-/// bookings, its peers' and the engine's unseen load), no overlap or cost, and the
-/// request's predicted TTFT and TPOT there as if nothing of its `prompt_tokens` were
-/// cached; and each candidate's time model, to predict again with what is cached.
-pub(crate) fn load_lines(
-    view: &FleetView<'_>,
-    prompt_tokens: u32,
-) -> (Vec<WorkerScore>, Vec<WorkerTiming>) {
-    let (loads, timings): (Vec<_>, Vec<_>) = view
-        .ledger
+/// bookings, its peers' and the engine's unseen load) and no overlap, cost or
+/// prediction; and each candidate's time model, to predict with what is cached there.
+pub(crate) fn lines_and_timings(view: &FleetView<'_>) -> (Vec<WorkerScore>, Vec<WorkerTiming>) {
+    view.ledger
         .fleet_loads_and_timings_of(view.candidates)
         .into_iter()
-        .unzip();
-    let mut lines: Vec<WorkerScore> = view
-        .candidates
-        .iter()
-        .zip(loads)
-        .map(|(w, l)| line(*w, l))
-        .collect();
+        .zip(view.candidates)
+        .map(|((l, timing), w)| (line(*w, l), timing))
+        .unzip()
+}
+
+/// [`lines_and_timings`]' lines with the request's predicted TTFT and TPOT as if
+/// nothing of its `prompt_tokens` were cached: for the policies that read no cache.
+pub(crate) fn load_lines(view: &FleetView<'_>, prompt_tokens: u32) -> Vec<WorkerScore> {
+    let (mut lines, timings) = lines_and_timings(view);
     predict(&mut lines, &timings, |_| u64::from(prompt_tokens));
-    (lines, timings)
+    lines
 }
 
 /// Fills each line's predicted TTFT and TPOT for a request with `uncached(i)` prompt

@@ -122,7 +122,7 @@ impl RoutingPolicy for SessionPolicy {
         if view.candidates.is_empty() {
             return Err(SelectError::NoCandidates);
         }
-        let (lines, _) = load_lines(view, req.prompt_tokens);
+        let lines = load_lines(view, req.prompt_tokens);
         let chosen = match req.session_key {
             Some(key) => {
                 self.ensure_known(view.candidates);

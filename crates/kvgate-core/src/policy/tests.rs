@@ -772,7 +772,7 @@ fn kv_aware_a_full_batch_ends_a_holders_lead() {
         max_num_seqs: 16,
         max_num_batched_tokens: 8192,
     };
-    ledger.set_engine_limits(WorkerId(0), batch_of_16);
+    ledger.set_engine_limits(batch_of_16);
     let full = pick(KvAwareConfig::default());
     assert_ne!(full.worker, WorkerId(0), "{:?}", full.scores);
     assert_eq!(full.rule, "least_work");
