@@ -898,17 +898,29 @@ async fn replicas_choose_at_one_leader_and_carry_on_without_it() {
     )
     .await;
     a.signal(libc::SIGSTOP).unwrap();
-    let start = Instant::now();
-    let alone = hold_request(&url(1)).await;
-    assert!(
-        start.elapsed() < Duration::from_secs(2),
-        "{:?}",
-        start.elapsed()
-    );
-    let fallbacks = count(1, "fallback").await;
+    // Each request is answered within the timeout. One that finds a worker passed over
+    // again (a busy machine) is chosen here without asking; the next asks, and falls
+    // back (once: the hung leader is then passed over for a while).
+    let mut alone = Vec::new();
+    let fallbacks = loop {
+        let start = Instant::now();
+        alone.push(hold_request(&url(1)).await);
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            start.elapsed()
+        );
+        let fallbacks = count(1, "fallback").await;
+        if fallbacks != 0.0 || alone.len() == 5 {
+            break fallbacks;
+        }
+    };
     if fallbacks != 1.0 {
         let e = explain(&url(1)).await;
-        panic!("b fell back {fallbacks} times (expected 1); b now explains: {e}");
+        panic!(
+            "b fell back {fallbacks} times in {} requests (expected 1); b now explains: {e}",
+            alone.len()
+        );
     }
     drop(alone);
 
