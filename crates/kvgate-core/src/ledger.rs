@@ -561,6 +561,17 @@ impl Ledger {
         }
     }
 
+    /// The KV-cache blocks `worker`'s engine holds (its metrics said so; `None`:
+    /// unknown), for its time model; the other limits stay.
+    pub fn set_kv_capacity(&self, worker: WorkerId, num_gpu_blocks: Option<u32>) {
+        let mut inner = self.inner.lock();
+        let t = inner.timing(worker);
+        t.set_limits(EngineLimits {
+            num_gpu_blocks,
+            ..t.limits()
+        });
+    }
+
     /// The time models of `workers`, in order (copies: predict with
     /// [`WorkerTiming::predict`] against the loads of [`Ledger::fleet_loads_of`]).
     pub fn timings_of(&self, workers: &[WorkerId]) -> Vec<WorkerTiming> {
@@ -698,10 +709,10 @@ impl Ledger {
     /// Only the guard and the sweep free bookings.
     fn free(&self, id: u64) -> bool {
         let mut inner = self.inner.lock();
-        Self::free_locked(&mut inner, id)
+        Self::free_locked(&mut inner, id, self.block_size)
     }
 
-    fn free_locked(inner: &mut Inner, id: u64) -> bool {
+    fn free_locked(inner: &mut Inner, id: u64, block_size: u32) -> bool {
         let Some(b) = inner.bookings.remove(&id) else {
             return false;
         };
@@ -713,8 +724,13 @@ impl Ledger {
             let tokens = b.output_tokens.max(1);
             let tpot = last.saturating_duration_since(first).as_secs_f64()
                 / f64::from(tokens.saturating_sub(1).max(1));
+            // The KV it held at its end: the prompt beyond what was cached (shared with
+            // whoever cached it) and its output.
+            let own_tokens =
+                u64::from(b.spec.prompt_tokens - b.spec.cached_tokens) + u64::from(b.output_tokens);
+            let kv_blocks = own_tokens.div_ceil(u64::from(block_size)) as f64;
             if let Some(t) = inner.timing.get_mut(&b.worker) {
-                t.observe_decode(b.in_flight_at_first_token, tokens, tpot);
+                t.observe_decode(b.in_flight_at_first_token, tokens, tpot, kv_blocks);
             }
         }
         if let Some(load) = inner.loads.get_mut(&b.worker) {
@@ -746,7 +762,7 @@ impl Ledger {
             .map(|(id, _)| *id)
             .collect();
         for id in &expired {
-            Self::free_locked(&mut inner, *id);
+            Self::free_locked(&mut inner, *id, self.block_size);
         }
         inner.stats.swept += expired.len() as u64;
         expired.len()
@@ -925,6 +941,34 @@ mod tests {
         let a = first.prefill_done(t0 + ms(50)).unwrap();
         let b = second.prefill_done(t0 + ms(90)).unwrap();
         assert!(b.predicted_secs > a.predicted_secs, "{a:?} {b:?}");
+    }
+
+    /// An ended request teaches its worker the KV it held (its uncached prompt and its
+    /// output, in blocks); with the engine's cache size told, the batch that fits is
+    /// what the time model waits on.
+    #[test]
+    fn ended_requests_teach_the_kv_they_held() {
+        let ledger = Ledger::new(16);
+        let w = WorkerId(3);
+        ledger.set_kv_capacity(w, Some(320));
+        let t0 = Instant::now();
+        for i in 0..40u64 {
+            let at = t0 + Duration::from_secs(i);
+            // 512 prompt tokens, 192 of them cached, 32 output: 352 tokens, 22 blocks.
+            let g = ledger.book(w, spec(512, 192, Some(32)), &[], at);
+            g.prefill_done(at + Duration::from_millis(40));
+            g.progress(32, at + Duration::from_millis(400));
+        }
+        let rates = ledger.timings_of(&[w])[0].rates();
+        assert!((rates.mean_kv_blocks - 22.0).abs() < 1e-6, "{rates:?}");
+        assert!(
+            (rates.effective_max_seqs - 320.0 / 22.0).abs() < 1e-6,
+            "{rates:?}"
+        );
+        assert_eq!(
+            ledger.timings_of(&[w])[0].limits().num_gpu_blocks,
+            Some(320)
+        );
     }
 
     #[test]

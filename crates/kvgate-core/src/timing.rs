@@ -8,11 +8,13 @@
 //! # The model
 //!
 //! For a request with `u` uncached prompt tokens on a worker that carries `n` requests
-//! in flight with `q` prompt tokens still to prefill and k thousand KV blocks, under the engine's limits
-//! S = `max_num_seqs` and B = `max_num_batched_tokens`, and with L the worker's mean
-//! output length:
+//! in flight with `q` prompt tokens still to prefill and k thousand KV blocks, under the
+//! engine's limits `max_num_seqs`, B = `max_num_batched_tokens` and G =
+//! `num_gpu_blocks` (when known), with L the worker's mean output length and b the KV
+//! blocks a request there holds (learned: its uncached prompt and its output):
 //!
 //! ```text
+//! S             = min(max_num_seqs, G / b)  (the sequences that fit, in slots and KV)
 //! slot_steps    = (n + 1 − S) · L / S     when n ≥ S, else 0
 //!                 (decode steps until a batch slot frees: S slots, each held L steps)
 //! prefill_steps = max(1, ⌈(q + u) / B⌉)  (the prefill queued ahead, then this prompt's)
@@ -25,8 +27,8 @@
 //! decode of the batch beside it and the request's own overheads), `per_token` (prefill
 //! seconds per uncached token) and `slot` (seconds per decode step while waiting for a
 //! slot) from each first token's observed TTFT; `decode_base` and `decode_per_seq` from
-//! each finished request's mean inter-token time and the batch it ran in; L from output
-//! lengths. Each fit is a ridge regression toward a prior on sums that decay per sample
+//! each finished request's mean inter-token time and the batch it ran in; L and b from
+//! finished requests (until one has finished, KV is not a limit). Each fit is a ridge regression toward a prior on sums that decay per sample
 //! ([`WINDOW`]): a new worker predicts the prior, about [`PRIOR_SAMPLES`] samples
 //! outweigh it, and the last few dozen samples dominate, so a worker that slows down is
 //! seen as slower within a window. Once a worker has [`WARM_SAMPLES`] samples, an
@@ -57,6 +59,9 @@ pub struct EngineLimits {
     pub max_num_seqs: u32,
     /// Tokens an engine step computes at most (`--max-num-batched-tokens`).
     pub max_num_batched_tokens: u32,
+    /// KV-cache blocks the engine holds (vLLM's `num_gpu_blocks`, in its
+    /// `vllm:cache_config_info` metric); `None`: unknown, KV is not a limit.
+    pub num_gpu_blocks: Option<u32>,
 }
 
 impl Default for EngineLimits {
@@ -67,6 +72,7 @@ impl Default for EngineLimits {
         Self {
             max_num_seqs: 1024,
             max_num_batched_tokens: 8192,
+            num_gpu_blocks: None,
         }
     }
 }
@@ -113,6 +119,11 @@ pub struct Rates {
     pub decode_per_seq_secs: f64,
     /// Mean output tokens of a request.
     pub mean_output_tokens: f64,
+    /// Mean KV blocks a request holds at its end (its uncached prompt and output).
+    pub mean_kv_blocks: f64,
+    /// Sequences that fit at once: `max_num_seqs`, or fewer where the KV cache is
+    /// smaller than that many requests need.
+    pub effective_max_seqs: f64,
     /// TTFT observations learned from (not decayed).
     pub ttft_samples: u64,
     /// TPOT observations learned from (not decayed).
@@ -248,6 +259,8 @@ pub struct WorkerTiming {
     output_sum: f64,
     output_weight: f64,
     output_samples: u64,
+    /// KV blocks a finished request held, decayed sum (weighed as the output lengths).
+    kv_blocks_sum: f64,
 }
 
 impl WorkerTiming {
@@ -260,6 +273,7 @@ impl WorkerTiming {
             output_sum: 0.0,
             output_weight: 0.0,
             output_samples: 0,
+            kv_blocks_sum: 0.0,
         };
         t.ttft.coef = t.ttft_prior();
         t
@@ -274,8 +288,18 @@ impl WorkerTiming {
         self.limits = limits;
     }
 
+    /// The sequences that fit in a batch at once: `max_num_seqs`, or fewer when the
+    /// engine's KV cache holds fewer of this worker's typical requests (known once one
+    /// has finished there).
     fn max_seqs(&self) -> f64 {
-        f64::from(self.limits.max_num_seqs.max(1))
+        let seqs = f64::from(self.limits.max_num_seqs.max(1));
+        match self.limits.num_gpu_blocks {
+            Some(blocks) if self.output_weight > 0.0 && self.kv_blocks_sum > 0.0 => {
+                let per_request = self.kv_blocks_sum / self.output_weight;
+                seqs.min((f64::from(blocks) / per_request).max(1.0))
+            }
+            _ => seqs,
+        }
     }
 
     /// TTFT's prior: the step and per-token priors, and a slot step as long as a
@@ -338,9 +362,18 @@ impl WorkerTiming {
 
     /// A request produced `output_tokens` at `tpot_secs` each (its mean inter-token
     /// time), its worker carrying `in_flight` requests (itself included) when its
-    /// first token came.
-    pub fn observe_decode(&mut self, in_flight: u32, output_tokens: u32, tpot_secs: f64) {
+    /// first token came; it held `kv_blocks` KV blocks at its end.
+    pub fn observe_decode(
+        &mut self,
+        in_flight: u32,
+        output_tokens: u32,
+        tpot_secs: f64,
+        kv_blocks: f64,
+    ) {
         let keep = 1.0 - 1.0 / WINDOW;
+        if kv_blocks.is_finite() {
+            self.kv_blocks_sum = self.kv_blocks_sum * keep + kv_blocks.max(0.0);
+        }
         self.output_sum = self.output_sum * keep + f64::from(output_tokens);
         self.output_weight = self.output_weight * keep + 1.0;
         self.output_samples += 1;
@@ -366,6 +399,12 @@ impl WorkerTiming {
             decode_base_secs: base,
             decode_per_seq_secs: per_seq,
             mean_output_tokens: self.mean_output_tokens(),
+            mean_kv_blocks: if self.output_weight > 0.0 {
+                self.kv_blocks_sum / self.output_weight
+            } else {
+                0.0
+            },
+            effective_max_seqs: self.max_seqs(),
             ttft_samples: self.ttft.samples,
             tpot_samples: self.tpot.samples,
         }
@@ -407,6 +446,7 @@ mod tests {
         let t = WorkerTiming::new(EngineLimits {
             max_num_seqs: 4,
             max_num_batched_tokens: 1024,
+            num_gpu_blocks: None,
         });
         let idle = t.predict(&load(0, 0), 512).ttft_secs;
         let queued = t.predict(&load(2, 2048), 512).ttft_secs;
@@ -426,6 +466,7 @@ mod tests {
         let mut t = WorkerTiming::new(EngineLimits {
             max_num_seqs: 8,
             max_num_batched_tokens: 2048,
+            num_gpu_blocks: None,
         });
         let truth = |f: TtftFeatures| 0.05 * f.prefill_steps() + 8e-5 * f.prefill_tokens();
         for i in 0..200u64 {
@@ -465,6 +506,37 @@ mod tests {
         assert!((slow - 0.3).abs() / 0.3 < 0.1, "{slow}");
     }
 
+    /// An engine whose KV cache holds fewer requests than its batch limit: once a
+    /// finished request shows what one holds, a request beyond what fits waits for a
+    /// slot as behind a full batch; with the cache's size unknown, nothing changes.
+    #[test]
+    fn a_small_kv_cache_makes_the_batch_smaller() {
+        let limits = EngineLimits {
+            num_gpu_blocks: Some(1000),
+            ..EngineLimits::default()
+        };
+        let (mut small, mut unknown) = (
+            WorkerTiming::new(limits),
+            WorkerTiming::new(EngineLimits::default()),
+        );
+        let idle = small.predict(&load(0, 0), 100).ttft_secs;
+        assert_eq!(
+            small.predict(&load(20, 0), 100).ttft_secs,
+            idle,
+            "nothing known yet"
+        );
+        for t in [&mut small, &mut unknown] {
+            t.observe_decode(1, 64, 0.01, 100.0); // a request held 100 blocks
+        }
+        assert!((small.rates().effective_max_seqs - 10.0).abs() < 1e-9);
+        assert_eq!(unknown.rates().effective_max_seqs, 1024.0);
+        let idle = small.predict(&load(0, 0), 100).ttft_secs;
+        assert_eq!(small.predict(&load(9, 0), 100).ttft_secs, idle, "ten fit");
+        assert!(small.predict(&load(20, 0), 100).ttft_secs > idle);
+        let unknown_idle = unknown.predict(&load(0, 0), 100).ttft_secs;
+        assert_eq!(unknown.predict(&load(20, 0), 100).ttft_secs, unknown_idle);
+    }
+
     /// Decode: the time per output token grows with the batch as observed, and the
     /// mean output length (which prices the wait for a slot) is learned.
     #[test]
@@ -472,10 +544,11 @@ mod tests {
         let mut t = WorkerTiming::new(EngineLimits {
             max_num_seqs: 32,
             max_num_batched_tokens: 2048,
+            num_gpu_blocks: None,
         });
         for i in 0..300u32 {
             let batch = 1 + i % 32;
-            t.observe_decode(batch, 64, 0.01 + 0.001 * f64::from(batch));
+            t.observe_decode(batch, 64, 0.01 + 0.001 * f64::from(batch), 0.0);
         }
         let r = t.rates();
         assert!((r.decode_base_secs - 0.01).abs() < 0.002, "{r:?}");

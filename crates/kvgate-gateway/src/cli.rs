@@ -145,6 +145,11 @@ pub struct ServeArgs {
     /// Default: vLLM's on an H100; 2048 on smaller GPUs and CPUs.
     #[arg(long, value_name = "N", default_value_t = ModelConfig::default().max_num_batched_tokens, help_heading = MODEL)]
     pub max_num_batched_tokens: u32,
+    /// The engines' KV-cache size in blocks (vLLM's num_gpu_blocks): requests beyond
+    /// what fits wait as behind a full batch. Default: what each vLLM engine's
+    /// /metrics says (vllm:cache_config_info), else no limit.
+    #[arg(long, value_name = "BLOCKS", help_heading = MODEL)]
+    pub num_gpu_blocks: Option<u32>,
     /// Time-to-first-token objective of a request whose headers (x-slo-ttft-ms,
     /// x-llm-d-slo-ttft-ms) name none: requests go where it is predicted to be met, and
     /// sheddable ones (x-priority below 0) get 429 when nowhere is.
@@ -359,6 +364,7 @@ impl ServeArgs {
             block_size: self.block_size,
             max_num_seqs: self.max_num_seqs,
             max_num_batched_tokens: self.max_num_batched_tokens,
+            num_gpu_blocks: self.num_gpu_blocks,
             slo_ttft_ms: self.slo_ttft_ms,
             slo_tpot_ms: self.slo_tpot_ms,
             kv_fallback: self.kv_fallback,

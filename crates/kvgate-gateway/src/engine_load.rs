@@ -8,8 +8,11 @@
 //! data-parallel engines), and handing them to the pool's ledger
 //! ([`kvgate_core::Ledger::engine_reported`]), which counts what the fleet did not book
 //! as the worker's unseen load. A worker whose metrics cannot be read or carry neither
-//! gauge has no unseen load until they can. It must not judge health (a failed read is
-//! not a failed health check) or touch bookings.
+//! gauge has no unseen load until they can. From the same page, vLLM's KV-cache size
+//! (`vllm:cache_config_info`'s `num_gpu_blocks` label) goes to the worker's time model
+//! ([`kvgate_core::Ledger::set_kv_capacity`]) unless the model's configuration names
+//! one. It must not judge health (a failed read is not a failed health check) or
+//! touch bookings.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,6 +29,8 @@ use crate::registry::{Endpoint, ModelState, Worker};
 const RUNNING: [&str; 2] = ["vllm:num_requests_running", "sglang:num_running_reqs"];
 /// The gauges of requests waiting to be scheduled, by engine family.
 const WAITING: [&str; 2] = ["vllm:num_requests_waiting", "sglang:num_queue_reqs"];
+/// vLLM's info gauge whose labels are its cache configuration.
+const CACHE_CONFIG_INFO: &str = "vllm:cache_config_info";
 /// A metrics page larger than this is not read (vLLM's is about 100 KiB).
 const MAX_METRICS_BYTES: usize = 4 << 20;
 
@@ -73,7 +78,37 @@ pub fn parse_engine_queue(text: &str) -> Option<EngineQueue> {
     })
 }
 
-/// Reads one worker's queue and hands it to its pool's ledger.
+/// The KV-cache blocks of the engines behind one server, from vLLM's
+/// `vllm:cache_config_info{..., num_gpu_blocks="N", ...}` (summed over its engines);
+/// `None` without it (SGLang, an engine still starting: `num_gpu_blocks="None"`).
+pub fn parse_kv_capacity(text: &str) -> Option<u32> {
+    let mut total: Option<u64> = None;
+    for line in text.lines() {
+        let Some(labels) = line.trim_start().strip_prefix(CACHE_CONFIG_INFO) else {
+            continue;
+        };
+        // The label itself, not num_gpu_blocks_override beside it.
+        let Some(at) = [",num_gpu_blocks=\"", "{num_gpu_blocks=\""]
+            .iter()
+            .find_map(|key| labels.find(key).map(|i| i + key.len()))
+        else {
+            continue;
+        };
+        let value = &labels[at..];
+        let blocks = value
+            .split('"')
+            .next()
+            .and_then(|v| v.parse::<u64>().ok())
+            .filter(|&v| v > 0);
+        if let Some(b) = blocks {
+            total = Some(total.unwrap_or(0) + b);
+        }
+    }
+    total.map(|t| t.min(u64::from(u32::MAX)) as u32)
+}
+
+/// Reads one worker's queue (and, unless configured, its KV-cache size) and hands them
+/// to its pool's ledger.
 async fn read_queue(gw: &Gateway, model: &ModelState, worker: &Worker, timeout: Duration) {
     let read = get_body(
         &gw.client,
@@ -83,12 +118,16 @@ async fn read_queue(gw: &Gateway, model: &ModelState, worker: &Worker, timeout: 
         MAX_METRICS_BYTES,
     )
     .await;
-    let queue = match &read {
-        Ok((status, Ok(body))) if status.is_success() => {
-            parse_engine_queue(&String::from_utf8_lossy(body))
-        }
+    let text = match &read {
+        Ok((status, Ok(body))) if status.is_success() => Some(String::from_utf8_lossy(body)),
         _ => None,
     };
+    if model.config.num_gpu_blocks.is_none() {
+        if let Some(blocks) = text.as_deref().and_then(parse_kv_capacity) {
+            model.ledger().set_kv_capacity(worker.id, Some(blocks));
+        }
+    }
+    let queue = text.as_deref().and_then(parse_engine_queue);
     match queue {
         Some(queue) => {
             model.ledger().engine_reported(worker.id, queue);
@@ -167,10 +206,28 @@ vllm:kv_cache_usage_perc{engine=\"0\"} 0.5\n";
         );
         assert_eq!(parse_engine_queue("process_cpu_seconds_total 1.0\n"), None);
         assert_eq!(parse_engine_queue(""), None);
+        assert_eq!(parse_kv_capacity(vllm), None, "no cache_config_info");
         // Garbage values are skipped, not trusted.
         assert_eq!(
             parse_engine_queue("vllm:num_requests_running{} NaN\nvllm:num_requests_running{} -3\n"),
             None
         );
+    }
+
+    /// vLLM's cache configuration as its metrics give it (labels from its CacheConfig,
+    /// one series per engine): the blocks summed, `num_gpu_blocks_override` beside it
+    /// not mistaken for it, an engine still starting (`"None"`) skipped.
+    #[test]
+    fn reads_vllm_kv_cache_size_from_cache_config_info() {
+        let one = "# TYPE vllm:cache_config_info gauge\n\
+vllm:cache_config_info{block_size=\"32\",cache_dtype=\"auto\",enable_prefix_caching=\"True\",engine=\"0\",num_cpu_blocks=\"None\",num_gpu_blocks=\"256\",num_gpu_blocks_override=\"999\"} 1.0\n";
+        assert_eq!(parse_kv_capacity(one), Some(256));
+        let two = format!(
+            "{one}vllm:cache_config_info{{engine=\"1\",num_gpu_blocks_override=\"None\",num_gpu_blocks=\"100\"}} 1.0\n"
+        );
+        assert_eq!(parse_kv_capacity(&two), Some(356));
+        let starting = "vllm:cache_config_info{engine=\"0\",num_gpu_blocks=\"None\"} 1.0\n";
+        assert_eq!(parse_kv_capacity(starting), None);
+        assert_eq!(parse_kv_capacity("sglang:num_running_reqs 1\n"), None);
     }
 }

@@ -116,3 +116,69 @@ async fn requests_sent_to_an_engine_directly_count_as_its_load() {
     let served = route_some(&c, &gw.url(), 8).await;
     assert!(served.iter().any(|w| *w == urls[0]), "{served:?}");
 }
+
+/// The time model's explanation of one worker (its score line in explain).
+async fn limits_of(c: &reqwest::Client, gateway: &str, worker: &str) -> serde_json::Value {
+    let body = json!({"model": "m", "prompt": "why", "max_tokens": 1});
+    let explained = explain(c, gateway, &body).await;
+    explained["scores"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["worker"] == worker)
+        .unwrap_or_else(|| panic!("{worker} in {explained}"))["engine_limits"]
+        .clone()
+}
+
+/// Each engine's KV-cache size, as vLLM's metrics say it (`vllm:cache_config_info`'s
+/// `num_gpu_blocks`), reaches that worker's time model; a size the model's
+/// configuration names wins over what the engines say.
+#[tokio::test]
+async fn each_engines_kv_cache_size_comes_from_its_metrics() {
+    let mut engines = Vec::new();
+    for num_blocks in [300, 700] {
+        let mut cfg = EngineConfig::default();
+        cfg.sim.num_blocks = num_blocks;
+        engines.push(spawn(cfg).await.unwrap());
+    }
+    let urls: Vec<String> = engines.iter().map(|e| e.base_url()).collect();
+    let start_gateway = |configured: Option<u32>| {
+        let mut cfg = config(&[], PolicyKind::LeastLoaded);
+        cfg.models[0].engine_metrics_interval_ms = 50;
+        cfg.models[0].num_gpu_blocks = configured;
+        cfg.models[0].workers = urls.iter().map(WorkerConfig::new).collect();
+        start(cfg)
+    };
+    let (read, told) = (
+        start_gateway(None).await.unwrap(),
+        start_gateway(Some(5000)).await.unwrap(),
+    );
+    let c = client();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    for (url, blocks) in urls.iter().zip([300, 700]) {
+        loop {
+            let limits = limits_of(&c, &read.url(), url).await;
+            if limits["num_gpu_blocks"] == blocks {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "{url}: {limits}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(
+            limits_of(&c, &told.url(), url).await["num_gpu_blocks"],
+            5000
+        );
+    }
+    // Over ten of its read intervals, the configured gateway keeps its own size (a
+    // gateway that took the engines' would show 300 or 700 within one).
+    let until = tokio::time::Instant::now() + Duration::from_millis(500);
+    while tokio::time::Instant::now() < until {
+        for url in &urls {
+            assert_eq!(
+                limits_of(&c, &told.url(), url).await["num_gpu_blocks"],
+                5000
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

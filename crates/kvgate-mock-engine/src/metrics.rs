@@ -38,6 +38,17 @@ pub fn render(model: &str, s: &SimSnapshot) -> String {
         "KV-cache usage. 1 means 100 percent usage.",
         s.kv_usage,
     );
+    // vLLM's info gauge: its cache configuration as labels (routers read num_gpu_blocks).
+    let _ = writeln!(
+        out,
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig"
+    );
+    let _ = writeln!(out, "# TYPE vllm:cache_config_info gauge");
+    let _ = writeln!(
+        out,
+        "vllm:cache_config_info{{block_size=\"{}\",enable_prefix_caching=\"True\",engine=\"0\",num_gpu_blocks=\"{}\"}} 1.0",
+        s.block_size, s.num_blocks
+    );
     let c = &s.counters;
     let mut counter = |name: &str, help: &str, v: u64| {
         let _ = writeln!(out, "# HELP {name}_total {help}");
@@ -108,6 +119,8 @@ mod tests {
             running: 2,
             waiting: 1,
             kv_usage: 0.25,
+            num_blocks: 512,
+            block_size: 16,
             ..Default::default()
         };
         let text = render("my\"model", &s);
@@ -115,6 +128,9 @@ mod tests {
             text.contains("vllm:num_requests_running{engine=\"0\",model_name=\"my\\\"model\"} 2.0")
         );
         assert!(text.contains("vllm:kv_cache_usage_perc{"));
+        assert!(text.contains(
+            "vllm:cache_config_info{block_size=\"16\",enable_prefix_caching=\"True\",engine=\"0\",num_gpu_blocks=\"512\"} 1.0"
+        ));
         assert!(text.contains("vllm:prefix_cache_hits_total{"));
         assert!(text.contains("vllm:request_success_total{engine=\"0\",finished_reason=\"length\""));
         assert!(text.contains("# TYPE vllm:prefix_cache_queries_total counter"));

@@ -194,6 +194,9 @@ pub struct SimSnapshot {
     pub running: usize,
     pub waiting: usize,
     pub kv_usage: f64,
+    /// The KV cache's size and block size (vLLM's `cache_config_info`).
+    pub num_blocks: u32,
+    pub block_size: u32,
     pub cached_blocks: usize,
     pub clock_ms: f64,
     pub counters: SimCounters,
@@ -279,6 +282,8 @@ impl Simulator {
             running: self.running.len(),
             waiting: self.waiting.len(),
             kv_usage: self.cache.usage(),
+            num_blocks: self.cfg.num_blocks,
+            block_size: self.cfg.block_size,
             cached_blocks: self.cache.num_cached(),
             clock_ms: self.clock_ms,
             counters: self.counters,

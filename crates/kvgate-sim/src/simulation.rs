@@ -262,14 +262,16 @@ pub fn simulate(model: &ModelConfig, fleet: &FleetConfig, load: &Load) -> anyhow
         .engine
         .validate()
         .context("invalid engine configuration")?;
-    // The router is told the engines' batch limits, as a user passes the engines' own
-    // `--max-num-seqs` and `--max-num-batched-tokens` to `kvgate serve`; a row that sets
-    // either flag keeps what it says (what a router told wrong does).
+    // The router is told the engines' limits, as a user passes the engines' own
+    // `--max-num-seqs` and `--max-num-batched-tokens` to `kvgate serve` and as vLLM's
+    // metrics say its KV cache's size; a row that sets any keeps what it says (what a
+    // router told wrong does).
     let mut selection = model.selection_config(Duration::from_secs(3600));
     if selection.engine_limits == EngineLimits::default() {
         selection.engine_limits = EngineLimits {
             max_num_seqs: fleet.engine.max_num_seqs,
             max_num_batched_tokens: fleet.engine.max_batched_tokens,
+            num_gpu_blocks: Some(fleet.engine.num_blocks),
         };
     }
     let service = SelectionService::new(

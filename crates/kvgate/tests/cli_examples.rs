@@ -179,6 +179,7 @@ const SERVE_FLAGS_WITHOUT_DEFAULT: &[&str] = &[
     "--max-model-len",
     "--slo-ttft-ms",
     "--slo-tpot-ms",
+    "--num-gpu-blocks",
     "--kv-events",
     "--kv-events-replay",
     "--kv-fallback",

@@ -771,6 +771,7 @@ fn kv_aware_a_full_batch_ends_a_holders_lead() {
     let batch_of_16 = EngineLimits {
         max_num_seqs: 16,
         max_num_batched_tokens: 8192,
+        num_gpu_blocks: None,
     };
     ledger.set_engine_limits(batch_of_16);
     let full = pick(KvAwareConfig::default());

@@ -54,6 +54,10 @@ pub struct ModelConfig {
     /// The engines' `--max-num-batched-tokens`: tokens one engine step computes at most
     /// (the time model's prefill step budget).
     pub max_num_batched_tokens: u32,
+    /// The engines' KV-cache size in blocks (vLLM's `num_gpu_blocks`): the requests that
+    /// fit at once, beyond which they wait as behind a full batch. `None`: what each
+    /// vLLM engine's metrics say (`vllm:cache_config_info`), else no limit.
+    pub num_gpu_blocks: Option<u32>,
     /// Extra salt folded into block keys (must match on every router replica).
     pub hash_salt: Option<String>,
     /// Model names that are LoRA adapters served by these workers; requests naming
@@ -177,6 +181,7 @@ impl ModelConfig {
             engine_limits: EngineLimits {
                 max_num_seqs: self.max_num_seqs,
                 max_num_batched_tokens: self.max_num_batched_tokens,
+                num_gpu_blocks: self.num_gpu_blocks,
             },
         }
     }
@@ -202,6 +207,7 @@ impl Default for ModelConfig {
             slo_tpot_ms: None,
             max_num_seqs: EngineLimits::default().max_num_seqs,
             max_num_batched_tokens: EngineLimits::default().max_num_batched_tokens,
+            num_gpu_blocks: None,
             hash_salt: None,
             lora_adapters: Vec::new(),
             kv_fallback: None,
@@ -277,8 +283,11 @@ impl ModelConfig {
         if name.trim().is_empty() {
             bail!("a model has an empty name");
         }
-        if self.max_num_seqs == 0 || self.max_num_batched_tokens == 0 {
-            bail!("model {name:?}: max_num_seqs and max_num_batched_tokens must be at least 1");
+        if self.max_num_seqs == 0
+            || self.max_num_batched_tokens == 0
+            || self.num_gpu_blocks == Some(0)
+        {
+            bail!("model {name:?}: max_num_seqs, max_num_batched_tokens and num_gpu_blocks must be at least 1");
         }
         if self.block_size == 0 {
             bail!("model {name:?}: block_size must be at least 1");
