@@ -7,7 +7,9 @@ same workload for each seed:
 
   T tenants, each with its own long system prompt; together the prompts need more than
   one replica's cache but fit in two. Each request is a random tenant's system prompt
-  plus a unique question, sent by C closed-loop clients for D seconds.
+  plus a unique question, sent by C closed-loop clients for D seconds. Tenants draw
+  equal traffic, or with --tenant-skew S tenant k draws in proportion to 1/(k+1)^S
+  (Zipf: with 16 tenants and S=1 the busiest sends 30% of requests, the quietest 2%).
 
 Rows: Ray's PowerOfTwoChoices (its default), Ray's PrefixCacheAffinityRouter, Ray's
 KVAwareRouter with ai-dynamo (the `dynamo` row: ai-dynamo is installed into a folder
@@ -74,6 +76,7 @@ async def one(session, url, system, question, max_tokens):
 async def drive(url, args, seed):
     rng = random.Random(seed)
     systems = [tenant_prompt(t, args.system_words) for t in range(args.tenants)]
+    weights = [1.0 / (t + 1) ** args.tenant_skew for t in range(args.tenants)]
     results = []
     deadline = time.perf_counter() + args.duration
     counter = iter(range(10**9))
@@ -82,7 +85,9 @@ async def drive(url, args, seed):
         async def client():
             while time.perf_counter() < deadline:
                 i = next(counter)
-                tenant = rng.randrange(args.tenants)
+                # randrange when equal: the default workload's draws stay as they were
+                tenant = (rng.choices(range(args.tenants), weights)[0] if args.tenant_skew
+                          else rng.randrange(args.tenants))
                 q = f"Question {seed}-{i}: " + " ".join(rng.choice(WORDS) for _ in range(12))
                 results.append(await one(s, url, systems[tenant], q, args.max_tokens))
 
@@ -114,6 +119,8 @@ def main():
     ap.add_argument("--routers", default="pow2,prefix_tree,dynamo,kvgate")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--tenants", type=int, default=8)
+    ap.add_argument("--tenant-skew", type=float, default=0.0,
+                    help="Zipf exponent of the tenants' traffic (0: equal)")
     ap.add_argument("--system-words", type=int, default=1300,
                     help="words per system prompt (~1.1 tokens a word)")
     ap.add_argument("--concurrency", type=int, default=4)

@@ -18,7 +18,9 @@ use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvgate_core::{Decision, KvAwareConfig, PolicyConfig, PolicyKind, SelectError, WorkerId};
+use kvgate_core::{
+    Decision, KvAwareConfig, Objective, PolicyConfig, PolicyKind, SelectError, WorkerId,
+};
 use kvgate_events::EventMetrics;
 use kvgate_selection::{BookError, SelectRequest, SelectionConfig, SelectionService, WorkerEvents};
 use kvgate_tokenize::{
@@ -77,12 +79,35 @@ fn prompt_len(ids: &[u32]) -> u32 {
     u32::try_from(ids.len()).unwrap_or(u32::MAX)
 }
 
+/// A request's latency objectives (milliseconds; None: none) and priority (higher is
+/// more important, below 0 sheddable); an objective that is not a positive number is a
+/// `ValueError`.
+fn objective_of(
+    slo_ttft_ms: Option<f64>,
+    slo_tpot_ms: Option<f64>,
+    priority: i32,
+) -> PyResult<Objective> {
+    let ms = |v: Option<f64>, name: &str| match v {
+        None => Ok(None),
+        Some(x) if x.is_finite() && x > 0.0 => Ok(Duration::try_from_secs_f64(x / 1e3).ok()),
+        Some(_) => Err(value_error(format!(
+            "{name} must be a positive number of milliseconds"
+        ))),
+    };
+    Ok(Objective {
+        ttft: ms(slo_ttft_ms, "slo_ttft_ms")?,
+        tpot: ms(slo_tpot_ms, "slo_tpot_ms")?,
+        priority,
+    })
+}
+
 /// Runs `f` on the selection request of a prompt (its block keys, salted per LoRA
-/// adapter); an empty prompt is a `ValueError`.
+/// adapter) with `objective`; an empty prompt is a `ValueError`.
 fn with_prompt<R>(
     svc: &SelectionService,
     token_ids: &[u32],
     lora: Option<&str>,
+    objective: Objective,
     f: impl FnOnce(&SelectRequest<'_>) -> Result<R, SelectError>,
 ) -> PyResult<R> {
     if token_ids.is_empty() {
@@ -96,8 +121,7 @@ fn with_prompt<R>(
         prompt_tokens: prompt_len(token_ids),
         session_key: None,
         now: Instant::now(),
-        // Ray's request does not reach this call with its headers yet: no objective.
-        objective: Default::default(),
+        objective,
     };
     f(&req).map_err(select_error)
 }
@@ -208,12 +232,14 @@ impl PySelectionService {
     /// `policy`: kv_aware (default), prefix_affinity, least_loaded, round_robin, random.
     /// `kv_aware`: overrides of the kv_aware weights (e.g. `{"overlap_weight": 4.0}`).
     /// `max_num_seqs`, `max_num_batched_tokens`: the engines' batch limits (vLLM's flags;
-    /// default vLLM's on an H100: 1024, 8192), which the time model and kv_aware read.
+    /// default vLLM's on an H100: 1024, 8192), which the time model and kv_aware read;
+    /// `num_gpu_blocks`: their KV-cache size in blocks (None: not a limit).
     #[new]
     #[pyo3(signature = (
         block_size = 16, policy = "kv_aware", *, model = "default", kv_aware = None,
         hash_salt = None, kv_topic = "", index_max_blocks = None, booking_ttl_s = 3600.0,
         fallback = None, seed = None, max_num_seqs = None, max_num_batched_tokens = None,
+        num_gpu_blocks = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -230,6 +256,7 @@ impl PySelectionService {
         seed: Option<u64>,
         max_num_seqs: Option<u32>,
         max_num_batched_tokens: Option<u32>,
+        num_gpu_blocks: Option<u32>,
     ) -> PyResult<Self> {
         let kind: PolicyKind = policy
             .parse()
@@ -263,20 +290,15 @@ impl PySelectionService {
         }
         config.booking_ttl = Duration::from_secs_f64(booking_ttl_s);
         let limits = &mut config.engine_limits;
-        for (field, value) in [
-            (&mut limits.max_num_seqs, max_num_seqs),
-            (&mut limits.max_num_batched_tokens, max_num_batched_tokens),
-        ] {
-            match value {
-                Some(0) => {
-                    return Err(value_error(
-                        "max_num_seqs and max_num_batched_tokens must be at least 1",
-                    ))
-                }
-                Some(v) => *field = v,
-                None => {}
-            }
+        if [max_num_seqs, max_num_batched_tokens, num_gpu_blocks].contains(&Some(0)) {
+            return Err(value_error(
+                "max_num_seqs, max_num_batched_tokens and num_gpu_blocks must be at least 1",
+            ));
         }
+        limits.max_num_seqs = max_num_seqs.unwrap_or(limits.max_num_seqs);
+        limits.max_num_batched_tokens =
+            max_num_batched_tokens.unwrap_or(limits.max_num_batched_tokens);
+        limits.num_gpu_blocks = num_gpu_blocks.or(limits.num_gpu_blocks);
         config.fallback = fallback
             .map(|f| {
                 f.parse()
@@ -309,6 +331,17 @@ impl PySelectionService {
     #[getter]
     fn policy(&self) -> &'static str {
         self.svc.kind().as_str()
+    }
+
+    /// The engines' limits the time model uses: `max_num_seqs`,
+    /// `max_num_batched_tokens` and `num_gpu_blocks` (None: unknown).
+    fn engine_limits(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
+        let limits = self.svc.config().engine_limits;
+        let out = PyDict::new(py);
+        out.set_item("max_num_seqs", limits.max_num_seqs)?;
+        out.set_item("max_num_batched_tokens", limits.max_num_batched_tokens)?;
+        out.set_item("num_gpu_blocks", limits.num_gpu_blocks)?;
+        Ok(out.unbind())
     }
 
     /// Adds a worker, or updates its KV-event endpoint (a changed endpoint restarts
@@ -361,7 +394,11 @@ impl PySelectionService {
 
     /// Chooses a worker among `allowed_workers` (None: every worker) for a prompt,
     /// without booking it.
-    #[pyo3(signature = (request_id, token_ids, allowed_workers = None, expected_output_tokens = None, lora = None))]
+    #[pyo3(signature = (
+        request_id, token_ids, allowed_workers = None, expected_output_tokens = None,
+        lora = None, *, slo_ttft_ms = None, slo_tpot_ms = None, priority = 0,
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn select<'py>(
         &self,
         py: Python<'py>,
@@ -370,13 +407,17 @@ impl PySelectionService {
         allowed_workers: Option<Vec<String>>,
         expected_output_tokens: Option<i64>,
         lora: Option<String>,
+        slo_ttft_ms: Option<f64>,
+        slo_tpot_ms: Option<f64>,
+        priority: i32,
     ) -> PyResult<Bound<'py, PyAny>> {
         // Accepted for parity with select_and_book; a selection books nothing.
         let _ = (request_id, expected_output_tokens);
         let candidates = self.candidates(allowed_workers);
+        let objective = objective_of(slo_ttft_ms, slo_tpot_ms, priority)?;
         let svc = self.svc.clone();
         pyo3_async_runtimes::tokio::future_into_py(py, async move {
-            let d = with_prompt(&svc, &token_ids, lora.as_deref(), |req| {
+            let d = with_prompt(&svc, &token_ids, lora.as_deref(), objective, |req| {
                 svc.select(req, &candidates)
             })?;
             Ok(selection_of(&svc, &d))
@@ -385,7 +426,16 @@ impl PySelectionService {
 
     /// Chooses a worker and books the request on it in one step (concurrent requests
     /// see each other's bookings). Booking a request id again re-routes it.
-    #[pyo3(signature = (request_id, token_ids, allowed_workers = None, expected_output_tokens = None, lora = None))]
+    /// `slo_ttft_ms`, `slo_tpot_ms`, `priority`: the request's latency objectives and
+    /// priority (as the gateway's `x-slo-*-ms` and `x-priority` headers): the policy's
+    /// choice stands when predicted to meet them, else it chooses among the workers
+    /// predicted to; when none is, a sheddable request (priority below 0) raises
+    /// `KvgateUnavailableError` and any other goes to the closest miss.
+    #[pyo3(signature = (
+        request_id, token_ids, allowed_workers = None, expected_output_tokens = None,
+        lora = None, *, slo_ttft_ms = None, slo_tpot_ms = None, priority = 0,
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn select_and_book<'py>(
         &self,
         py: Python<'py>,
@@ -394,12 +444,16 @@ impl PySelectionService {
         allowed_workers: Option<Vec<String>>,
         expected_output_tokens: Option<i64>,
         lora: Option<String>,
+        slo_ttft_ms: Option<f64>,
+        slo_tpot_ms: Option<f64>,
+        priority: i32,
     ) -> PyResult<Bound<'py, PyAny>> {
         let candidates = self.candidates(allowed_workers);
         let expected = expected_output(expected_output_tokens);
+        let objective = objective_of(slo_ttft_ms, slo_tpot_ms, priority)?;
         let svc = self.svc.clone();
         pyo3_async_runtimes::tokio::future_into_py(py, async move {
-            let d = with_prompt(&svc, &token_ids, lora.as_deref(), |req| {
+            let d = with_prompt(&svc, &token_ids, lora.as_deref(), objective, |req| {
                 svc.select_and_book_request(&request_id, req, &candidates, expected)
             })?;
             Ok(selection_of(&svc, &d))
@@ -415,7 +469,11 @@ impl PySelectionService {
     /// up to the interpreter's switch interval (5 ms), which is what the router's p99
     /// measured with it released (docs/BENCHMARKS.md). Nothing the selection waits
     /// on (the index's and ledger's locks) is ever held by a thread that needs the GIL.
-    #[pyo3(signature = (request_id, token_ids, allowed_workers = None, expected_output_tokens = None, lora = None))]
+    #[pyo3(signature = (
+        request_id, token_ids, allowed_workers = None, expected_output_tokens = None,
+        lora = None, *, slo_ttft_ms = None, slo_tpot_ms = None, priority = 0,
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn select_and_book_now(
         &self,
         request_id: String,
@@ -423,11 +481,15 @@ impl PySelectionService {
         allowed_workers: Option<Vec<String>>,
         expected_output_tokens: Option<i64>,
         lora: Option<String>,
+        slo_ttft_ms: Option<f64>,
+        slo_tpot_ms: Option<f64>,
+        priority: i32,
     ) -> PyResult<PySelection> {
         let candidates = self.candidates(allowed_workers);
         let expected = expected_output(expected_output_tokens);
+        let objective = objective_of(slo_ttft_ms, slo_tpot_ms, priority)?;
         let svc = &self.svc;
-        with_prompt(svc, &token_ids, lora.as_deref(), |req| {
+        with_prompt(svc, &token_ids, lora.as_deref(), objective, |req| {
             svc.select_and_book_request(&request_id, req, &candidates, expected)
         })
         .map(|d| selection_of(svc, &d))

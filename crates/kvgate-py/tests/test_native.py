@@ -145,7 +145,9 @@ def test_errors_are_python_exceptions_with_the_right_class():
             SelectionService(max_num_seqs=0)
         with pytest.raises(ValueError, match="the load bound is gone"):
             SelectionService(kv_aware={"balance_abs_threshold": 16})
-        SelectionService(max_num_seqs=16, max_num_batched_tokens=2048)
+        SelectionService(max_num_seqs=16, max_num_batched_tokens=2048, num_gpu_blocks=256)
+        with pytest.raises(ValueError, match="at least 1"):
+            SelectionService(num_gpu_blocks=0)
         # The TTL backstop frees bookings that never ended.
         short = SelectionService(block_size=16, policy="round_robin", booking_ttl_s=0.05)
         await short.upsert_worker("w")
@@ -157,6 +159,57 @@ def test_errors_are_python_exceptions_with_the_right_class():
     run(scenario())
     assert issubclass(KvgateUnavailableError, RuntimeError)
     assert kvgate.native_available()
+
+
+def test_objectives_and_priorities_steer_or_shed():
+    """A request's latency objectives and priority (what the gateway reads from its
+    headers): predicted to be met, the policy's choice stands; met nowhere, a sheddable
+    request (priority below 0) is refused before it is booked and any other goes to the
+    closest miss. The time model predicts with the limits it was given."""
+    async def scenario():
+        svc = SelectionService(block_size=16, policy="least_loaded", max_num_seqs=16,
+                               max_num_batched_tokens=2048)
+        assert svc.engine_limits() == {"max_num_seqs": 16, "max_num_batched_tokens": 2048,
+                                       "num_gpu_blocks": None}
+        await svc.upsert_worker("w")
+        await svc.upsert_worker("v")
+        easy = svc.select_and_book_now("easy", [1] * 64, None, 16, slo_ttft_ms=60_000)
+        assert easy.rule not in ("objective", "objective_missed"), easy.rule
+        with pytest.raises(KvgateUnavailableError, match="latency objective"):
+            svc.select_and_book_now("shed", [2] * 64, None, 16, slo_ttft_ms=0.001, priority=-1)
+        assert svc.booked_worker("shed") is None
+        late = await svc.select_and_book("late", [3] * 64, None, 16, slo_ttft_ms=0.001)
+        assert late.rule == "objective_missed" and svc.booked_worker("late") is not None
+        with pytest.raises(ValueError, match="slo_tpot_ms"):
+            svc.select_and_book_now("bad", [4] * 64, None, slo_tpot_ms=-1)
+
+    run(scenario())
+
+
+def test_a_ray_request_objective_is_the_deployments_and_the_bodys_priority():
+    """kvgate.ray's routers: the deployment's objectives (router kwargs, checked at
+    deploy time) and the body's vLLM priority (lower is earlier) negated into kvgate's
+    (below 0 sheddable), whether Ray hands the body as a dict or a namespace."""
+    from types import SimpleNamespace
+
+    from kvgate.ray import _objective, _objective_defaults
+
+    kwargs = {"slo_ttft_ms": 500, "policy": "kv_aware"}
+    defaults = _objective_defaults(kwargs, "test")
+    assert defaults == {"slo_ttft_ms": 500.0} and kwargs == {"policy": "kv_aware"}
+    for bad in (0, -1, "500", True, float("inf")):
+        with pytest.raises(ValueError, match="slo_tpot_ms"):
+            _objective_defaults({"slo_tpot_ms": bad}, "test")
+
+    def pending(*args):
+        return SimpleNamespace(args=args, kwargs={})
+
+    assert _objective(pending(SimpleNamespace(priority=2)), defaults) == {
+        "slo_ttft_ms": 500.0, "priority": -2}
+    assert _objective(pending({"priority": -3}), {}) == {"priority": 3}
+    assert _objective(pending({"priority": 0}), defaults) == defaults
+    assert _objective(pending(SimpleNamespace(messages=[])), {}) == {}
+    assert _objective(pending(), defaults) == defaults
 
 
 def test_the_lifecycle_log_returns_what_a_poller_missed_in_order():

@@ -242,21 +242,44 @@ def test_kv_routing_without_the_selection_service_is_503(stack):
 
 
 def test_the_builder_passes_the_engines_batch_limits_to_kvgate():
-    """build_openai_app tells kvgate's router the engines' max_num_seqs and
-    max_num_batched_tokens from engine_kwargs, unless its kwargs set them; another
-    router's config is left alone."""
+    """build_openai_app tells kvgate's router the engines' max_num_seqs,
+    max_num_batched_tokens and KV-cache size (num_gpu_blocks_override) from
+    engine_kwargs, unless its kwargs set them; another router's config is left alone."""
     from kvgate.ray.llm import _pass_engine_limits
 
     ours = "kvgate.ray.llm:KVAwareRouter"
     rc = {"request_router_class": ours}
-    _pass_engine_limits(rc, {"max_num_seqs": 16, "dtype": "bfloat16"})
-    assert rc["request_router_kwargs"] == {"max_num_seqs": 16}
+    _pass_engine_limits(rc, {"max_num_seqs": 16, "dtype": "bfloat16",
+                             "num_gpu_blocks_override": 256})
+    assert rc["request_router_kwargs"] == {"max_num_seqs": 16, "num_gpu_blocks": 256}
     rc = {"request_router_class": ours, "request_router_kwargs": {"max_num_seqs": 8}}
     _pass_engine_limits(rc, {"max_num_seqs": 16, "max_num_batched_tokens": 512})
     assert rc["request_router_kwargs"] == {"max_num_seqs": 8, "max_num_batched_tokens": 512}
     other = {"request_router_class": "ray.serve.llm.request_router:KVAwareRouter"}
     _pass_engine_limits(other, {"max_num_seqs": 16})
     assert "request_router_kwargs" not in other
+
+
+def test_the_step_budget_each_engine_advertises_reaches_kvgate():
+    """Ray's replicas advertise the step budget their engine resolved (the
+    kv_event_metadata's max_num_batched_tokens, beside the block size): kvgate's time
+    model takes it even where engine_kwargs left it unset, and the stats show it."""
+    from types import SimpleNamespace
+
+    from kvgate.ray.llm import _DeploymentRouting
+
+    meta = {"endpoint": None, "replay_endpoint": None, "block_size": BLOCK_SIZE,
+            "dp_rank": 0, "max_num_batched_tokens": 2048}
+    replica = SimpleNamespace(replica_id=SimpleNamespace(unique_id="r1"),
+                              routing_stats={"kv_event_metadata": meta})
+    routing = _DeploymentRouting("app", "deployment", {"max_num_seqs": 16})
+    asyncio.run(routing.sync([replica]))
+    try:
+        want = {"max_num_seqs": 16, "max_num_batched_tokens": 2048, "num_gpu_blocks": None}
+        assert routing.svc.engine_limits() == want
+        assert routing.stats()["engine_limits"] == want
+    finally:
+        routing.svc.close()
 
 
 def test_the_builder_refuses_to_deploy_without_the_direct_streaming_env():

@@ -40,6 +40,7 @@ class SelectionService:
         seed: Optional[int] = None,
         max_num_seqs: Optional[int] = None,
         max_num_batched_tokens: Optional[int] = None,
+        num_gpu_blocks: Optional[int] = None,
     ) -> None: ...
     @property
     def block_size(self) -> int: ...
@@ -55,6 +56,7 @@ class SelectionService:
     ) -> None: ...
     async def remove_worker(self, worker_id: str) -> bool: ...
     def workers(self) -> List[str]: ...
+    def engine_limits(self) -> Dict[str, Optional[int]]: ...
     async def select(
         self,
         request_id: str,
@@ -62,6 +64,10 @@ class SelectionService:
         allowed_workers: Optional[List[str]] = None,
         expected_output_tokens: Optional[int] = None,
         lora: Optional[str] = None,
+        *,
+        slo_ttft_ms: Optional[float] = None,
+        slo_tpot_ms: Optional[float] = None,
+        priority: int = 0,
     ) -> Selection: ...
     async def select_and_book(
         self,
@@ -70,6 +76,10 @@ class SelectionService:
         allowed_workers: Optional[List[str]] = None,
         expected_output_tokens: Optional[int] = None,
         lora: Optional[str] = None,
+        *,
+        slo_ttft_ms: Optional[float] = None,
+        slo_tpot_ms: Optional[float] = None,
+        priority: int = 0,
     ) -> Selection: ...
     def select_and_book_now(
         self,
@@ -78,6 +88,10 @@ class SelectionService:
         allowed_workers: Optional[List[str]] = None,
         expected_output_tokens: Optional[int] = None,
         lora: Optional[str] = None,
+        *,
+        slo_ttft_ms: Optional[float] = None,
+        slo_tpot_ms: Optional[float] = None,
+        priority: int = 0,
     ) -> Selection: ...
     def free_now(self, request_id: str) -> bool: ...
     async def book(

@@ -181,9 +181,10 @@ class SelectionActor:
         token_ids: List[int],
         allowed_workers: List[str],
         expected_output_tokens: Optional[int],
+        objective: Optional[Dict[str, Any]] = None,
     ) -> Dict[str, Any]:
         s = await self._service().select_and_book(
-            request_id, token_ids, allowed_workers, expected_output_tokens
+            request_id, token_ids, allowed_workers, expected_output_tokens, **(objective or {})
         )
         return {
             "worker_id": s.worker_id,
@@ -294,6 +295,38 @@ def _expected_output_tokens(pr: PendingRequest) -> Optional[int]:
     return None
 
 
+#: Router kwargs naming a deployment's latency objectives in milliseconds (what the
+#: gateway's model defaults ``slo_ttft_ms`` / ``slo_tpot_ms`` are).
+OBJECTIVE_KWARGS = ("slo_ttft_ms", "slo_tpot_ms")
+
+
+def _objective_defaults(kwargs: Dict[str, Any], where: str) -> Dict[str, float]:
+    """Takes the objective kwargs out of ``kwargs``; a value that is not a positive
+    number is a ``ValueError`` at deploy time, not a 400 per request."""
+    out = {}
+    for k in OBJECTIVE_KWARGS:
+        v = kwargs.pop(k, None)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+            raise ValueError(f"{where}: {k} must be a positive number of milliseconds, got {v!r}")
+        out[k] = float(v)
+    return out
+
+
+def _objective(pr: PendingRequest, defaults: Dict[str, float]) -> Dict[str, Any]:
+    """The selection kwargs of a request's objective: the deployment's latency objectives
+    and the body's vLLM ``priority`` (lower is handled earlier) negated into kvgate's
+    (higher is more important, below 0 sheddable), as the gateway reads a body. Ray's
+    request carries no HTTP headers to the router, so there is no per-request
+    objective here."""
+    body = pr.args[0] if pr.args else None
+    p = body.get("priority") if isinstance(body, dict) else getattr(body, "priority", None)
+    if isinstance(p, int) and not isinstance(p, bool) and p != 0:
+        return {**defaults, "priority": -max(-(1 << 30), min(1 << 30, p))}
+    return defaults
+
+
 def local_service(app_name: str, deployment_name: str):
     """The selection service a ``placement="local"`` router of this deployment keeps in
     this process, if any (loads, open requests: for metrics and tests)."""
@@ -312,7 +345,11 @@ class KVAwareRequestRouter(RequestRouter):
     e.g. ``{"overlap_weight": 4.0}``), ``hash_salt``, ``kv_topic``, ``booking_ttl_s``,
     ``index_max_blocks``, ``seed``, ``max_num_seqs`` and ``max_num_batched_tokens`` (the
     engines' batch limits, vLLM's flags: a cached prefix stops drawing requests to a
-    replica whose batch is full); ``actor_options``: Ray actor options for the
+    replica whose batch is full), ``num_gpu_blocks`` (their KV-cache size in blocks,
+    which the time model reads as a limit too); ``slo_ttft_ms`` and ``slo_tpot_ms`` (the deployment's
+    latency objectives: each request goes to a replica predicted to meet them, and one
+    whose body's vLLM ``priority`` is above 0, sheddable, is refused with
+    ``KvgateUnavailableError`` when none is); ``actor_options``: Ray actor options for the
     selection actor (``resources``, ``runtime_env``, ...); ``placement``:
 
     * ``"local"`` (default): the selection service lives in this router's process
@@ -335,10 +372,11 @@ class KVAwareRequestRouter(RequestRouter):
         }
         for k in (
             "kv_aware", "hash_salt", "kv_topic", "booking_ttl_s", "index_max_blocks", "seed",
-            "max_num_seqs", "max_num_batched_tokens",
+            "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks",
         ):
             if k in kwargs:
                 self._service_kwargs[k] = kwargs.pop(k)
+        self._objective_defaults = _objective_defaults(kwargs, "KVAwareRequestRouter")
         self._actor_options = dict(kwargs.pop("actor_options", None) or {})
         self._placement = str(kwargs.pop("placement", "local"))
         if self._placement not in ("local", "actor"):
@@ -515,6 +553,7 @@ class KVAwareRequestRouter(RequestRouter):
         request_id = pending_request.metadata.internal_request_id
         names = [r.replica_id.unique_id for r in candidate_replicas]
         expected = _expected_output_tokens(pending_request)
+        objective = _objective(pending_request, self._objective_defaults)
         # From here the request may hold a booking: if it is cancelled or fails before
         # dispatch, free it; once dispatched, Ray's completion callback frees it.
         pending_request.future.add_done_callback(
@@ -529,14 +568,18 @@ class KVAwareRequestRouter(RequestRouter):
                     if changed:
                         await self._sync_members(fleet.sync, changed)
                     # On this thread: the selection is cheaper than a hop to the runtime.
-                    s = fleet.svc.select_and_book_now(request_id, token_ids, names, expected)
+                    s = fleet.svc.select_and_book_now(
+                        request_id, token_ids, names, expected, **objective
+                    )
                     chosen = s.worker_id
                     free = fleet.svc.free
                 else:
                     if changed:
                         await self._sync_members(lambda m: actor.sync_workers.remote(m), changed)
                     chosen = (
-                        await actor.select_and_book.remote(request_id, token_ids, names, expected)
+                        await actor.select_and_book.remote(
+                            request_id, token_ids, names, expected, objective
+                        )
                     )["worker_id"]
                     free = actor.free.remote
                 break

@@ -58,6 +58,8 @@ from kvgate.ray import (
     _expected_output_tokens,
     _Fleet,
     _new_service,
+    _objective,
+    _objective_defaults,
 )
 
 logger = logging.getLogger("ray.serve")
@@ -74,11 +76,15 @@ DIRECT_STREAMING_ENV = (
 #: Router kwargs passed through to the selection service.
 _SERVICE_KWARGS = (
     "policy", "kv_aware", "hash_salt", "booking_ttl_s", "index_max_blocks", "seed",
-    "max_num_seqs", "max_num_batched_tokens",
+    "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks",
 )
-#: The engines' batch limits, which ``build_openai_app`` copies from each LLMConfig's
-#: ``engine_kwargs`` into kvgate's ``request_router_kwargs``.
-_ENGINE_LIMITS = ("max_num_seqs", "max_num_batched_tokens")
+#: The engines' limits, which ``build_openai_app`` copies from each LLMConfig's
+#: ``engine_kwargs`` (vLLM's name) into kvgate's ``request_router_kwargs`` (kvgate's).
+_ENGINE_LIMITS = {
+    "max_num_seqs": "max_num_seqs",
+    "max_num_batched_tokens": "max_num_batched_tokens",
+    "num_gpu_blocks_override": "num_gpu_blocks",
+}
 #: Decision times kept for ``routing_stats`` (the newest).
 _DECISION_SAMPLES = 10_000
 #: How often the routing stats are published while they change.
@@ -212,6 +218,10 @@ class _DeploymentRouting:
             self.block_size = int(first["block_size"])
             kwargs = {"block_size": self.block_size, "model": self.deployment_name}
             kwargs.update(self._service_kwargs)
+            if first.get("max_num_batched_tokens"):
+                # The step budget as the engine resolved it (Ray advertises it beside
+                # the block size): it holds even where engine_kwargs left it unset.
+                kwargs["max_num_batched_tokens"] = int(first["max_num_batched_tokens"])
             self._fleet = _Fleet(_new_service(kwargs, "the LLMRouter ingress"))
             logger.info(
                 "kvgate: routing %s/%s with kvgate's %s policy (block size %d)",
@@ -226,7 +236,12 @@ class _DeploymentRouting:
     # -- decisions ---------------------------------------------------------------------
 
     def select_and_book(
-        self, request_id: str, token_ids: List[int], names: List[str], expected: Optional[int]
+        self,
+        request_id: str,
+        token_ids: List[int],
+        names: List[str],
+        expected: Optional[int],
+        objective: Dict[str, Any],
     ) -> Tuple[str, str]:
         """(chosen replica name, booking id). Raises ValueError for a prompt the
         service rejects, KvgateUnavailableError when it cannot route."""
@@ -240,7 +255,7 @@ class _DeploymentRouting:
         booking_id = self.bookings.open(request_id)
         start = time.perf_counter()
         try:
-            s = self.svc.select_and_book_now(booking_id, token_ids, names, expected)
+            s = self.svc.select_and_book_now(booking_id, token_ids, names, expected, **objective)
         except BaseException:
             self.bookings.drop(request_id, booking_id)
             raise
@@ -310,6 +325,7 @@ class _DeploymentRouting:
             "policy": self.svc.policy if self.svc is not None else None,
             "block_size": self.block_size,
             "workers": self.svc.workers() if self.svc is not None else [],
+            "engine_limits": self.svc.engine_limits() if self.svc is not None else None,
             "open_bookings": self.svc.open_requests() if self.svc is not None else 0,
             "loads": self.svc.loads() if self.svc is not None else {},
             "routed": dict(self._routed),
@@ -404,12 +420,21 @@ class KVAwareRouter(_RayKVAwareRouter):
     Optional ``request_router_kwargs``: ``policy`` (``kv_aware``, or ``prefix_affinity``,
     ``least_loaded`` ... for comparison), ``kv_aware`` (overrides of its knobs),
     ``hash_salt``, ``booking_ttl_s`` (the backstop for a lost completion, default 3600),
-    ``index_max_blocks``, ``seed``, ``max_num_seqs`` and ``max_num_batched_tokens`` (the
-    engines' batch limits; ``build_openai_app`` copies them from ``engine_kwargs``). The
-    block size and the KV-event endpoints come from the replicas' ``kv_event_metadata``.
+    ``index_max_blocks``, ``seed``, ``max_num_seqs``, ``max_num_batched_tokens`` and
+    ``num_gpu_blocks`` (the engines' batch limits and KV-cache size; ``build_openai_app``
+    copies them from ``engine_kwargs``, the last from ``num_gpu_blocks_override``),
+    ``slo_ttft_ms`` and ``slo_tpot_ms`` (the deployment's latency objectives: each
+    request goes to a replica predicted to meet them; one whose body's vLLM
+    ``priority`` is above 0 is sheddable and, when no replica is, refused: Ray's ingress
+    answers 503, as for any ``RuntimeError``). The
+    block size, the KV-event endpoints and the step budget the engines resolved
+    (``max_num_batched_tokens``, over any kwarg) come from the replicas'
+    ``kv_event_metadata``.
     """
 
     def initialize_state(self, **kwargs: Any) -> None:
+        kwargs = dict(kwargs)
+        self._objective_defaults = _objective_defaults(kwargs, "kvgate.ray.llm.KVAwareRouter")
         unknown = sorted(set(kwargs) - set(_SERVICE_KWARGS))
         if unknown:
             raise ValueError(f"kvgate.ray.llm.KVAwareRouter: unknown request_router_kwargs {unknown}")
@@ -469,7 +494,8 @@ class KVAwareRouter(_RayKVAwareRouter):
         names = [r.replica_id.unique_id for r in candidate_replicas]
         try:
             chosen, booking_id = routing.select_and_book(
-                request_id, token_ids, names, _expected_output_tokens(pending_request)
+                request_id, token_ids, names, _expected_output_tokens(pending_request),
+                _objective(pending_request, self._objective_defaults),
             )
         except (ValueError, KvgateUnavailableError):
             raise  # the ingress answers 400 or 503
@@ -512,13 +538,19 @@ def build_openai_app(builder_config: Dict[str, Any]):
 
 
 def _pass_engine_limits(router_config: Any, engine_kwargs: Optional[Dict[str, Any]]) -> None:
-    """Tells kvgate's router the engines' batch limits from their ``engine_kwargs``
-    (those its ``request_router_kwargs`` do not set already); other routers untouched."""
+    """Tells kvgate's router the engines' limits from their ``engine_kwargs`` (those its
+    ``request_router_kwargs`` do not set already): ``max_num_seqs``,
+    ``max_num_batched_tokens`` and the KV-cache size ``num_gpu_blocks_override`` (as
+    ``num_gpu_blocks``); other routers untouched."""
     get = router_config.get if isinstance(router_config, dict) else lambda k, d=None: getattr(router_config, k, d)
     router_class = get("request_router_class")
     if not (isinstance(router_class, str) and router_class == f"{__name__}:KVAwareRouter"):
         return
-    limits = {k: engine_kwargs[k] for k in _ENGINE_LIMITS if (engine_kwargs or {}).get(k)}
+    limits = {
+        ours: engine_kwargs[theirs]
+        for theirs, ours in _ENGINE_LIMITS.items()
+        if (engine_kwargs or {}).get(theirs)
+    }
     if not limits:
         return
     kwargs = dict(get("request_router_kwargs") or {})
