@@ -226,6 +226,9 @@ vllm:cache_config_info{block_size=\"32\",cache_dtype=\"auto\",enable_prefix_cach
             "{one}vllm:cache_config_info{{engine=\"1\",num_gpu_blocks_override=\"None\",num_gpu_blocks=\"100\"}} 1.0\n"
         );
         assert_eq!(parse_kv_capacity(&two), Some(356));
+        // Captured from real vLLM 0.32 (the CPU build, `--num-gpu-blocks-override 256`).
+        let real = "vllm:cache_config_info{_block_size_resolved=\"True\",block_size=\"32\",cache_dtype=\"auto\",cache_hit_alignment_tokens=\"None\",effective_attention_block_size=\"32\",enable_mamba_shared_prefix_checkpoint=\"False\",enable_prefix_caching=\"True\",engine=\"0\",gpu_memory_utilization=\"0.92\",hash_block_size=\"None\",is_attention_free=\"False\",kv_cache_dtype_skip_layers=\"[]\",kv_cache_layout=\"None\",kv_cache_max_concurrency=\"4.0\",kv_cache_memory_bytes=\"1073741824\",kv_cache_size_tokens=\"8192\",kv_offloading_backend=\"native\",kv_offloading_size=\"None\",kv_sharing_fast_prefill=\"False\",mamba_block_size=\"None\",mamba_cache_dtype=\"auto\",mamba_cache_mode=\"none\",mamba_page_size_padded=\"None\",mamba_ssm_cache_dtype=\"float32\",num_cpu_blocks=\"None\",num_gpu_blocks=\"256\",num_gpu_blocks_override=\"256\",prefix_cache_retention_interval=\"0\",prefix_caching_hash_algo=\"sha256\",prefix_match_unit=\"None\",replayssm_buffer_len=\"16\",skip_page_size_padded=\"None\",sliding_window=\"None\",swa_bounded_replay=\"True\",use_kda_recoverssm=\"False\",use_replayssm=\"False\",user_specified_block_size=\"True\"} 1.0";
+        assert_eq!(parse_kv_capacity(real), Some(256));
         let starting = "vllm:cache_config_info{engine=\"0\",num_gpu_blocks=\"None\"} 1.0\n";
         assert_eq!(parse_kv_capacity(starting), None);
         assert_eq!(parse_kv_capacity("sglang:num_running_reqs 1\n"), None);
