@@ -14,15 +14,19 @@ fn escape(label: &str) -> String {
         .replace('\n', "\\n")
 }
 
+/// One metric with its HELP and TYPE lines and a single series.
+fn series(out: &mut String, (name, kind): (&str, &str), help: &str, labels: &str, v: f64) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} {kind}");
+    let _ = writeln!(out, "{name}{labels} {v:?}");
+}
+
 /// Render the metrics vLLM routers read (`vllm:num_requests_running`, ...).
 pub fn render(model: &str, s: &SimSnapshot) -> String {
     let labels = format!("{{engine=\"0\",model_name=\"{}\"}}", escape(model));
     let mut out = String::with_capacity(2048);
-    let mut gauge = |name: &str, help: &str, v: f64| {
-        let _ = writeln!(out, "# HELP {name} {help}");
-        let _ = writeln!(out, "# TYPE {name} gauge");
-        let _ = writeln!(out, "{name}{labels} {v:?}");
-    };
+    let mut gauge =
+        |name: &str, help: &str, v: f64| series(&mut out, (name, "gauge"), help, &labels, v);
     gauge(
         "vllm:num_requests_running",
         "Number of requests in model execution batches.",
@@ -39,21 +43,21 @@ pub fn render(model: &str, s: &SimSnapshot) -> String {
         s.kv_usage,
     );
     // vLLM's info gauge: its cache configuration as labels (routers read num_gpu_blocks).
-    let _ = writeln!(
-        out,
-        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig"
-    );
-    let _ = writeln!(out, "# TYPE vllm:cache_config_info gauge");
-    let _ = writeln!(
-        out,
-        "vllm:cache_config_info{{block_size=\"{}\",enable_prefix_caching=\"True\",engine=\"0\",num_gpu_blocks=\"{}\"}} 1.0",
+    let cache_labels = format!(
+        "{{block_size=\"{}\",enable_prefix_caching=\"True\",engine=\"0\",num_gpu_blocks=\"{}\"}}",
         s.block_size, s.num_blocks
+    );
+    series(
+        &mut out,
+        ("vllm:cache_config_info", "gauge"),
+        "Information of the LLMEngine CacheConfig",
+        &cache_labels,
+        1.0,
     );
     let c = &s.counters;
     let mut counter = |name: &str, help: &str, v: u64| {
-        let _ = writeln!(out, "# HELP {name}_total {help}");
-        let _ = writeln!(out, "# TYPE {name}_total counter");
-        let _ = writeln!(out, "{name}_total{labels} {:?}", v as f64);
+        let name = format!("{name}_total");
+        series(&mut out, (&name, "counter"), help, &labels, v as f64)
     };
     counter(
         "vllm:prefix_cache_queries",
@@ -96,15 +100,12 @@ pub fn render(model: &str, s: &SimSnapshot) -> String {
         "{{engine=\"0\",finished_reason=\"length\",model_name=\"{}\"}}",
         escape(model)
     );
-    let _ = writeln!(
-        out,
-        "# HELP vllm:request_success_total Count of successfully processed requests."
-    );
-    let _ = writeln!(out, "# TYPE vllm:request_success_total counter");
-    let _ = writeln!(
-        out,
-        "vllm:request_success_total{success_labels} {:?}",
-        c.finished as f64
+    series(
+        &mut out,
+        ("vllm:request_success_total", "counter"),
+        "Count of successfully processed requests.",
+        &success_labels,
+        c.finished as f64,
     );
     out
 }
