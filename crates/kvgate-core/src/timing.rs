@@ -28,8 +28,8 @@
 //! seconds per uncached token) and `slot` (seconds per decode step while waiting for a
 //! slot) from each first token's observed TTFT; `decode_base` and `decode_per_seq` from
 //! each finished request's mean inter-token time and the batch it ran in; L and b from
-//! finished requests (until one has finished, KV is not a limit). Each fit is a ridge regression toward a prior on sums that decay per sample
-//! ([`WINDOW`]): a new worker predicts the prior, about [`PRIOR_SAMPLES`] samples
+//! finished requests (until one has finished, KV is not a limit). Each fit is a ridge
+//! regression toward a prior on sums that decay per sample ([`WINDOW`]): a new worker predicts the prior, about [`PRIOR_SAMPLES`] samples
 //! outweigh it, and the last few dozen samples dominate, so a worker that slows down is
 //! seen as slower within a window. Once a worker has [`WARM_SAMPLES`] samples, an
 //! observation more than [`OUTLIER_FACTOR`] times off the current prediction is clipped
@@ -293,12 +293,20 @@ impl WorkerTiming {
     /// has finished there).
     fn max_seqs(&self) -> f64 {
         let seqs = f64::from(self.limits.max_num_seqs.max(1));
-        match self.limits.num_gpu_blocks {
-            Some(blocks) if self.output_weight > 0.0 && self.kv_blocks_sum > 0.0 => {
-                let per_request = self.kv_blocks_sum / self.output_weight;
+        match (self.limits.num_gpu_blocks, self.mean_kv_blocks()) {
+            (Some(blocks), per_request) if per_request > 0.0 => {
                 seqs.min((f64::from(blocks) / per_request).max(1.0))
             }
             _ => seqs,
+        }
+    }
+
+    /// The KV blocks a finished request held here, on average (0 before any).
+    fn mean_kv_blocks(&self) -> f64 {
+        if self.output_weight > 0.0 {
+            self.kv_blocks_sum / self.output_weight
+        } else {
+            0.0
         }
     }
 
@@ -399,11 +407,7 @@ impl WorkerTiming {
             decode_base_secs: base,
             decode_per_seq_secs: per_seq,
             mean_output_tokens: self.mean_output_tokens(),
-            mean_kv_blocks: if self.output_weight > 0.0 {
-                self.kv_blocks_sum / self.output_weight
-            } else {
-                0.0
-            },
+            mean_kv_blocks: self.mean_kv_blocks(),
             effective_max_seqs: self.max_seqs(),
             ttft_samples: self.ttft.samples,
             tpot_samples: self.tpot.samples,

@@ -346,11 +346,11 @@ class KVAwareRequestRouter(RequestRouter):
     ``index_max_blocks``, ``seed``, ``max_num_seqs`` and ``max_num_batched_tokens`` (the
     engines' batch limits, vLLM's flags: a cached prefix stops drawing requests to a
     replica whose batch is full), ``num_gpu_blocks`` (their KV-cache size in blocks,
-    which the time model reads as a limit too); ``slo_ttft_ms`` and ``slo_tpot_ms`` (the deployment's
-    latency objectives: each request goes to a replica predicted to meet them, and one
-    whose body's vLLM ``priority`` is above 0, sheddable, is refused with
-    ``KvgateUnavailableError`` when none is); ``actor_options``: Ray actor options for the
-    selection actor (``resources``, ``runtime_env``, ...); ``placement``:
+    which the time model reads as a limit too); ``slo_ttft_ms`` and ``slo_tpot_ms``
+    (the deployment's latency objectives: each request goes to a replica predicted to
+    meet them, and one whose body's vLLM ``priority`` is above 0, sheddable, is refused
+    with ``KvgateUnavailableError`` when none is); ``actor_options``: Ray actor options
+    for the selection actor (``resources``, ``runtime_env``, ...); ``placement``:
 
     * ``"local"`` (default): the selection service lives in this router's process
       (selection is a local call, well under a millisecond); it subscribes to the

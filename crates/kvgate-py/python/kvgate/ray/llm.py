@@ -426,10 +426,9 @@ class KVAwareRouter(_RayKVAwareRouter):
     ``slo_ttft_ms`` and ``slo_tpot_ms`` (the deployment's latency objectives: each
     request goes to a replica predicted to meet them; one whose body's vLLM
     ``priority`` is above 0 is sheddable and, when no replica is, refused: Ray's ingress
-    answers 503, as for any ``RuntimeError``). The
-    block size, the KV-event endpoints and the step budget the engines resolved
-    (``max_num_batched_tokens``, over any kwarg) come from the replicas'
-    ``kv_event_metadata``.
+    answers 503, as for any ``RuntimeError``). The block size, the KV-event endpoints
+    and the step budget the engines resolved (``max_num_batched_tokens``, over any
+    kwarg) come from the replicas' ``kv_event_metadata``.
     """
 
     def initialize_state(self, **kwargs: Any) -> None:
