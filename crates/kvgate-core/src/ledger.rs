@@ -364,9 +364,7 @@ impl Ledger {
             inner.prefilling.entry(*key).or_default().push((worker, id));
         }
         let load = inner.loads.entry(worker).or_default();
-        load.in_flight += 1;
-        load.prefill_tokens += u64::from(spec.prompt_tokens - spec.cached_tokens);
-        load.decode_blocks += booking.decode_blocks;
+        *load = load.plus_request(uncached, booking.decode_blocks);
         inner.typical.record(
             spec.prompt_tokens - spec.cached_tokens,
             booking.decode_blocks,

@@ -14,3 +14,15 @@ pub struct WorkerLoad {
     /// Weighted KV blocks of requests in flight.
     pub decode_blocks: f64,
 }
+
+impl WorkerLoad {
+    /// This load with one more request booked: `uncached` prompt tokens to prefill and
+    /// `kv_blocks` KV blocks (its prompt's, before any output).
+    pub fn plus_request(self, uncached: u64, kv_blocks: f64) -> Self {
+        Self {
+            in_flight: self.in_flight + 1,
+            prefill_tokens: self.prefill_tokens + uncached,
+            decode_blocks: self.decode_blocks + kv_blocks,
+        }
+    }
+}

@@ -4,6 +4,16 @@
 //! [`crate::timing`]). Owns that judgement only: the selection service acts on it
 //! (keeps the choice, chooses again among the workers predicted to meet the objective,
 //! or sheds a sheddable request). Pure.
+//!
+//! A worker meets a TTFT objective when the request is predicted to get its first token
+//! in time there and, if the worker has prefill queued (it is not keeping up with its
+//! arrivals), so is a like request booked right after it: a choice must leave room for
+//! the requests behind it. Without that headroom a busy fleet admits sheddable work
+//! that the next interactive request then waits behind (mixed-priority overload
+//! goodput 6.5 -> 7.9 req/s, docs/BENCHMARKS.md section 15). A worker with nothing
+//! queued is judged by the request alone: judged by the next one too, a nearly idle
+//! fleet shed half of its sheddable 16k-token prompts (whose objective lay between one
+//! prefill and two) at no gain.
 
 use std::time::Duration;
 
@@ -42,7 +52,17 @@ impl Objective {
                 }
                 _ => 0.0,
             };
-        over(line.predicted_ttft_secs, self.ttft) + over(line.predicted_tpot_secs, self.tpot)
+        over(judged_ttft_secs(line), self.ttft) + over(line.predicted_tpot_secs, self.tpot)
+    }
+}
+
+/// The TTFT a TTFT objective is judged on (module comment): the later of this
+/// request's and, on a worker with prefill queued, a like request's after it.
+fn judged_ttft_secs(line: &WorkerScore) -> Option<f64> {
+    let own = line.predicted_ttft_secs;
+    match line.predicted_next_ttft_secs {
+        Some(next) if line.prefill_tokens > 0 => own.map(|t| t.max(next)).or(Some(next)),
+        _ => own,
     }
 }
 
@@ -53,8 +73,9 @@ pub enum Judgement {
     Met,
     /// It is not; these candidates are (in score order).
     Elsewhere(Vec<WorkerId>),
-    /// No candidate is: `closest` is predicted to miss by least, its first token
-    /// `late` after the objective (zero when only the TPOT objective is missed).
+    /// No candidate is: `closest` is predicted to miss by least, its first token (or,
+    /// while it has prefill queued, the next request's) `late` after the objective
+    /// (zero when only the TPOT objective is missed).
     Unmet { closest: WorkerId, late: Duration },
 }
 
@@ -79,7 +100,7 @@ pub fn judge(scores: &[WorkerScore], chosen: WorkerId, objective: &Objective) ->
         .iter()
         .min_by(|a, b| objective.miss(a).total_cmp(&objective.miss(b)))
         .unwrap_or_else(|| unreachable!("the chosen worker has a line"));
-    let late = match (closest.predicted_ttft_secs, objective.ttft) {
+    let late = match (judged_ttft_secs(closest), objective.ttft) {
         (Some(p), Some(o)) => Duration::try_from_secs_f64(p - o.as_secs_f64()).unwrap_or_default(),
         _ => Duration::ZERO,
     };
@@ -103,6 +124,17 @@ mod tests {
             cost: None,
             predicted_ttft_secs: Some(ttft_ms / 1e3),
             predicted_tpot_secs: Some(tpot_ms / 1e3),
+            predicted_next_ttft_secs: None,
+        }
+    }
+
+    /// `line` on a worker with prefill queued, a like request after this one predicted
+    /// to get its first token at `next_ms`.
+    fn busy(worker: u32, ttft_ms: f64, next_ms: f64) -> WorkerScore {
+        WorkerScore {
+            prefill_tokens: 4096,
+            predicted_next_ttft_secs: Some(next_ms / 1e3),
+            ..line(worker, ttft_ms, 20.0)
         }
     }
 
@@ -150,6 +182,28 @@ mod tests {
             panic!("nobody meets it");
         };
         assert_eq!(closest, WorkerId(1));
+        assert!(late.abs_diff(Duration::from_millis(200)) < Duration::from_micros(1));
+    }
+
+    /// A worker with prefill queued meets the objective only if the request after this
+    /// one would too (the choice leaves headroom); an idle one is judged by this request
+    /// alone, however slow the next would be.
+    #[test]
+    fn a_busy_worker_must_leave_room_for_the_next_request() {
+        let o = objective(Some(1000), None);
+        let scores = [busy(0, 600.0, 1200.0), busy(1, 700.0, 900.0)];
+        assert_eq!(
+            judge(&scores, WorkerId(0), &o),
+            Judgement::Elsewhere(vec![WorkerId(1)])
+        );
+        let idle = WorkerScore {
+            prefill_tokens: 0,
+            ..busy(0, 600.0, 1200.0)
+        };
+        assert_eq!(judge(&[idle], WorkerId(0), &o), Judgement::Met);
+        let Judgement::Unmet { late, .. } = judge(&scores[..1], WorkerId(0), &o) else {
+            panic!("the only worker leaves no room");
+        };
         assert!(late.abs_diff(Duration::from_millis(200)) < Duration::from_micros(1));
     }
 }

@@ -192,6 +192,9 @@ fn explain_pool(gw: &Gateway, p: &Prepared, session: Option<&str>) -> Result<Val
                 // The time model's predictions here, and what they rest on.
                 "predicted_ttft_ms": s.predicted_ttft_secs.map(|t| t * 1e3),
                 "predicted_tpot_ms": s.predicted_tpot_secs.map(|t| t * 1e3),
+                // A like request's after this one: what an objective is judged on while
+                // the worker has prefill queued.
+                "predicted_next_ttft_ms": s.predicted_next_ttft_secs.map(|t| t * 1e3),
                 "engine_limits": timing.limits(),
                 "rates": timing.rates(),
             })

@@ -404,6 +404,7 @@ mod tests {
             cost: Some(1.0),
             predicted_ttft_secs: None,
             predicted_tpot_secs: None,
+            predicted_next_ttft_secs: None,
         }
     }
 

@@ -1361,6 +1361,10 @@ async fn answers_carry_their_ttft_receipt_and_the_time_model_learns() {
     let predicted = line["predicted_ttft_ms"].as_f64().unwrap();
     assert!(predicted >= 30.0, "learned from 40 ms first tokens: {ex}");
     assert!(line["predicted_tpot_ms"].as_f64().unwrap() > 0.0, "{ex}");
+    assert!(
+        line["predicted_next_ttft_ms"].as_f64().unwrap() >= predicted,
+        "{ex}"
+    );
     assert_eq!(line["rates"]["ttft_samples"], requests, "{ex}");
     assert_eq!(line["engine_limits"]["max_num_seqs"], 1024, "{ex}");
     assert_eq!(ex["predicted_ttft_ms"], line["predicted_ttft_ms"], "{ex}");

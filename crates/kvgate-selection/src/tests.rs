@@ -317,3 +317,41 @@ fn objectives_steer_choices_and_shed_what_no_worker_can_meet() {
         .collect();
     assert!(plain.contains(&a), "{plain:?}");
 }
+
+/// A sheddable request must leave room for the one after it where prefill is queued:
+/// with its objective between its own predicted first token and the next like
+/// request's, it is served by an idle worker and shed by a busy one.
+#[test]
+fn a_busy_worker_sheds_what_would_leave_no_room_after_it() {
+    let s = service(PolicyKind::LeastLoaded);
+    let w = s.upsert_worker("w", None).unwrap();
+    let keys = s.block_keys(&[1; 64], None);
+    let between = |d: &kvgate_core::policy::Decision| {
+        let line = d.chosen().unwrap();
+        let (own, next) = (
+            line.predicted_ttft_secs.unwrap(),
+            line.predicted_next_ttft_secs.unwrap(),
+        );
+        assert!(next > own, "{line:?}");
+        SelectRequest {
+            objective: Objective {
+                ttft: Some(Duration::from_secs_f64((own + next) / 2.0)),
+                tpot: None,
+                priority: -1,
+            },
+            ..request(&keys, 20_000)
+        }
+    };
+    let idle = s.select(&request(&keys, 20_000), &[w]).unwrap();
+    assert_eq!(s.select(&between(&idle), &[w]).unwrap().worker, w);
+    let queued = BookingSpec {
+        prompt_tokens: 20_000,
+        ..BookingSpec::default()
+    };
+    let _held = s.ledger().book(w, queued, &[], Instant::now());
+    let busy = s.select(&request(&keys, 20_000), &[w]).unwrap();
+    assert!(matches!(
+        s.select(&between(&busy), &[w]),
+        Err(SelectError::Shed { .. })
+    ));
+}

@@ -392,7 +392,7 @@ impl RoutingPolicy for KvAwarePolicy {
         let cached = self.cached_blocks(&mut lines, &index.overlaps(keys), &credits);
         let bs = index.block_size();
         let prompt_blocks = f64::from(req.prompt_tokens) / f64::from(bs);
-        predict(&mut lines, &timings, |i| {
+        predict(&mut lines, &timings, req.prompt_tokens.div_ceil(bs), |i| {
             let cached_tokens = (cached.blocks[i] * f64::from(bs)).round() as u64;
             u64::from(req.prompt_tokens).saturating_sub(cached_tokens)
         });

@@ -197,6 +197,10 @@ pub struct WorkerScore {
     pub predicted_ttft_secs: Option<f64>,
     /// Its predicted time per output token here, seconds.
     pub predicted_tpot_secs: Option<f64>,
+    /// The predicted TTFT of a like request booked here right after this one, seconds:
+    /// the headroom this choice leaves for later requests, on which latency objectives
+    /// are judged ([`crate::objective`]).
+    pub predicted_next_ttft_secs: Option<f64>,
 }
 
 impl WorkerScore {

@@ -29,25 +29,33 @@ pub(crate) fn lines_and_timings(view: &FleetView<'_>) -> (Vec<WorkerScore>, Vec<
         .unzip()
 }
 
-/// [`lines_and_timings`]' lines with the request's predicted TTFT and TPOT as if
-/// nothing of its `prompt_tokens` were cached: for the policies that read no cache.
+/// [`lines_and_timings`]' lines with the request's predictions as if nothing of its
+/// `prompt_tokens` were cached: for the policies that read no cache.
 pub(crate) fn load_lines(view: &FleetView<'_>, prompt_tokens: u32) -> Vec<WorkerScore> {
     let (mut lines, timings) = lines_and_timings(view);
-    predict(&mut lines, &timings, |_| u64::from(prompt_tokens));
+    let kv_blocks = prompt_tokens.div_ceil(view.ledger.block_size());
+    predict(&mut lines, &timings, kv_blocks, |_| {
+        u64::from(prompt_tokens)
+    });
     lines
 }
 
-/// Fills each line's predicted TTFT and TPOT for a request with `uncached(i)` prompt
-/// tokens to prefill on candidate i.
+/// Fills each line's predicted TTFT and TPOT for a request of `kv_blocks` prompt
+/// blocks with `uncached(i)` prompt tokens to prefill on candidate i, and the TTFT of a
+/// like request booked after it there.
 pub(crate) fn predict(
     lines: &mut [WorkerScore],
     timings: &[WorkerTiming],
+    kv_blocks: u32,
     uncached: impl Fn(usize) -> u64,
 ) {
     for (i, (line, timing)) in lines.iter_mut().zip(timings).enumerate() {
-        let p = timing.predict(&line.load(), uncached(i));
+        let (load, uncached) = (line.load(), uncached(i));
+        let p = timing.predict(&load, uncached);
+        let after = load.plus_request(uncached, f64::from(kv_blocks));
         line.predicted_ttft_secs = Some(p.ttft_secs);
         line.predicted_tpot_secs = Some(p.tpot_secs);
+        line.predicted_next_ttft_secs = Some(timing.predict(&after, uncached).ttft_secs);
     }
 }
 
@@ -61,6 +69,7 @@ pub(crate) fn line(worker: crate::ids::WorkerId, l: WorkerLoad) -> WorkerScore {
         cost: None,
         predicted_ttft_secs: None,
         predicted_tpot_secs: None,
+        predicted_next_ttft_secs: None,
     }
 }
 

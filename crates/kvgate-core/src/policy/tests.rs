@@ -986,3 +986,29 @@ fn kv_aware_refuses_a_removed_option_naming_why() {
     }
     assert_eq!(crate::removed_kv_aware_option("--overlap-weight"), None);
 }
+
+/// Each line's `predicted_next_ttft_secs` is what a like request is predicted to get
+/// once this one is booked there: the same prediction the line shows after the booking.
+#[test]
+fn the_next_requests_prediction_is_the_one_after_booking() {
+    let ledger = Ledger::new(BS);
+    let policy = build_policy(&PolicyConfig::of(PolicyKind::LeastLoaded));
+    let w = workers(1);
+    let _queued = ledger.book(
+        w[0],
+        BookingSpec {
+            prompt_tokens: 3000,
+            ..BookingSpec::default()
+        },
+        &[],
+        Instant::now(),
+    );
+    let before = select(policy.as_ref(), None, 5000, None, &w, &ledger, None).unwrap();
+    let line = before.chosen().unwrap().clone();
+    let next = line.predicted_next_ttft_secs.unwrap();
+    assert!(next > line.predicted_ttft_secs.unwrap(), "{line:?}");
+    let _booked = ledger.book(w[0], before.booking(5000, None), &[], Instant::now());
+    let after = select(policy.as_ref(), None, 5000, None, &w, &ledger, None).unwrap();
+    let now = after.predicted_ttft_secs().unwrap();
+    assert!((now - next).abs() < 1e-12, "predicted {next}, then {now}");
+}
