@@ -42,6 +42,16 @@ impl Objective {
         self.priority < 0
     }
 
+    /// An objective of `ms` milliseconds, as every front door reads one: `None` unless
+    /// `ms` is a positive finite number (the caller refuses the request then).
+    pub fn millis(ms: f64) -> Option<Duration> {
+        if ms.is_finite() && ms > 0.0 {
+            Duration::try_from_secs_f64(ms / 1e3).ok()
+        } else {
+            None
+        }
+    }
+
     /// How far `line`'s predictions miss the objectives, as fractions of them, summed
     /// (0: predicted to meet both; a line without predictions is taken to meet them).
     fn miss(&self, line: &WorkerScore) -> f64 {
@@ -152,6 +162,15 @@ mod tests {
         let o = objective(Some(500), Some(50));
         assert_eq!(judge(&scores, WorkerId(0), &o), Judgement::Met);
         assert!(!Objective::default().is_set());
+    }
+
+    #[test]
+    fn an_objective_in_milliseconds_is_positive_and_finite() {
+        assert_eq!(Objective::millis(250.0), Some(Duration::from_millis(250)));
+        assert_eq!(Objective::millis(0.5), Some(Duration::from_micros(500)));
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e300] {
+            assert_eq!(Objective::millis(bad), None, "{bad}");
+        }
     }
 
     #[test]

@@ -34,11 +34,9 @@ pub fn objective_of(
         for name in names {
             if let Some(v) = headers.get(name) {
                 let parsed = v.to_str().ok().and_then(|s| s.trim().parse::<f64>().ok());
-                return match parsed {
-                    Some(x) if x.is_finite() && x > 0.0 => {
-                        Ok(Duration::try_from_secs_f64(x / 1e3).ok())
-                    }
-                    _ => Err(ApiError::bad_request(
+                return match parsed.and_then(Objective::millis) {
+                    Some(d) => Ok(Some(d)),
+                    None => Err(ApiError::bad_request(
                         "invalid_objective",
                         format!("header {name} must be a positive number of milliseconds"),
                     )),

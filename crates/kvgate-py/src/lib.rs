@@ -87,10 +87,10 @@ fn objective_of(
     slo_tpot_ms: Option<f64>,
     priority: i32,
 ) -> PyResult<Objective> {
-    let ms = |v: Option<f64>, name: &str| match v {
+    let ms = |v: Option<f64>, name: &str| match v.map(Objective::millis) {
         None => Ok(None),
-        Some(x) if x.is_finite() && x > 0.0 => Ok(Duration::try_from_secs_f64(x / 1e3).ok()),
-        Some(_) => Err(value_error(format!(
+        Some(Some(d)) => Ok(Some(d)),
+        Some(None) => Err(value_error(format!(
             "{name} must be a positive number of milliseconds"
         ))),
     };

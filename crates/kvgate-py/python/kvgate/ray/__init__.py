@@ -298,6 +298,12 @@ def _expected_output_tokens(pr: PendingRequest) -> Optional[int]:
 #: Router kwargs naming a deployment's latency objectives in milliseconds (what the
 #: gateway's model defaults ``slo_ttft_ms`` / ``slo_tpot_ms`` are).
 OBJECTIVE_KWARGS = ("slo_ttft_ms", "slo_tpot_ms")
+#: Router kwargs passed through to the selection service (both routers; kvgate.ray's
+#: also takes ``block_size`` and ``kv_topic``, which Ray Serve LLM's metadata gives).
+SERVICE_KWARGS = (
+    "policy", "kv_aware", "hash_salt", "booking_ttl_s", "index_max_blocks", "seed",
+    "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks",
+)
 
 
 def _objective_defaults(kwargs: Dict[str, Any], where: str) -> Dict[str, float]:
@@ -370,10 +376,7 @@ class KVAwareRequestRouter(RequestRouter):
             "block_size": int(kwargs.pop("block_size", 16)),
             "policy": str(kwargs.pop("policy", "kv_aware")),
         }
-        for k in (
-            "kv_aware", "hash_salt", "kv_topic", "booking_ttl_s", "index_max_blocks", "seed",
-            "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks",
-        ):
+        for k in (*SERVICE_KWARGS, "kv_topic"):
             if k in kwargs:
                 self._service_kwargs[k] = kwargs.pop(k)
         self._objective_defaults = _objective_defaults(kwargs, "KVAwareRequestRouter")

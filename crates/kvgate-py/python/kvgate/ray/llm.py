@@ -55,6 +55,7 @@ from kvgate.ray import (
     ACTOR_NAMESPACE,
     KV_EVENT_METADATA_KEY,
     REQUEST_TOKEN_IDS_KWARG,
+    SERVICE_KWARGS,
     _expected_output_tokens,
     _Fleet,
     _new_service,
@@ -72,11 +73,6 @@ DIRECT_STREAMING_ENV = (
     "RAY_SERVE_ENABLE_HA_PROXY",
     "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING",
     "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY",
-)
-#: Router kwargs passed through to the selection service.
-_SERVICE_KWARGS = (
-    "policy", "kv_aware", "hash_salt", "booking_ttl_s", "index_max_blocks", "seed",
-    "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks",
 )
 #: The engines' limits, which ``build_openai_app`` copies from each LLMConfig's
 #: ``engine_kwargs`` (vLLM's name) into kvgate's ``request_router_kwargs`` (kvgate's).
@@ -434,7 +430,7 @@ class KVAwareRouter(_RayKVAwareRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         kwargs = dict(kwargs)
         self._objective_defaults = _objective_defaults(kwargs, "kvgate.ray.llm.KVAwareRouter")
-        unknown = sorted(set(kwargs) - set(_SERVICE_KWARGS))
+        unknown = sorted(set(kwargs) - set(SERVICE_KWARGS))
         if unknown:
             raise ValueError(f"kvgate.ray.llm.KVAwareRouter: unknown request_router_kwargs {unknown}")
         self._kv_token_tracker = _kv_token_tracker()
