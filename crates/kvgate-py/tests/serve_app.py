@@ -125,8 +125,11 @@ class Ingress:
                 return error(400, str(e), "invalid_request_error", "untokenizable")
         tokenized = time.perf_counter()
         # The routed request, shaped as Ray Serve LLM's request models are where
-        # routers read it: `messages` or `prompt`, and `max_tokens`, as attributes.
-        routed = SimpleNamespace(path=path, body=body, max_tokens=body.get("max_tokens"))
+        # routers read it: `messages` or `prompt`, `max_tokens` and vLLM's `priority`,
+        # as attributes.
+        routed = SimpleNamespace(
+            path=path, body=body, max_tokens=body.get("max_tokens"), priority=body.get("priority", 0)
+        )
         if "messages" in body:
             routed.messages = body["messages"]
         else:

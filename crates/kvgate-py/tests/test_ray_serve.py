@@ -20,6 +20,7 @@ from serve_app import build_app
 APP = "kv"  # placement="local": the service in the ingress process (the default)
 ACTOR_APP = "kvactor"  # placement="actor": the service in the deployment's actor
 BROKEN = "broken"
+SLO = "slo"  # a TTFT objective no replica can meet (router kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +50,11 @@ def serve_url(tmp_path_factory):
         name=ACTOR_APP,
         route_prefix=f"/{ACTOR_APP}",
     )
+    serve.run(
+        build_app(router_kwargs={"block_size": 16, "slo_ttft_ms": 0.001}, replicas=1),
+        name=SLO,
+        route_prefix=f"/{SLO}",
+    )
     # An ingress whose process cannot import kvgate's native module: a copy of the
     # pure-Python package first on its path, without `_native`.
     shadow = tmp_path_factory.mktemp("shadow")
@@ -65,7 +71,7 @@ def serve_url(tmp_path_factory):
     )
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
-    for app in (APP, ACTOR_APP, BROKEN):
+    for app in (APP, ACTOR_APP, BROKEN, SLO):
         try:
             ray.kill(kray.get_selection_actor(app, "Engine"))
         except ValueError:
@@ -86,10 +92,13 @@ async def bookings(session, url, app):
     return got["open_requests"], got["loads"]
 
 
-async def chat(session, url, content, *, max_tokens=8, cancel_after_first=False, prefix="/" + APP):
+async def chat(session, url, content, *, max_tokens=8, cancel_after_first=False, prefix="/" + APP,
+               priority=None):
     """One streamed chat request; returns (status, replica, cached_tokens, prompt_tokens, body)."""
     body = {"model": "m", "messages": [{"role": "user", "content": content}],
             "max_tokens": max_tokens, "ignore_eos": True}
+    if priority is not None:
+        body["priority"] = priority  # vLLM's: lower is handled earlier
     async with session.post(f"{url}{prefix}/v1/chat/completions", json=body) as resp:
         if resp.status != 200:
             return resp.status, None, None, None, await resp.json(), resp.headers
@@ -261,3 +270,22 @@ def test_a_booking_sees_its_first_token_and_ends_with_the_stream(serve_url, app)
             raise AssertionError(f"the booking outlived its stream: {open_}, {loads}")
 
     run(scenario())
+
+
+def test_a_deployments_objective_sheds_by_the_bodys_priority(serve_url):
+    """End to end through Ray Serve: a deployment's TTFT objective (router kwargs) that no
+    replica is predicted to meet refuses a request whose body's vLLM priority makes it
+    sheddable (503 from the ingress, naming the objective) and serves one at the
+    default priority on the closest miss."""
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            await until_advertised(s, serve_url, SLO, n=1)
+            shed = await chat(s, serve_url, "whenever you can", prefix=f"/{SLO}", priority=1)
+            served = await chat(s, serve_url, "right away", prefix=f"/{SLO}")
+            return shed, served
+
+    shed, served = run(go())
+    assert shed[0] == 503, shed
+    assert "latency objective" in shed[4]["error"]["message"], shed
+    assert served[0] == 200, served
