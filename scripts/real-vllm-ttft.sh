@@ -15,7 +15,7 @@
 # minutes. Usage:
 #   scripts/real-vllm-ttft.sh [OUT_DIR]
 # Env: CONCURRENCIES (default "4 16"), REQUESTS per run (default 400), TENANTS (default 8),
-# PREFIX_WORDS per tenant prompt (default 300), VLLM_SERVE (default ../shared/real-vllm/serve.sh).
+# PREFIX_WORDS per tenant prompt (default 300); the fleet's: scripts/real-vllm-fleet.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${TMPDIR:-/tmp}/kvgate-real-ttft-$$}
@@ -23,31 +23,11 @@ CONCURRENCIES=${CONCURRENCIES:-4 16}
 REQUESTS=${REQUESTS:-400}
 TENANTS=${TENANTS:-8}
 PREFIX_WORDS=${PREFIX_WORDS:-300}
-VLLM_SERVE=${VLLM_SERVE:-../shared/real-vllm/serve.sh}
 KVGATE=${KVGATE:-./target/release/kvgate}
-GW_PORT=${GW_PORT:-8196}
-GW=http://127.0.0.1:$GW_PORT
 mkdir -p "$OUT"
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill -- -"$p" 2>/dev/null || kill "$p" 2>/dev/null || true; done; }
-trap cleanup EXIT
-
-for i in 1 2; do
-  VLLM_CPU_OMP_THREADS_BIND=$((i - 1)) setsid "$VLLM_SERVE" "810$i" "560$i" "570$i" \
-    >"$OUT/vllm-$i.log" 2>&1 &
-  pids+=($!)
-done
-for i in 1 2; do
-  for _ in $(seq 600); do curl -fsS "http://127.0.0.1:810$i/health" >/dev/null 2>&1 && break; sleep 1; done
-  curl -fsS "http://127.0.0.1:810$i/health" >/dev/null || { echo "replica $i did not start: $OUT/vllm-$i.log"; exit 1; }
-done
-setsid "$KVGATE" serve --port "$GW_PORT" --model tiny --policy kv_aware --block-size 32 \
-  --tokenizer fixtures/qwen3-tokenizer --max-num-seqs 16 --max-num-batched-tokens 2048 \
-  --worker http://127.0.0.1:8101 --kv-events "http://127.0.0.1:8101=tcp://127.0.0.1:5601" \
-  --worker http://127.0.0.1:8102 --kv-events "http://127.0.0.1:8102=tcp://127.0.0.1:5602" \
-  >"$OUT/kvgate.log" 2>&1 &
-pids+=($!)
-for _ in $(seq 100); do curl -fsS "$GW/ready" >/dev/null 2>&1 && break; sleep 0.1; done
+. scripts/real-vllm-fleet.sh
+start_replicas "$OUT"
+start_kvgate "$KVGATE" "$OUT/kvgate.log"
 
 # kvgate's own receipts (booking to the engine's first event): its histogram's requests
 # within 20% and within 50% of the prediction, since the previous read.

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Goodput of two kvgate builds on two real vLLM replicas under overload: an open-loop
+# shared-prefix workload (8 tenants) faster than the replicas serve, every request with a
+# TTFT objective and half of them sheddable; the builds take turns on the same replicas,
+# seed by seed (paired), and each run prints its requests that met the objective. Needs a
+# release build and the real vLLM of scripts/real-vllm-fleet.sh; about 9 GB of RAM, 1-2
+# minutes a seed. Usage:
+#   scripts/real-vllm-goodput.sh BEFORE_BIN AFTER_BIN [OUT_DIR]
+# Env: SEEDS (default "1 2 3 4 5 6"), RATE (requests/s, default 50), REQUESTS per run
+# (default 600), SLO_TTFT_MS (default 300).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BEFORE=$1
+AFTER=$2
+OUT=${3:-${TMPDIR:-/tmp}/kvgate-real-goodput-$$}
+SEEDS=${SEEDS:-1 2 3 4 5 6}
+RATE=${RATE:-50}
+REQUESTS=${REQUESTS:-600}
+SLO_TTFT_MS=${SLO_TTFT_MS:-300}
+mkdir -p "$OUT"
+. scripts/real-vllm-fleet.sh
+start_replicas "$OUT"
+
+run() { # BIN LABEL SEED
+  start_kvgate "$1" "$OUT/kvgate-$2-$3.log"
+  "$AFTER" bench --target "$GW" --model tiny --workload shared-prefix --groups 8 --users 256 \
+    --prefix-tokens 300 --suffix-tokens 16 --output-tokens 16 --seed "$3" --rate "$RATE" \
+    --max-requests "$REQUESTS" --prompt-format text --slo-ttft-ms "$SLO_TTFT_MS" \
+    --sheddable-share 0.5 --request-timeout 120 --no-progress --out "$OUT/$2-$3.json" \
+    >"$OUT/$2-$3.log" 2>&1
+  echo "$2 seed $3: $(grep -E '^goodput' "$OUT/$2-$3.log")"
+  kill "$KVGATE_PID"
+  wait "$KVGATE_PID" 2>/dev/null || true
+}
+for s in $SEEDS; do
+  run "$BEFORE" before "$s"
+  run "$AFTER" after "$s"
+done
+echo "logs and reports: $OUT"
