@@ -15,6 +15,11 @@ import pytest
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # The Ray clusters the tests start live on loopback for one run: no token auth.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Serve's controller gives a starting proxy 5 s to become ready and 10 s to answer a health
+# check, then kills it: on a busy 2-core machine (CI's) that can kill the proxy before it
+# ever runs. A minute is still a bounded wait.
+os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
 
 REPO = Path(__file__).resolve().parents[3]
 QWEN3 = REPO / "fixtures" / "qwen3-tokenizer"
