@@ -23,6 +23,7 @@ start_replicas "$OUT"
 
 run() { # BIN LABEL SEED
   start_kvgate "$1" "$OUT/kvgate-$2-$3.log"
+  # One client for both builds: AFTER's `kvgate bench`.
   "$AFTER" bench --target "$GW" --model tiny --workload shared-prefix --groups 8 --users 256 \
     --prefix-tokens 300 --suffix-tokens 16 --output-tokens 16 --seed "$3" --rate "$RATE" \
     --max-requests "$REQUESTS" --prompt-format text --slo-ttft-ms "$SLO_TTFT_MS" \

@@ -29,14 +29,15 @@
 //! slot) from each first token's observed TTFT; `decode_base` and `decode_per_seq` from
 //! each finished request's mean inter-token time and the batch it ran in; L and b from
 //! finished requests (until one has finished, KV is not a limit). Each fit is a ridge
-//! regression toward a prior on sums that decay per sample ([`WINDOW`]): a new worker predicts the prior, about [`PRIOR_SAMPLES`] samples
-//! outweigh it, and the last few dozen samples dominate, so a worker that slows down is
-//! seen as slower within a window. Once a worker has [`WARM_SAMPLES`] samples, an
-//! observation more than [`OUTLIER_FACTOR`] times off the current prediction is clipped
-//! to that bound before it is learned (a stalled stream or a network hiccup must not
-//! rewrite the rates). The priors are an H100 running an 8B model (DESIGN.md's
-//! latency fit). Accuracy (docs/BENCHMARKS.md section 15): a median error of 6-16% on
-//! the simulated fleet; not yet good on real vLLM on a shared 2-core CPU machine.
+//! regression toward a prior on sums that decay per sample ([`WINDOW`]): a new worker
+//! predicts the prior, about [`PRIOR_SAMPLES`] samples outweigh it, and the last few
+//! dozen samples dominate, so a worker that slows down is seen as slower within a
+//! window. Once a worker has [`WARM_SAMPLES`] samples, an observation more than
+//! [`OUTLIER_FACTOR`] times off the current prediction is clipped to that bound before
+//! it is learned (a stalled stream or a network hiccup must not rewrite the rates). The
+//! priors are an H100 running an 8B model (DESIGN.md's latency fit). Accuracy
+//! (docs/BENCHMARKS.md section 15): a median error of 6-16% on the simulated fleet; not
+//! yet good on real vLLM on a shared 2-core CPU machine.
 
 use serde::Serialize;
 
