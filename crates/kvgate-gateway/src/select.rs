@@ -405,6 +405,7 @@ mod tests {
             predicted_ttft_secs: None,
             predicted_tpot_secs: None,
             predicted_next_ttft_secs: None,
+            ttft_spread: None,
         }
     }
 

@@ -1366,6 +1366,7 @@ async fn answers_carry_their_ttft_receipt_and_the_time_model_learns() {
         "{ex}"
     );
     assert_eq!(line["rates"]["ttft_samples"], requests, "{ex}");
+    assert!(line["rates"]["ttft_spread"].as_f64().unwrap() > 0.0, "{ex}");
     assert_eq!(line["engine_limits"]["max_num_seqs"], 1024, "{ex}");
     assert_eq!(ex["predicted_ttft_ms"], line["predicted_ttft_ms"], "{ex}");
     let m = metrics_text(&c, &url).await;

@@ -201,6 +201,10 @@ pub struct WorkerScore {
     /// the headroom this choice leaves for later requests, on which latency objectives
     /// are judged ([`crate::objective`]).
     pub predicted_next_ttft_secs: Option<f64>,
+    /// Observed over predicted TTFT at the time model's judged quantile here
+    /// ([`crate::timing::JUDGED_QUANTILE`]): objectives are judged on the predictions
+    /// times this.
+    pub ttft_spread: Option<f64>,
 }
 
 impl WorkerScore {

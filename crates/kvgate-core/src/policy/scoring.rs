@@ -56,6 +56,7 @@ pub(crate) fn predict(
         line.predicted_ttft_secs = Some(p.ttft_secs);
         line.predicted_tpot_secs = Some(p.tpot_secs);
         line.predicted_next_ttft_secs = Some(timing.predict(&after, uncached).ttft_secs);
+        line.ttft_spread = Some(timing.ttft_spread());
     }
 }
 
@@ -70,6 +71,7 @@ pub(crate) fn line(worker: crate::ids::WorkerId, l: WorkerLoad) -> WorkerScore {
         predicted_ttft_secs: None,
         predicted_tpot_secs: None,
         predicted_next_ttft_secs: None,
+        ttft_spread: None,
     }
 }
 
