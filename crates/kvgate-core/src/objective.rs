@@ -6,8 +6,8 @@
 //! or sheds a sheddable request). Pure.
 //!
 //! A worker meets a TTFT objective when the request is predicted to get its first token
-//! in time there (the prediction times the worker's spread: what nine like requests in
-//! ten get, not the median; module [`crate::timing`]) and, if the worker has prefill
+//! in time there (the prediction times the worker's spread: what 19 like requests in 20
+//! get, not the median; module [`crate::timing`]) and, if the worker has prefill
 //! queued (it is not keeping up with its arrivals), so is a like request booked right
 //! after it: a choice must leave room for the requests behind it. Without that headroom a busy fleet admits sheddable work
 //! that the next interactive request then waits behind (mixed-priority overload
