@@ -9,12 +9,12 @@
 //! in time there (the prediction times the worker's spread: what 19 like requests in 20
 //! get, not the median; module [`crate::timing`]) and, if the worker has prefill
 //! queued (it is not keeping up with its arrivals), so is a like request booked right
-//! after it: a choice must leave room for the requests behind it. Without that headroom a busy fleet admits sheddable work
-//! that the next interactive request then waits behind (mixed-priority overload
-//! goodput 6.5 -> 7.9 req/s, docs/BENCHMARKS.md section 15). A worker with nothing
-//! queued is judged by the request alone: judged by the next one too, a nearly idle
-//! fleet shed half of its sheddable 16k-token prompts (whose objective lay between one
-//! prefill and two) at no gain.
+//! after it: a choice must leave room for the requests behind it. Without that headroom
+//! a busy fleet admits sheddable work that the next interactive request then waits
+//! behind (mixed-priority overload goodput 6.5 -> 7.9 req/s when it came, c2bbb98). A
+//! worker with nothing queued is judged by the request alone: judged by the next one
+//! too, a nearly idle fleet shed half of its sheddable 16k-token prompts (whose
+//! objective lay between one prefill and two) at no gain.
 
 use std::time::Duration;
 
@@ -209,8 +209,8 @@ mod tests {
     }
 
     /// An objective is judged on the prediction times the worker's spread (observed over
-    /// predicted TTFT at the judged quantile): 600 ms predicted where one request in ten
-    /// takes twice its prediction does not meet 1 s.
+    /// predicted TTFT at the judged quantile): 600 ms predicted where the judged share of
+    /// like requests came within twice their prediction does not meet 1 s.
     #[test]
     fn the_prediction_is_judged_with_the_workers_spread() {
         let o = objective(Some(1000), None);
