@@ -191,15 +191,15 @@ impl<const K: usize> Fit<K> {
         if !y.is_finite() || x.iter().any(|v| !v.is_finite()) {
             return;
         }
+        let p = self.predict(&x).max(1e-6);
         let y = if self.samples >= WARM_SAMPLES {
-            let p = self.predict(&x).max(1e-6);
             y.clamp(p / OUTLIER_FACTOR, p * OUTLIER_FACTOR)
         } else {
             y.max(0.0)
         };
         // Least squares in relative terms (module comment): the sample is divided by
         // the larger of its value and the current prediction.
-        let scale = 1.0 / y.max(self.predict(&x)).max(1e-6);
+        let scale = 1.0 / y.max(p);
         let (x, y) = (x.map(|v| v * scale), y * scale);
         let keep = 1.0 - 1.0 / WINDOW;
         for i in 0..K {
