@@ -11,8 +11,9 @@
 # on a shared-prefix workload; prints the bench's TTFT prediction error line per run and
 # stops everything. The client's TTFT is its first content chunk, one decode step after the
 # engine's first event (vLLM's role chunk), which is what kvgate observes: the script also
-# prints kvgate's own receipts (`kvgate_ttft_prediction_error`). About 9 GB of RAM, 5-10
-# minutes. Usage:
+# prints kvgate's own receipts (`kvgate_ttft_prediction_error`), and their error with the
+# rates fitted in hindsight (scripts/ttft-floor.py: what the features cannot explain). About
+# 9 GB of RAM, 5-10 minutes. Usage:
 #   scripts/real-vllm-ttft.sh [OUT_DIR]
 # Env: CONCURRENCIES (default "4 16"), REQUESTS per run (default 400), TENANTS (default 8),
 # PREFIX_WORDS per tenant prompt (default 300); the fleet's: scripts/real-vllm-fleet.sh.
@@ -27,7 +28,8 @@ KVGATE=${KVGATE:-./target/release/kvgate}
 mkdir -p "$OUT"
 . scripts/real-vllm-fleet.sh
 start_replicas "$OUT"
-start_kvgate "$KVGATE" "$OUT/kvgate.log"
+# Each receipt in the log (JSON), for scripts/ttft-floor.py.
+KVGATE_LOG=info,kvgate::ttft=debug KVGATE_LOG_JSON=true start_kvgate "$KVGATE" "$OUT/kvgate.log"
 
 # kvgate's own receipts (booking to the engine's first event): its histogram's requests
 # within 20% and within 50% of the prediction, since the previous read.
@@ -38,6 +40,7 @@ within() {
 }
 read -r a0 b0 n0 <<<"$(within)"
 for c in $CONCURRENCIES; do
+  from=$(($(wc -l <"$OUT/kvgate.log") + 1))
   "$KVGATE" bench --target "$GW" --model tiny --workload shared-prefix --groups "$TENANTS" \
     --users 256 --prefix-tokens "$PREFIX_WORDS" --suffix-tokens 16 --output-tokens 16 \
     --rate 10000 --concurrency "$c" --max-requests "$REQUESTS" --prompt-format text \
@@ -46,6 +49,7 @@ for c in $CONCURRENCIES; do
   grep -E 'TTFT prediction error|requests ok|^ok' "$OUT/c$c.log" | sed "s/^/concurrency $c: client-side /"
   read -r a1 b1 n1 <<<"$(within)"
   echo "concurrency $c: kvgate's receipts: $((a1 - a0)) of $((n1 - n0)) within 20% of the prediction, $((b1 - b0)) within 50%"
+  echo "concurrency $c: kvgate's $(python3 scripts/ttft-floor.py "$OUT/kvgate.log" "$from")"
   a0=$a1 b0=$b1 n0=$n1
 done
 echo "logs and reports: $OUT"

@@ -182,12 +182,13 @@ impl TypicalRequest {
     }
 }
 
-/// A first token's receipt: the TTFT predicted when the request was booked and the one
-/// observed (booking to first token).
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+/// A first token's receipt: the TTFT predicted when the request was booked, the one
+/// observed (booking to first token), and the situation the prediction was made from.
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct TtftReceipt {
     pub predicted_secs: f64,
     pub observed_secs: f64,
+    pub features: TtftFeatures,
 }
 
 /// Cumulative counters.
@@ -454,6 +455,7 @@ impl Ledger {
         let receipt = TtftReceipt {
             predicted_secs: b.predicted_ttft_secs,
             observed_secs,
+            features: b.ttft_features,
         };
         if let Some(load) = loads.get_mut(&b.worker) {
             load.prefill_tokens = load
@@ -905,9 +907,10 @@ mod tests {
     }
 
     /// A first token returns its receipt once (the TTFT predicted at booking against
-    /// the one observed) and teaches its worker's time model: after a window of
-    /// requests each worker is predicted at its own speed, the requests queued ahead of
-    /// a booking raise its prediction, and the decode rate comes from progress times.
+    /// the one observed, and the situation predicted from) and teaches its worker's
+    /// time model: after a window of requests each worker is predicted at its own
+    /// speed, the requests queued ahead of a booking raise its prediction, and the
+    /// decode rate comes from progress times.
     #[test]
     fn first_tokens_return_receipts_and_teach_each_worker() {
         let ledger = Ledger::new(16);
@@ -939,6 +942,13 @@ mod tests {
         let a = first.prefill_done(t0 + ms(50)).unwrap();
         let b = second.prefill_done(t0 + ms(90)).unwrap();
         assert!(b.predicted_secs > a.predicted_secs, "{a:?} {b:?}");
+        // Each receipt carries the situation it was predicted from.
+        assert_eq!(a.features.prefill_tokens(), 1024.0);
+        assert_eq!(
+            b.features.prefill_tokens(),
+            2048.0,
+            "the first one queued ahead"
+        );
     }
 
     /// An ended request teaches its worker the KV it held (its uncached prompt and its

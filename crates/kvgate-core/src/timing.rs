@@ -51,8 +51,9 @@
 //! section 15).
 //!
 //! Accuracy (docs/BENCHMARKS.md section 15): a median error of 6-15% on the simulated
-//! fleet's workloads, 20% under a mixed-priority overload; not yet good on real vLLM on
-//! a shared 2-core CPU machine.
+//! fleet's workloads, 20% under a mixed-priority overload; 25-31% on real vLLM on a
+//! shared 2-core CPU machine, where rates fitted in hindsight to the same requests get
+//! 23-26% (`scripts/ttft-floor.py`: the rest is noise these features do not see).
 
 use serde::Serialize;
 
@@ -121,6 +122,15 @@ impl TtftFeatures {
 
     pub fn prefill_tokens(&self) -> f64 {
         self.0[1]
+    }
+
+    pub fn slot_steps(&self) -> f64 {
+        self.0[2]
+    }
+
+    /// Prefill steps times the thousands of KV blocks in flight.
+    pub fn kv_block_steps(&self) -> f64 {
+        self.0[3]
     }
 }
 

@@ -5,7 +5,8 @@
 //! admission), the progress it reports to the booking, and the end-of-request
 //! accounting. For SSE it watches `data:` lines:
 //! the first one marks prefill done (its TTFT receipt, predicted against observed,
-//! goes to `kvgate_ttft_prediction_error`), later ones count output tokens (or the `usage`
+//! goes to `kvgate_ttft_prediction_error`, and to the log at debug under `kvgate::ttft`
+//! with the situation it was predicted from), later ones count output tokens (or the `usage`
 //! object's `completion_tokens` when present), `[DONE]`/end/error/drop free everything.
 //! For JSON it keeps the body (bounded) to read the final `usage` object once. A client
 //! disconnect drops this body, which drops the upstream body (aborting the engine's
@@ -331,6 +332,18 @@ impl ResponseWatch {
         else {
             return;
         };
+        let f = receipt.features;
+        tracing::debug!(
+            target: "kvgate::ttft",
+            worker = self.worker_url(),
+            predicted_secs = receipt.predicted_secs,
+            observed_secs = receipt.observed_secs,
+            prefill_steps = f.prefill_steps(),
+            prefill_tokens = f.prefill_tokens(),
+            slot_steps = f.slot_steps(),
+            kv_block_steps = f.kv_block_steps(),
+            "ttft receipt"
+        );
         if receipt.observed_secs > 0.0 {
             let error =
                 (receipt.predicted_secs - receipt.observed_secs).abs() / receipt.observed_secs;
