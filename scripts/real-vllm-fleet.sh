@@ -23,10 +23,10 @@ start_replicas() {
   done
 }
 
-# start_kvgate BIN LOG: kvgate (kv_aware, told the replicas' batch limits) on GW_PORT,
-# waiting until it is ready; its pid is in KVGATE_PID.
+# start_kvgate BIN LOG: kvgate (POLICY, default kv_aware; told the replicas' batch limits)
+# on GW_PORT, waiting until it is ready; its pid is in KVGATE_PID.
 start_kvgate() {
-  setsid "$1" serve --port "$GW_PORT" --model tiny --policy kv_aware --block-size 32 \
+  setsid "$1" serve --port "$GW_PORT" --model tiny --policy "${POLICY:-kv_aware}" --block-size 32 \
     --tokenizer fixtures/qwen3-tokenizer --max-num-seqs 16 --max-num-batched-tokens 2048 \
     --worker http://127.0.0.1:8101 --kv-events "http://127.0.0.1:8101=tcp://127.0.0.1:5601" \
     --worker http://127.0.0.1:8102 --kv-events "http://127.0.0.1:8102=tcp://127.0.0.1:5602" \

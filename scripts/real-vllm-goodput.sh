@@ -6,23 +6,26 @@
 # release build and the real vLLM of scripts/real-vllm-fleet.sh; about 9 GB of RAM, 1-2
 # minutes a seed. Usage:
 #   scripts/real-vllm-goodput.sh BEFORE_BIN AFTER_BIN [OUT_DIR]
-# Env: SEEDS (default "1 2 3 4 5 6"), RATE (requests/s, default 50), REQUESTS per run
-# (default 600), SLO_TTFT_MS (default 300).
+# Env: SEEDS (default "1 2 3 4 5 6"), RATE (requests/s, default 5: the two CPU replicas
+# serve about 3.5 on a 2-core machine), REQUESTS per run (default 200), SLO_TTFT_MS (default
+# 500), AFTER_POLICY (AFTER's policy, default kv_aware; with the same build twice,
+# kv_aware against another policy).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BEFORE=$1
 AFTER=$2
 OUT=${3:-${TMPDIR:-/tmp}/kvgate-real-goodput-$$}
 SEEDS=${SEEDS:-1 2 3 4 5 6}
-RATE=${RATE:-50}
-REQUESTS=${REQUESTS:-600}
-SLO_TTFT_MS=${SLO_TTFT_MS:-300}
+RATE=${RATE:-5}
+REQUESTS=${REQUESTS:-200}
+SLO_TTFT_MS=${SLO_TTFT_MS:-500}
+AFTER_POLICY=${AFTER_POLICY:-kv_aware}
 mkdir -p "$OUT"
 . scripts/real-vllm-fleet.sh
 start_replicas "$OUT"
 
-run() { # BIN LABEL SEED
-  start_kvgate "$1" "$OUT/kvgate-$2-$3.log"
+run() { # BIN LABEL SEED POLICY
+  POLICY=$4 start_kvgate "$1" "$OUT/kvgate-$2-$3.log"
   # One client for both builds: AFTER's `kvgate bench`.
   "$AFTER" bench --target "$GW" --model tiny --workload shared-prefix --groups 8 --users 256 \
     --prefix-tokens 300 --suffix-tokens 16 --output-tokens 16 --seed "$3" --rate "$RATE" \
@@ -34,7 +37,7 @@ run() { # BIN LABEL SEED
   wait "$KVGATE_PID" 2>/dev/null || true
 }
 for s in $SEEDS; do
-  run "$BEFORE" before "$s"
-  run "$AFTER" after "$s"
+  run "$BEFORE" before "$s" kv_aware
+  run "$AFTER" after "$s" "$AFTER_POLICY"
 done
 echo "logs and reports: $OUT"
