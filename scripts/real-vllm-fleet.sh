@@ -24,7 +24,8 @@ start_replicas() {
 }
 
 # start_kvgate BIN LOG: kvgate (POLICY, default kv_aware; told the replicas' batch limits)
-# on GW_PORT, waiting until it is ready; its pid is in KVGATE_PID.
+# on GW_PORT, waiting until it is ready (stops the script if it is not); its pid is in
+# KVGATE_PID.
 start_kvgate() {
   setsid "$1" serve --port "$GW_PORT" --model tiny --policy "${POLICY:-kv_aware}" --block-size 32 \
     --tokenizer fixtures/qwen3-tokenizer --max-num-seqs 16 --max-num-batched-tokens 2048 \
@@ -33,5 +34,10 @@ start_kvgate() {
     >"$2" 2>&1 &
   KVGATE_PID=$!
   pids+=("$KVGATE_PID")
-  for _ in $(seq 100); do curl -fsS "$GW/ready" >/dev/null 2>&1 && break; sleep 0.1; done
+  for _ in $(seq 300); do
+    curl -fsS "$GW/ready" >/dev/null 2>&1 && break
+    kill -0 "$KVGATE_PID" 2>/dev/null || break
+    sleep 0.1
+  done
+  curl -fsS "$GW/ready" >/dev/null 2>&1 || { echo "kvgate did not start: $2"; tail -3 "$2"; exit 1; }
 }
