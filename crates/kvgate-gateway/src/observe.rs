@@ -3,11 +3,11 @@
 //!
 //! Owns the request's lifecycle after routing: its [`Lease`] (booking, worker slot,
 //! admission), the progress it reports to the booking, and the end-of-request
-//! accounting. For SSE it watches `data:` lines:
-//! the first one marks prefill done (its TTFT receipt, predicted against observed,
-//! goes to `kvgate_ttft_prediction_error`, and to the log at debug under `kvgate::ttft`
-//! with the situation it was predicted from), later ones count output tokens (or the `usage`
-//! object's `completion_tokens` when present), `[DONE]`/end/error/drop free everything.
+//! accounting. For SSE it watches `data:` lines: the first one marks prefill done (its
+//! TTFT receipt, predicted against observed, goes to `kvgate_ttft_prediction_error`, and
+//! to the log at debug under `kvgate::ttft` with the situation it was predicted from),
+//! later ones count output tokens (or the `usage` object's `completion_tokens` when
+//! present), `[DONE]`/end/error/drop free everything.
 //! For JSON it keeps the body (bounded) to read the final `usage` object once. A client
 //! disconnect drops this body, which drops the upstream body (aborting the engine's
 //! request) and the guard. When the response cannot finish (the worker's stream broke,
