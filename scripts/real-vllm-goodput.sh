@@ -4,9 +4,11 @@
 # TTFT objective and half of them sheddable; the builds take turns on the same replicas,
 # seed by seed (paired), and each run prints its requests that met the objective. Needs a
 # release build and the real vLLM of scripts/real-vllm-fleet.sh; about 9 GB of RAM, 1-2
-# minutes a seed. Usage:
+# minutes a seed. One build against itself differs by SD 0.6 req/s a seed on this 2-core
+# machine (mean 0.0), so 12 seeds are the default (SE of a paired difference about 0.2).
+# Usage:
 #   scripts/real-vllm-goodput.sh BEFORE_BIN AFTER_BIN [OUT_DIR]
-# Env: SEEDS (default "1 2 3 4 5 6"), RATE (requests/s, default 5: the two CPU replicas
+# Env: SEEDS (default 1 to 12), RATE (requests/s, default 5: the two CPU replicas
 # serve about 3.5 on a 2-core machine), REQUESTS per run (default 200), SLO_TTFT_MS (default
 # 500), AFTER_POLICY (AFTER's policy, default kv_aware; with the same build twice,
 # kv_aware against another policy).
@@ -15,7 +17,7 @@ cd "$(dirname "$0")/.."
 BEFORE=$1
 AFTER=$2
 OUT=${3:-${TMPDIR:-/tmp}/kvgate-real-goodput-$$}
-SEEDS=${SEEDS:-1 2 3 4 5 6}
+SEEDS=${SEEDS:-1 2 3 4 5 6 7 8 9 10 11 12}
 RATE=${RATE:-5}
 REQUESTS=${REQUESTS:-200}
 SLO_TTFT_MS=${SLO_TTFT_MS:-500}
