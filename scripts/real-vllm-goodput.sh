@@ -9,9 +9,15 @@
 # Usage:
 #   scripts/real-vllm-goodput.sh BEFORE_BIN AFTER_BIN [OUT_DIR]
 # Env: SEEDS (default 1 to 12), RATE (requests/s, default 5: the two CPU replicas
-# serve about 3.5 on a 2-core machine), REQUESTS per run (default 200), SLO_TTFT_MS (default
-# 500), AFTER_POLICY (AFTER's policy, default kv_aware; with the same build twice,
-# kv_aware against another policy).
+# served about 3.5 on a 2-core machine; on a slower host, where they serve 1.7, 5 leaves
+# no goodput to compare: set RATE to about 1.4x what they serve, e.g. 2.2), REQUESTS per
+# run (default 200), SLO_TTFT_MS (default 500), AFTER_POLICY (AFTER's policy, default
+# kv_aware; with the same build twice, kv_aware against another policy).
+# The same shape simulated (docs/BENCHMARKS.md section 15; the mock engine slowed 5x):
+#   kvgate simulate --workload shared-prefix --groups 8 --users 256 --prefix-tokens 300 \
+#     --suffix-tokens 16 --output-tokens 16 --engines 2 --num-blocks 256 --block-size 32 \
+#     --engine-arg=--max-num-seqs=16 --engine-arg=--max-num-batched-tokens=2048 \
+#     --max-requests 400 --slo-ttft-ms 500 --sheddable-share 0.5 --engine-speedup 0.2 --rate 16
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BEFORE=$1
