@@ -95,6 +95,10 @@ pub struct MockEngineArgs {
     /// Disaggregated serving: KV transfer time per prompt token, ms.
     #[arg(long, default_value_t = LatencyModel::default().kv_transfer_ms_per_token)]
     pub kv_transfer_ms_per_token: f64,
+    /// Each step's duration times a log-normal factor of mean 1 and this log standard
+    /// deviation (0: deterministic steps; about 0.5 is a CPU engine on a shared host).
+    #[arg(long, default_value_t = 0.0)]
+    pub step_jitter: f64,
     /// Prefill/decode disaggregation: this engine's role (prefill or decode); absent =
     /// an ordinary engine that does both.
     #[arg(long, requires = "pd_mode")]
@@ -118,6 +122,9 @@ impl MockEngineArgs {
         if !(self.speedup.is_finite() && self.speedup > 0.0) {
             anyhow::bail!("--speedup must be a positive number");
         }
+        if !(self.step_jitter.is_finite() && self.step_jitter >= 0.0) {
+            anyhow::bail!("--step-jitter must be a number at least 0");
+        }
         if !(0.0..=1.0).contains(&self.eos_probability) {
             anyhow::bail!("--eos-probability must be within 0..=1");
         }
@@ -130,6 +137,7 @@ impl MockEngineArgs {
             decode_f: self.decode_f,
             decode_floor_ms: self.decode_floor_ms,
             kv_transfer_ms_per_token: self.kv_transfer_ms_per_token,
+            step_jitter: self.step_jitter,
         };
         let sim = SimConfig {
             block_size: self.block_size,

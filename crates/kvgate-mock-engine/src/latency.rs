@@ -31,6 +31,11 @@ pub struct LatencyModel {
     /// ~50 GB/s). The decode engine waits it before the request joins its queue.
     #[serde(default = "default_kv_transfer_ms_per_token")]
     pub kv_transfer_ms_per_token: f64,
+    /// Each step's duration times a log-normal factor of mean 1 and this log standard
+    /// deviation (0: every step exactly as the fit says; a CPU engine sharing its host
+    /// scatters by about 0.5).
+    #[serde(default)]
+    pub step_jitter: f64,
 }
 
 fn default_kv_transfer_ms_per_token() -> f64 {
@@ -48,6 +53,7 @@ impl Default for LatencyModel {
             decode_f: 5.74,
             decode_floor_ms: 1.0,
             kv_transfer_ms_per_token: default_kv_transfer_ms_per_token(),
+            step_jitter: 0.0,
         }
     }
 }
@@ -66,6 +72,17 @@ impl LatencyModel {
     pub fn decode_ms(&self, usage: f64) -> f64 {
         let u = usage.clamp(0.0, 1.0);
         (self.decode_d * u * u + self.decode_e * u + self.decode_f).max(self.decode_floor_ms)
+    }
+
+    /// The factor a step's duration is multiplied by, from two uniform draws in (0, 1):
+    /// log-normal with mean 1 and log standard deviation `step_jitter` (Box-Muller).
+    pub fn jitter_factor(&self, u1: f64, u2: f64) -> f64 {
+        let s = self.step_jitter;
+        if s <= 0.0 {
+            return 1.0;
+        }
+        let z = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
+        (s * z - s * s / 2.0).exp()
     }
 
     /// Time to receive `tokens` prompt tokens' KV from a prefill engine.

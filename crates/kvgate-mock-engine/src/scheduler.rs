@@ -411,7 +411,8 @@ impl Simulator {
         let duration_ms =
             self.cfg
                 .latency
-                .step_ms(prefill_tokens, decode_requests > 0, self.cache.usage());
+                .step_ms(prefill_tokens, decode_requests > 0, self.cache.usage())
+                * self.step_jitter_factor();
         let start_ms = self.clock_ms;
         self.clock_ms += duration_ms;
         self.counters.steps += 1;
@@ -643,6 +644,17 @@ impl Simulator {
             self.waiting.push_front(id);
             self.counters.preemptions += 1;
         }
+    }
+
+    /// This step's jitter factor (1 without jitter): deterministic from (seed, step).
+    fn step_jitter_factor(&self) -> f64 {
+        let unit = |salt: u64| {
+            let r = splitmix64(self.cfg.seed ^ splitmix64(self.counters.steps ^ salt));
+            ((r >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+        };
+        self.cfg
+            .latency
+            .jitter_factor(unit(0x5a17_0001), unit(0x5a17_0002))
     }
 
     fn stop_position(&self, id: RequestId, req: &SimRequest) -> (u32, FinishReason) {

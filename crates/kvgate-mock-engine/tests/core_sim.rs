@@ -343,6 +343,48 @@ fn virtual_time_is_deterministic() {
     assert_ne!(a.batches, d.batches);
 }
 
+/// Step jitter (a noisy host) scatters each step's duration around the fit, the same
+/// way for the same seed, and changes nothing but time: the same requests finish with
+/// the same outputs and hits. Over many steps the factor averages 1.
+#[test]
+fn step_jitter_scatters_time_only_and_is_deterministic() {
+    let mut c = cfg(128, 16);
+    c.max_num_seqs = 6;
+    c.max_batched_tokens = 256;
+    let steady = run_virtual(c.clone(), workload()).unwrap();
+    c.latency.step_jitter = 0.5;
+    let a = run_virtual(c.clone(), workload()).unwrap();
+    assert_eq!(a, run_virtual(c.clone(), workload()).unwrap());
+    let work = |r: &kvgate_mock_engine::virtual_time::VirtualRun| {
+        r.requests
+            .iter()
+            .map(|q| (q.output_tokens, q.cached_tokens))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(work(&a), work(&steady));
+    let ttfts = |r: &kvgate_mock_engine::virtual_time::VirtualRun| {
+        r.requests
+            .iter()
+            .map(|q| q.first_token_ms - q.arrival_ms)
+            .collect::<Vec<_>>()
+    };
+    assert_ne!(ttfts(&a), ttfts(&steady));
+
+    let m = c.latency;
+    let n = 20_000;
+    let unit = |k: u64| {
+        let r = kvgate_mock_engine::cache::splitmix64(k);
+        ((r >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    };
+    let mean = (0..n)
+        .map(|i| m.jitter_factor(unit(2 * i), unit(2 * i + 1)))
+        .sum::<f64>()
+        / n as f64;
+    assert!((mean - 1.0).abs() < 0.05, "mean factor {mean}");
+    let none = kvgate_mock_engine::LatencyModel::default();
+    assert_eq!(none.jitter_factor(0.01, 0.3), 1.0);
+}
+
 #[test]
 fn uncached_tokens_cost_more_than_cached_ones() {
     let c = cfg(256, 16);
