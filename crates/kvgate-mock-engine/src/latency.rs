@@ -1,7 +1,8 @@
 //! The step latency model: how long one engine step takes, in milliseconds.
 //!
-//! Owns the polynomial fit only (DESIGN.md section 5, Dynamo mocker's H100 fit by
-//! default). Pure arithmetic: no clock, no sleeping, no scheduling decisions.
+//! Owns the polynomial fit (DESIGN.md section 5, Dynamo mocker's H100 fit by default)
+//! and the optional step jitter's factor (the caller supplies the uniform draws). Pure
+//! arithmetic: no clock, no randomness of its own, no sleeping, no scheduling decisions.
 
 use serde::{Deserialize, Serialize};
 
