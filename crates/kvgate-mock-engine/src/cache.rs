@@ -71,6 +71,12 @@ pub fn splitmix64(mut x: u64) -> u64 {
     x ^ (x >> 31)
 }
 
+/// A uniform draw in the open interval (0, 1) from `splitmix64(key)`: never 0 or 1, so
+/// its logarithm is finite.
+pub fn unit_draw(key: u64) -> f64 {
+    ((splitmix64(key) >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+}
+
 /// Counters the cache keeps about itself.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CacheStats {

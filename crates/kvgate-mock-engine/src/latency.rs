@@ -75,13 +75,15 @@ impl LatencyModel {
         (self.decode_d * u * u + self.decode_e * u + self.decode_f).max(self.decode_floor_ms)
     }
 
-    /// The factor a step's duration is multiplied by, from two uniform draws in (0, 1):
-    /// log-normal with mean 1 and log standard deviation `step_jitter` (Box-Muller).
-    pub fn jitter_factor(&self, u1: f64, u2: f64) -> f64 {
+    /// The factor a step's duration is multiplied by: log-normal with mean 1 and log
+    /// standard deviation `step_jitter` (Box-Muller on two uniform draws in (0, 1), taken
+    /// from `draws` only when there is jitter).
+    pub fn jitter_factor(&self, draws: impl FnOnce() -> (f64, f64)) -> f64 {
         let s = self.step_jitter;
         if s <= 0.0 {
             return 1.0;
         }
+        let (u1, u2) = draws();
         let z = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
         (s * z - s * s / 2.0).exp()
     }

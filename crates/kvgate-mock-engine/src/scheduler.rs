@@ -15,7 +15,7 @@ use std::collections::VecDeque;
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 
-use crate::cache::{splitmix64, BlockId, EngineHasher, KvCache};
+use crate::cache::{splitmix64, unit_draw, BlockId, EngineHasher, KvCache};
 use crate::events::KvEvent;
 use crate::latency::LatencyModel;
 
@@ -648,13 +648,10 @@ impl Simulator {
 
     /// This step's jitter factor (1 without jitter): deterministic from (seed, step).
     fn step_jitter_factor(&self) -> f64 {
-        let unit = |salt: u64| {
-            let r = splitmix64(self.cfg.seed ^ splitmix64(self.counters.steps ^ salt));
-            ((r >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-        };
+        let unit = |salt: u64| unit_draw(self.cfg.seed ^ splitmix64(self.counters.steps ^ salt));
         self.cfg
             .latency
-            .jitter_factor(unit(0x5a17_0001), unit(0x5a17_0002))
+            .jitter_factor(|| (unit(0x5a17_0001), unit(0x5a17_0002)))
     }
 
     fn stop_position(&self, id: RequestId, req: &SimRequest) -> (u32, FinishReason) {
@@ -663,8 +660,7 @@ impl Simulator {
             return (req.max_tokens, FinishReason::Length);
         }
         // Deterministic geometric draw from (seed, request id).
-        let r = splitmix64(self.cfg.seed ^ splitmix64(id.wrapping_add(1)));
-        let u = ((r >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+        let u = unit_draw(self.cfg.seed ^ splitmix64(id.wrapping_add(1)));
         let len = if p >= 1.0 {
             1.0
         } else {

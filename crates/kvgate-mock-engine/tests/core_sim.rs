@@ -372,17 +372,17 @@ fn step_jitter_scatters_time_only_and_is_deterministic() {
 
     let m = c.latency;
     let n = 20_000;
-    let unit = |k: u64| {
-        let r = kvgate_mock_engine::cache::splitmix64(k);
-        ((r >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-    };
+    let unit = kvgate_mock_engine::cache::unit_draw;
     let mean = (0..n)
-        .map(|i| m.jitter_factor(unit(2 * i), unit(2 * i + 1)))
+        .map(|i| m.jitter_factor(|| (unit(2 * i), unit(2 * i + 1))))
         .sum::<f64>()
         / n as f64;
     assert!((mean - 1.0).abs() < 0.05, "mean factor {mean}");
     let none = kvgate_mock_engine::LatencyModel::default();
-    assert_eq!(none.jitter_factor(0.01, 0.3), 1.0);
+    assert_eq!(
+        none.jitter_factor(|| unreachable!("no jitter, no draws")),
+        1.0
+    );
 }
 
 #[test]
