@@ -18,6 +18,8 @@
 #     --suffix-tokens 16 --output-tokens 16 --engines 2 --num-blocks 256 --block-size 32 \
 #     --engine-arg=--max-num-seqs=16 --engine-arg=--max-num-batched-tokens=2048 \
 #     --max-requests 400 --slo-ttft-ms 500 --sheddable-share 0.5 --engine-speedup 0.2 --rate 16
+# and with the CPU engines' step scatter, which decides the sign there: add
+#   --engine-arg=--step-jitter=0.5
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BEFORE=$1
